@@ -1,0 +1,33 @@
+"""`ctxcache bench <name>`: one entry point for every benchmark in the repo."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+# benchmark -> module with add_arguments(parser) and main(args) -> int
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "manager": ("cache_manager.bench", "session operations per second vs raw redis-py"),
+    "sidecar": ("sidecar.bench", "KV block PUT/GET bandwidth vs LMCache's server and Redis"),
+    "worker": ("worker.bench", "TTFT with cached history vs full recompute"),
+    "gateway": ("gateway.bench", "gateway overhead vs calling the worker directly"),
+    "multiturn": ("ctxcache.bench_multiturn", "multi-turn chat replay, session vs full history"),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="bench", metavar="BENCHMARK", required=True)
+    for name, (module_name, help_text) in BENCHMARKS.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name != module_name:
+                raise
+            continue
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        module.add_arguments(p)
+        p.set_defaults(_bench_main=module.main)
+
+
+def main(args: argparse.Namespace) -> int:
+    return int(args._bench_main(args) or 0)

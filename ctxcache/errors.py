@@ -1,0 +1,204 @@
+"""Domain exceptions and the single function that maps them to HTTP + the OpenAI envelope.
+
+Services raise these; routers never build error JSON by hand. Clients of our own
+services (manager client, worker client) turn an envelope back into the same exception
+with `error_from_envelope`, so a `SessionNotFound` raised in the manager surfaces as a
+`SessionNotFound` in the gateway.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, ClassVar
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import ORJSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ctxcache.schema import ErrorInfo, ErrorResponse
+
+log = logging.getLogger(__name__)
+
+
+class CtxError(Exception):
+    """Base of every error a client may see. Subclasses set status, code and type."""
+
+    status: ClassVar[int] = 500
+    code: ClassVar[str] = "internal_error"
+    type: ClassVar[str] = "server_error"
+    default_message: ClassVar[str] = "internal error"
+
+    def __init__(
+        self,
+        message: str | None = None,
+        *,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        self.message = message or self.default_message
+        self.param = param
+        self.headers = headers or {}
+        super().__init__(self.message)
+
+    def envelope(self) -> dict[str, Any]:
+        info = ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
+        return ErrorResponse(error=info).model_dump()
+
+
+class InvalidRequest(CtxError):
+    status, code, type = 400, "invalid_request", "invalid_request_error"
+    default_message = "invalid request"
+
+
+class InvalidTTL(CtxError):
+    status, code, type = 400, "invalid_ttl", "invalid_request_error"
+    default_message = "invalid ttl"
+
+
+class SessionModelMismatch(CtxError):
+    status, code, type = 400, "session_model_mismatch", "invalid_request_error"
+    default_message = "the model differs from the session's model"
+
+
+class ContextLengthExceeded(CtxError):
+    status, code, type = 400, "context_length_exceeded", "invalid_request_error"
+    default_message = "the session context plus the new input exceed the model's window"
+
+
+class InvalidAPIKey(CtxError):
+    status, code, type = 401, "invalid_api_key", "authentication_error"
+    default_message = "missing or invalid API key"
+
+
+class SessionNotFound(CtxError):
+    status, code, type = 404, "session_not_found", "invalid_request_error"
+    default_message = "session not found"
+
+
+class NotFound(CtxError):
+    status, code, type = 404, "not_found", "invalid_request_error"
+    default_message = "not found"
+
+
+class MethodNotAllowed(CtxError):
+    status, code, type = 405, "method_not_allowed", "invalid_request_error"
+    default_message = "method not allowed"
+
+
+class SessionBusy(CtxError):
+    status, code, type = 409, "session_busy", "conflict_error"
+    default_message = "a turn is already in flight on this session"
+
+    def __init__(self, message: str | None = None, *, retry_after_ms: int = 250) -> None:
+        super().__init__(message, headers={"retry-after-ms": str(retry_after_ms)})
+        self.retry_after_ms = retry_after_ms
+
+
+class VersionConflict(CtxError):
+    """Compare-and-set lost: the session changed since the writer read it (internal)."""
+
+    status, code, type = 409, "version_conflict", "conflict_error"
+    default_message = "the session was modified concurrently"
+
+
+class PayloadTooLarge(CtxError):
+    status, code, type = 413, "request_too_large", "invalid_request_error"
+    default_message = "request body too large"
+
+
+class QuotaExceeded(CtxError):
+    status, code, type = 429, "quota_exceeded", "rate_limit_error"
+    default_message = "tenant quota exceeded"
+
+
+class BackendUnavailable(CtxError):
+    status, code, type = 503, "backend_unavailable", "server_error"
+    default_message = "no healthy inference worker"
+
+
+class StoreUnavailable(CtxError):
+    status, code, type = 503, "store_unavailable", "server_error"
+    default_message = "the session store is unavailable"
+
+
+class BackendTimeout(CtxError):
+    status, code, type = 504, "backend_timeout", "server_error"
+    default_message = "the inference worker timed out"
+
+
+def _registry() -> dict[str, type[CtxError]]:
+    found: dict[str, type[CtxError]] = {}
+    stack: list[type[CtxError]] = [CtxError]
+    while stack:
+        cls = stack.pop()
+        found.setdefault(cls.code, cls)
+        stack.extend(cls.__subclasses__())
+    return found
+
+
+def error_from_envelope(status: int, body: Any) -> CtxError:
+    """Rebuild the domain exception from an error envelope another service returned."""
+    info = body.get("error") if isinstance(body, dict) else None
+    if not isinstance(info, dict):
+        err = CtxError(f"upstream answered {status} without an error envelope")
+        return err
+    cls = _registry().get(str(info.get("code")), CtxError)
+    message = str(info.get("message") or cls.default_message)
+    if cls is SessionBusy:
+        return SessionBusy(message)
+    return cls(message, param=info.get("param"))
+
+
+def error_response(exc: CtxError) -> ORJSONResponse:
+    return ORJSONResponse(exc.envelope(), status_code=exc.status, headers=exc.headers or None)
+
+
+def _from_http_exception(exc: StarletteHTTPException) -> CtxError:
+    if exc.status_code == 404:
+        return NotFound(str(exc.detail) if exc.detail != "Not Found" else None)
+    if exc.status_code == 405:
+        return MethodNotAllowed()
+    if exc.status_code == 413:
+        return PayloadTooLarge()
+    if 400 <= exc.status_code < 500:
+        return InvalidRequest(str(exc.detail))
+    return CtxError(str(exc.detail))
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "malformed request body", None
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path")]
+    param = ".".join(loc) or None
+    where = f" ({param})" if param else ""
+    return f"{first.get('msg', 'invalid value')}{where}", param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error leaves the app in the OpenAI envelope: ours, HTTP, validation, crashes."""
+
+    async def on_ctx_error(request: Request, exc: Exception) -> ORJSONResponse:
+        assert isinstance(exc, CtxError)
+        return error_response(exc)
+
+    async def on_http_error(request: Request, exc: Exception) -> ORJSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        return error_response(_from_http_exception(exc))
+
+    async def on_validation_error(request: Request, exc: Exception) -> ORJSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        message, param = _validation_message(exc)
+        cls: type[CtxError] = InvalidTTL if param == "ttl" else InvalidRequest
+        return error_response(cls(message, param=param))
+
+    async def on_crash(request: Request, exc: Exception) -> ORJSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return error_response(CtxError())
+
+    app.add_exception_handler(CtxError, on_ctx_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(Exception, on_crash)

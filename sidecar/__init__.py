@@ -1,0 +1,1 @@
+"""sidecar: see SPEC.md."""

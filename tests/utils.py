@@ -1,0 +1,84 @@
+"""Test helpers that start real processes on free ports (after vLLM's RemoteOpenAIServer)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from ctxcache.net import free_port, wait_http
+
+
+class ServiceProcess:
+    """`ctxcache <command> ... --port <free>` as a child process, health-gated.
+
+    `health_path` is polled on `port` (or `health_port`) until it answers 2xx.
+    Output goes to `log_path` so a failing test can show it.
+    """
+
+    def __init__(
+        self,
+        command: Sequence[str],
+        *,
+        port: int | None = None,
+        health_port: int | None = None,
+        health_path: str = "/health",
+        log_path: Path | None = None,
+        env: dict[str, str] | None = None,
+        startup_timeout: float = 60.0,
+    ) -> None:
+        self.port = port or free_port()
+        self.health_port = health_port or self.port
+        self.health_path = health_path
+        self.command = [sys.executable, "-m", "ctxcache.cli", *command]
+        self.log_path = log_path
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.startup_timeout = startup_timeout
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> ServiceProcess:
+        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            self.command, stdout=out, stderr=subprocess.STDOUT, env=self.env,
+            start_new_session=True,
+        )
+        try:
+            wait_http(f"http://127.0.0.1:{self.health_port}{self.health_path}",
+                      timeout=self.startup_timeout)
+        except TimeoutError:
+            self.stop()
+            raise RuntimeError(f"{self.command} did not become healthy:\n{self.logs()}") from None
+        return self
+
+    def logs(self) -> str:
+        if self.log_path and self.log_path.exists():
+            return self.log_path.read_text(errors="replace")[-4000:]
+        return "(no log)"
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def kill(self) -> None:
+        self.stop(signal.SIGKILL)
+
+    def __enter__(self) -> ServiceProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
