@@ -13,9 +13,9 @@ from typing import Any, ClassVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import ORJSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ctxcache.responses import JSONResponse
 from ctxcache.schema import ErrorInfo, ErrorResponse
 
 log = logging.getLogger(__name__)
@@ -150,8 +150,8 @@ def error_from_envelope(status: int, body: Any) -> CtxError:
     return cls(message, param=info.get("param"))
 
 
-def error_response(exc: CtxError) -> ORJSONResponse:
-    return ORJSONResponse(exc.envelope(), status_code=exc.status, headers=exc.headers or None)
+def error_response(exc: CtxError) -> JSONResponse:
+    return JSONResponse(exc.envelope(), status_code=exc.status, headers=exc.headers or None)
 
 
 def _from_http_exception(exc: StarletteHTTPException) -> CtxError:
@@ -180,21 +180,21 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 def install_error_handlers(app: FastAPI) -> None:
     """Every error leaves the app in the OpenAI envelope: ours, HTTP, validation, crashes."""
 
-    async def on_ctx_error(request: Request, exc: Exception) -> ORJSONResponse:
+    async def on_ctx_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, CtxError)
         return error_response(exc)
 
-    async def on_http_error(request: Request, exc: Exception) -> ORJSONResponse:
+    async def on_http_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
         return error_response(_from_http_exception(exc))
 
-    async def on_validation_error(request: Request, exc: Exception) -> ORJSONResponse:
+    async def on_validation_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
         message, param = _validation_message(exc)
         cls: type[CtxError] = InvalidTTL if param == "ttl" else InvalidRequest
         return error_response(cls(message, param=param))
 
-    async def on_crash(request: Request, exc: Exception) -> ORJSONResponse:
+    async def on_crash(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         return error_response(CtxError())
 

@@ -16,13 +16,14 @@ from ctxcache.cli import build_parser
 from ctxcache.redis_server import RedisServer
 
 
+class Body(BaseModel):
+    ttl: int
+    name: str
+
+
 def _app() -> FastAPI:
     app = FastAPI()
     errors.install_error_handlers(app)
-
-    class Body(BaseModel):
-        ttl: int
-        name: str
 
     @app.post("/echo")
     async def echo(body: Body) -> dict[str, str]:
