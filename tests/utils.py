@@ -33,6 +33,9 @@ class ServiceProcess:
         self.port = port or free_port()
         self.health_port = health_port or self.port
         self.health_path = health_path
+        command = list(command)
+        if "--port" not in command:
+            command += ["--port", str(self.port)]
         self.command = [sys.executable, "-m", "ctxcache.cli", *command]
         self.log_path = log_path
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
@@ -44,7 +47,13 @@ class ServiceProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> ServiceProcess:
-        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        out = subprocess.DEVNULL
+        if self.log_path:
+            with open(self.log_path, "ab") as log_file:
+                return self._spawn(log_file)
+        return self._spawn(out)
+
+    def _spawn(self, out: object) -> ServiceProcess:
         self.proc = subprocess.Popen(
             self.command, stdout=out, stderr=subprocess.STDOUT, env=self.env,
             start_new_session=True,

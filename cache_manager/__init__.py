@@ -1,0 +1,1 @@
+"""The Context Cache Manager: session records, token history, TTLs, affinity and quotas."""

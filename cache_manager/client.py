@@ -1,0 +1,152 @@
+"""Async client of the manager API: over HTTP, or in-process through the ASGI transport.
+
+The gateway uses this one class whether the manager is a separate service (`base_url`)
+or runs inside the gateway process (`ManagerClient.in_process(app)`, as `ctxcache serve`
+does): the same requests, the same validation, one code path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+import httpx
+import orjson
+from fastapi import FastAPI
+from pydantic import BaseModel
+
+from cache_manager.protocol import (
+    AppendTurn,
+    BeginTurn,
+    CreateSession,
+    ReleaseLock,
+    SessionInfo,
+    SessionList,
+    SessionState,
+    TenantUsage,
+    UpdateSession,
+)
+from cache_manager.store import valid_session_id
+from ctxcache.errors import SessionNotFound, StoreUnavailable, error_from_envelope
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class ManagerClient:
+    def __init__(self, http: httpx.AsyncClient) -> None:
+        self.http = http
+
+    @classmethod
+    def over_http(
+        cls, base_url: str, *, token: str | None = None, timeout_s: float = 5.0
+    ) -> ManagerClient:
+        headers = {"authorization": f"Bearer {token}"} if token else {}
+        limits = httpx.Limits(max_connections=512, max_keepalive_connections=128)
+        return cls(
+            httpx.AsyncClient(base_url=base_url, headers=headers, timeout=timeout_s, limits=limits)
+        )
+
+    @classmethod
+    @asynccontextmanager
+    async def in_process(cls, app: FastAPI) -> AsyncIterator[ManagerClient]:
+        """Run the manager app's lifespan here and talk to it without a socket."""
+        async with app.router.lifespan_context(app):
+            transport = httpx.ASGITransport(app=app)
+            client = cls(httpx.AsyncClient(transport=transport, base_url="http://manager"))
+            try:
+                yield client
+            finally:
+                await client.aclose()
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+    @staticmethod
+    def _path(session_id: str, suffix: str = "") -> str:
+        # An id not shaped like ours cannot exist (and may not be a safe path segment).
+        if not valid_session_id(session_id):
+            raise SessionNotFound()
+        return f"/sessions/{session_id}{suffix}"
+
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        model: type[M] | None,
+        *,
+        body: BaseModel | None = None,
+        params: dict[str, Any] | None = None,
+    ) -> M | None:
+        content = body.model_dump_json(exclude_none=True).encode() if body is not None else None
+        headers = {"content-type": "application/json"} if content is not None else None
+        try:
+            r = await self.http.request(
+                method, path, content=content, params=params, headers=headers
+            )
+        except httpx.HTTPError as exc:
+            raise StoreUnavailable(f"manager unreachable: {type(exc).__name__}") from exc
+        if r.status_code >= 400:
+            try:
+                payload = orjson.loads(r.content)
+            except orjson.JSONDecodeError:
+                payload = None
+            raise error_from_envelope(r.status_code, payload)
+        return model.model_validate_json(r.content) if model is not None else None
+
+    async def create(self, req: CreateSession) -> SessionInfo:
+        return await self._call("POST", "/sessions", SessionInfo, body=req)  # type: ignore[return-value]
+
+    async def get(self, session_id: str, tenant: str) -> SessionInfo:
+        return await self._call(
+            "GET",
+            self._path(session_id),
+            SessionInfo,  # type: ignore[return-value]
+            params={"tenant": tenant},
+        )
+
+    async def list(self, tenant: str, *, limit: int = 20, after: str | None = None) -> SessionList:
+        params: dict[str, Any] = {"tenant": tenant, "limit": limit}
+        if after is not None:
+            params["after"] = after
+        return await self._call("GET", "/sessions", SessionList, params=params)  # type: ignore[return-value]
+
+    async def begin(self, session_id: str, req: BeginTurn) -> SessionState:
+        return await self._call(
+            "POST",
+            self._path(session_id, "/begin"),
+            SessionState,  # type: ignore[return-value]
+            body=req,
+        )
+
+    async def append(self, session_id: str, req: AppendTurn) -> SessionInfo:
+        return await self._call(
+            "POST",
+            self._path(session_id, "/append"),
+            SessionInfo,  # type: ignore[return-value]
+            body=req,
+        )
+
+    async def release(self, session_id: str, tenant: str, lock: str) -> None:
+        await self._call(
+            "POST",
+            self._path(session_id, "/release"),
+            None,
+            body=ReleaseLock(tenant=tenant, lock=lock),
+        )
+
+    async def update(self, session_id: str, req: UpdateSession) -> SessionInfo:
+        return await self._call("PATCH", self._path(session_id), SessionInfo, body=req)  # type: ignore[return-value]
+
+    async def delete(self, session_id: str, tenant: str) -> None:
+        await self._call("DELETE", self._path(session_id), None, params={"tenant": tenant})
+
+    async def usage(self, tenant: str) -> TenantUsage:
+        return await self._call("GET", f"/tenants/{tenant}/usage", TenantUsage)  # type: ignore[return-value]
+
+    async def health(self) -> bool:
+        try:
+            await self._call("GET", "/health", None)
+        except StoreUnavailable:
+            return False
+        return True

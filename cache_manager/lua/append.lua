@@ -1,0 +1,41 @@
+-- Append a turn with compare-and-set on the version, slide the TTL, release our lock.
+-- KEYS: 1 ctx:{id}  2 ctx:{id}:t  3 ctx:{id}:m  4 ctx:{id}:lock
+-- ARGV: 1 tenant  2 expected version  3 lock token ('' = none held)  4 packed new token ids
+--       5 number of new tokens  6 worker id ('' = keep)  7 sidecar url ('' = keep)
+--       8.. new messages (JSON strings)
+-- Returns {1, record fields...} | {0} not found | {-1} another turn holds the lock
+--         | {-2, current version} version conflict
+local rec = redis.call('HMGET', KEYS[1], 'tenant', 'version', 'ttl')
+if not rec[1] or rec[1] ~= ARGV[1] then
+  return {0}
+end
+local holder = redis.call('GET', KEYS[4])
+if holder and holder ~= ARGV[3] then
+  return {-1}
+end
+if tonumber(rec[2]) ~= tonumber(ARGV[2]) then
+  return {-2, rec[2]}
+end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local exp = now + tonumber(rec[3]) * 1000
+redis.call('APPEND', KEYS[2], ARGV[4])
+for i = 8, #ARGV do
+  redis.call('RPUSH', KEYS[3], ARGV[i])
+end
+redis.call('HINCRBY', KEYS[1], 'version', 1)
+redis.call('HINCRBY', KEYS[1], 'turns', 1)
+redis.call('HINCRBY', KEYS[1], 'context_tokens', tonumber(ARGV[5]))
+redis.call('HSET', KEYS[1], 'last_used', now, 'expires_at', exp)
+if ARGV[6] ~= '' then
+  redis.call('HSET', KEYS[1], 'prev_affinity', redis.call('HGET', KEYS[1], 'affinity') or '',
+    'prev_sidecar', redis.call('HGET', KEYS[1], 'sidecar') or '',
+    'affinity', ARGV[6], 'sidecar', ARGV[7])
+end
+redis.call('PEXPIREAT', KEYS[1], exp)
+redis.call('PEXPIREAT', KEYS[2], exp)
+redis.call('PEXPIREAT', KEYS[3], exp)
+if holder then
+  redis.call('DEL', KEYS[4])
+end
+return {1, redis.call('HGETALL', KEYS[1])}

@@ -1,0 +1,40 @@
+-- Load a session for a turn, optionally taking its turn lock and sliding its TTL.
+-- KEYS: 1 ctx:{id}  2 ctx:{id}:t  3 ctx:{id}:m  4 ctx:{id}:lock
+-- ARGV: 1 tenant  2 lock token ('' = take no lock)  3 lock ttl ms
+--       4 '1' return token ids  5 '1' return messages  6 '1' slide the TTL now
+-- Returns {1, record fields..., tokens, messages} | {0} not found | {-1, lock pttl} busy
+local h = redis.call('HGETALL', KEYS[1])
+if #h == 0 then
+  return {0}
+end
+local rec = {}
+for i = 1, #h, 2 do
+  rec[h[i]] = h[i + 1]
+end
+if rec['tenant'] ~= ARGV[1] then
+  return {0}
+end
+if ARGV[2] ~= '' then
+  if not redis.call('SET', KEYS[4], ARGV[2], 'NX', 'PX', ARGV[3]) then
+    return {-1, redis.call('PTTL', KEYS[4])}
+  end
+end
+if ARGV[6] == '1' then
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  local exp = now + tonumber(rec['ttl']) * 1000
+  redis.call('HSET', KEYS[1], 'last_used', now, 'expires_at', exp)
+  redis.call('PEXPIREAT', KEYS[1], exp)
+  redis.call('PEXPIREAT', KEYS[2], exp)
+  redis.call('PEXPIREAT', KEYS[3], exp)
+  h = redis.call('HGETALL', KEYS[1])
+end
+local toks = ''
+if ARGV[4] == '1' then
+  toks = redis.call('GET', KEYS[2]) or ''
+end
+local msgs = {}
+if ARGV[5] == '1' then
+  msgs = redis.call('LRANGE', KEYS[3], 0, -1)
+end
+return {1, h, toks, msgs}

@@ -1,0 +1,82 @@
+"""The manager's internal HTTP API: parse, call the service, shape. No logic here."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Query, Request
+
+from cache_manager.protocol import (
+    AppendTurn,
+    BeginTurn,
+    CreateSession,
+    Deleted,
+    ReleaseLock,
+    SessionInfo,
+    SessionList,
+    SessionState,
+    TenantUsage,
+    UpdateSession,
+)
+from cache_manager.service import SessionService
+
+
+def get_service(request: Request) -> SessionService:
+    return request.app.state.service  # type: ignore[no-any-return]
+
+
+ServiceDep = Annotated[SessionService, Depends(get_service)]
+TenantQ = Annotated[str, Query(min_length=1, max_length=256)]
+
+router = APIRouter(prefix="/sessions")
+
+
+@router.post("", response_model=SessionInfo)
+async def create(body: CreateSession, svc: ServiceDep) -> SessionInfo:
+    return await svc.create(body)
+
+
+@router.get("", response_model=SessionList)
+async def list_sessions(
+    svc: ServiceDep, tenant: TenantQ, limit: int = 20, after: str | None = None
+) -> SessionList:
+    return await svc.list(tenant, limit, after)
+
+
+@router.get("/{session_id}", response_model=SessionInfo)
+async def get(session_id: str, tenant: TenantQ, svc: ServiceDep) -> SessionInfo:
+    return await svc.get(session_id, tenant)
+
+
+@router.post("/{session_id}/begin", response_model=SessionState)
+async def begin(session_id: str, body: BeginTurn, svc: ServiceDep) -> SessionState:
+    return await svc.begin(session_id, body)
+
+
+@router.post("/{session_id}/append", response_model=SessionInfo)
+async def append(session_id: str, body: AppendTurn, svc: ServiceDep) -> SessionInfo:
+    return await svc.append(session_id, body)
+
+
+@router.post("/{session_id}/release", status_code=204)
+async def release(session_id: str, body: ReleaseLock, svc: ServiceDep) -> None:
+    await svc.release(session_id, body.tenant, body.lock)
+
+
+@router.patch("/{session_id}", response_model=SessionInfo)
+async def update(session_id: str, body: UpdateSession, svc: ServiceDep) -> SessionInfo:
+    return await svc.update(session_id, body)
+
+
+@router.delete("/{session_id}", response_model=Deleted)
+async def delete(session_id: str, tenant: TenantQ, svc: ServiceDep) -> Deleted:
+    await svc.delete(session_id, tenant)
+    return Deleted(session_id=session_id)
+
+
+tenants = APIRouter(prefix="/tenants")
+
+
+@tenants.get("/{tenant}/usage", response_model=TenantUsage)
+async def usage(tenant: str, svc: ServiceDep) -> TenantUsage:
+    return await svc.usage(tenant)

@@ -1,0 +1,44 @@
+"""Manager settings: `CTX_MANAGER_*` environment variables, overridden by CLI flags."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field, model_validator
+from pydantic_settings import BaseSettings
+
+from ctxcache.settings import service_config
+
+
+class TenantQuota(BaseModel):
+    max_sessions: int = Field(10_000, ge=0)
+    max_context_tokens: int = Field(100_000_000, ge=0)
+
+
+class ManagerSettings(BaseSettings):
+    model_config = service_config("manager")
+
+    host: str = "127.0.0.1"
+    port: int = Field(8300, ge=0, le=65535)
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_timeout_s: float = Field(2.0, gt=0, description="socket timeout of Redis calls")
+    default_ttl: int = Field(3600, description="seconds, used when a create gives no ttl")
+    min_ttl: int = Field(60, ge=1)
+    max_ttl: int = Field(7 * 24 * 3600, ge=1)
+    lock_ttl_ms: int = Field(
+        120_000, ge=100, description="a turn lock expires after this even if its holder crashed"
+    )
+    default_quota: TenantQuota = TenantQuota()
+    tenant_quotas: dict[str, TenantQuota] = Field(
+        default_factory=dict, description='per-tenant overrides, JSON: {"acme": {...}}'
+    )
+    sidecar_timeout_s: float = Field(1.0, gt=0, description="timeout of sidecar pin/drop calls")
+    token: str | None = Field(None, description="shared token required on the manager API")
+    log_level: str = "INFO"
+
+    @model_validator(mode="after")
+    def _ttl_bounds(self) -> ManagerSettings:
+        if not self.min_ttl <= self.default_ttl <= self.max_ttl:
+            raise ValueError("need min_ttl <= default_ttl <= max_ttl")
+        return self
+
+    def quota_for(self, tenant: str) -> TenantQuota:
+        return self.tenant_quotas.get(tenant, self.default_quota)

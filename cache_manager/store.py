@@ -1,0 +1,319 @@
+"""The Redis layer: one Lua script per operation, so each is atomic and one round trip.
+
+Key layout (see docs/architecture.md):
+    ctx:{<id>}        hash    the session record (tenant, model, ttl, version, ...)
+    ctx:{<id>}:t      string  token ids, packed little-endian uint32 (APPEND per turn)
+    ctx:{<id>}:m      list    chat messages, one JSON document each
+    ctx:{<id>}:lock   string  the turn lock: holder token, PX expiry
+    tn:{<tenant>}:exp zset    live session ids by expires_at ms (purge + quota count)
+    tn:{<tenant>}:new zset    session ids by created ms (listing order)
+    tn:{<tenant>}:tok hash    id -> "version:context_tokens"
+    tn:{<tenant>}:sum string  the tenant's total context tokens
+The `{...}` hash tags put a session's keys in one Redis Cluster slot, and a tenant's index
+in another; no script touches two slots. Expiry is Redis' own (PEXPIREAT on every key).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+from collections.abc import AsyncIterator, Iterable
+from importlib import resources
+from typing import Any
+
+import numpy as np
+import orjson
+import redis.asyncio as aioredis
+from redis import exceptions as rexc
+
+from cache_manager.protocol import SessionInfo
+from ctxcache.errors import (
+    InvalidRequest,
+    QuotaExceeded,
+    SessionBusy,
+    SessionNotFound,
+    StoreUnavailable,
+    VersionConflict,
+)
+
+SESSION_PREFIX = "ctx_"
+_ID_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_")
+
+
+def new_session_id() -> str:
+    """`ctx_` + 192 random bits, URL-safe."""
+    return SESSION_PREFIX + secrets.token_urlsafe(24)
+
+
+def valid_session_id(session_id: str) -> bool:
+    body = session_id[len(SESSION_PREFIX) :]
+    return session_id.startswith(SESSION_PREFIX) and len(body) == 32 and _ID_CHARS.issuperset(body)
+
+
+def pack_tokens(ids: Iterable[int]) -> bytes:
+    arr = np.fromiter(ids, dtype=np.int64)
+    if arr.size and (arr.min() < 0 or arr.max() > 0xFFFFFFFF):
+        raise ValueError("token ids must fit in uint32")
+    return arr.astype("<u4").tobytes()
+
+
+def unpack_tokens(data: bytes) -> list[int]:
+    return np.frombuffer(data, dtype="<u4").tolist()
+
+
+def session_keys(session_id: str) -> list[str]:
+    base = f"ctx:{{{session_id}}}"
+    return [base, f"{base}:t", f"{base}:m", f"{base}:lock"]
+
+
+def tenant_keys(tenant: str) -> list[str]:
+    base = f"tn:{{{tenant}}}"
+    return [f"{base}:exp", f"{base}:new", f"{base}:tok", f"{base}:sum"]
+
+
+def _script(redis: aioredis.Redis, name: str) -> Any:
+    text = resources.files("cache_manager").joinpath("lua", f"{name}.lua").read_text()
+    return redis.register_script(text)
+
+
+def _as_dict(flat: list[bytes]) -> dict[bytes, bytes]:
+    return {flat[i]: flat[i + 1] for i in range(0, len(flat), 2)}
+
+
+def parse_info(session_id: str, rec: dict[bytes, bytes]) -> SessionInfo:
+    def s(key: str) -> str:
+        return rec.get(key.encode(), b"").decode()
+
+    def i(key: str) -> int:
+        return int(rec.get(key.encode(), b"0"))
+
+    return SessionInfo(
+        session_id=session_id,
+        tenant=s("tenant"),
+        model=s("model"),
+        kind=s("kind"),  # type: ignore[arg-type]
+        created=i("created") // 1000,
+        last_used=i("last_used") // 1000,
+        ttl=i("ttl"),
+        expires_at=-(-i("expires_at") // 1000),  # ceil: never report a moment already past
+        turns=i("turns"),
+        version=i("version"),
+        context_tokens=i("context_tokens"),
+        affinity=s("affinity") or None,
+        sidecar=s("sidecar") or None,
+        metadata=orjson.loads(rec.get(b"metadata", b"{}")),
+    )
+
+
+@contextlib.asynccontextmanager
+async def redis_errors() -> AsyncIterator[None]:
+    """Redis down, restarting or loading its AOF -> `store_unavailable`, never a 500."""
+    try:
+        yield
+    except (rexc.ConnectionError, rexc.TimeoutError, rexc.BusyLoadingError, OSError) as exc:
+        raise StoreUnavailable(f"session store unavailable: {type(exc).__name__}") from exc
+
+
+class SessionStore:
+    """Session records in Redis. Every method is one round trip unless it says otherwise."""
+
+    def __init__(self, redis: aioredis.Redis) -> None:
+        self.redis = redis
+        self._create = _script(redis, "create")
+        self._begin = _script(redis, "begin")
+        self._append = _script(redis, "append")
+        self._update = _script(redis, "update")
+        self._delete = _script(redis, "delete")
+        self._release = _script(redis, "release")
+        self._tenant = _script(redis, "tenant")
+
+    async def ping(self) -> bool:
+        async with redis_errors():
+            return bool(await self.redis.ping())
+
+    # -- sessions -------------------------------------------------------------------------
+    async def create(
+        self,
+        session_id: str,
+        fields: dict[str, Any],
+        expires_at_ms: int,
+        tokens: list[int],
+        messages: list[dict[str, Any]],
+    ) -> bool:
+        flat: list[Any] = []
+        for k, v in fields.items():
+            flat += [k, v]
+        args = [expires_at_ms, pack_tokens(tokens), len(fields), *flat]
+        args += [orjson.dumps(m) for m in messages]
+        async with redis_errors():
+            return bool(await self._create(keys=session_keys(session_id)[:3], args=args))
+
+    async def get(self, session_id: str, tenant: str) -> SessionInfo:
+        async with redis_errors():
+            rec = await self.redis.hgetall(session_keys(session_id)[0])
+        if not rec or rec.get(b"tenant", b"").decode() != tenant:
+            raise SessionNotFound()
+        return parse_info(session_id, rec)
+
+    async def begin(
+        self,
+        session_id: str,
+        tenant: str,
+        *,
+        lock: str | None,
+        lock_ttl_ms: int,
+        tokens: bool,
+        messages: bool,
+        touch: bool,
+    ) -> tuple[SessionInfo, list[int], list[dict[str, Any]], tuple[int, int]]:
+        """Load (and lock) a session, and the tenant's usage, in one pipelined round trip."""
+        args = [tenant, lock or "", lock_ttl_ms, int(tokens), int(messages), int(touch)]
+        async with redis_errors():
+            pipe = self.redis.pipeline(transaction=False)
+            await self._begin(keys=session_keys(session_id), args=args, client=pipe)
+            await self._tenant(keys=tenant_keys(tenant), args=["status"], client=pipe)
+            res, usage = await pipe.execute()
+        if res[0] == 0:
+            raise SessionNotFound()
+        if res[0] == -1:
+            raise SessionBusy(retry_after_ms=max(50, min(int(res[1]), 2000)))
+        info = parse_info(session_id, _as_dict(res[1]))
+        ids = unpack_tokens(res[2]) if tokens else []
+        msgs = [orjson.loads(m) for m in res[3]] if messages else []
+        return info, ids, msgs, (int(usage[1]), int(usage[2]))
+
+    async def append(
+        self,
+        session_id: str,
+        tenant: str,
+        *,
+        expected_version: int,
+        lock: str | None,
+        tokens: list[int],
+        messages: list[dict[str, Any]],
+        worker: str | None,
+        sidecar: str | None,
+    ) -> tuple[SessionInfo, str | None]:
+        """CAS append; returns the new info and the sidecar the session moved away from."""
+        args: list[Any] = [
+            tenant,
+            expected_version,
+            lock or "",
+            pack_tokens(tokens),
+            len(tokens),
+            worker or "",
+            sidecar or "",
+        ]
+        args += [orjson.dumps(m) for m in messages]
+        async with redis_errors():
+            res = await self._append(keys=session_keys(session_id), args=args)
+        if res[0] == 0:
+            raise SessionNotFound()
+        if res[0] == -1:
+            raise SessionBusy()
+        if res[0] == -2:
+            raise VersionConflict(
+                f"expected version {expected_version}, session is at {int(res[1])}"
+            )
+        rec = _as_dict(res[1])
+        info = parse_info(session_id, rec)
+        prev = rec.get(b"prev_sidecar", b"").decode() or None
+        moved_from = prev if worker and prev and prev != info.sidecar else None
+        return info, moved_from
+
+    async def release(self, session_id: str, lock: str) -> bool:
+        async with redis_errors():
+            return bool(await self._release(keys=session_keys(session_id)[3:], args=[lock]))
+
+    async def update(
+        self,
+        session_id: str,
+        tenant: str,
+        *,
+        ttl: int | None,
+        worker: str | None,
+        sidecar: str | None,
+    ) -> SessionInfo:
+        args = [tenant, "" if ttl is None else ttl, worker or "", sidecar or ""]
+        async with redis_errors():
+            res = await self._update(keys=session_keys(session_id)[:3], args=args)
+        if res[0] == 0:
+            raise SessionNotFound()
+        return parse_info(session_id, _as_dict(res[1]))
+
+    async def delete(self, session_id: str, tenant: str) -> str | None:
+        """Delete; returns the sidecar URL the session's KV is pinned in, if any."""
+        async with redis_errors():
+            res = await self._delete(keys=session_keys(session_id), args=[tenant])
+        if res[0] == 0:
+            raise SessionNotFound()
+        return res[1].decode() or None
+
+    # -- the tenant index -----------------------------------------------------------------
+    async def reserve(
+        self,
+        tenant: str,
+        session_id: str,
+        *,
+        ttl: int,
+        tokens: int,
+        max_sessions: int,
+        max_tokens: int,
+    ) -> int:
+        """Count a new session against the tenant's quota; returns its expires_at ms."""
+        args = ["reserve", session_id, ttl, tokens, max_sessions, max_tokens]
+        async with redis_errors():
+            res = await self._tenant(keys=tenant_keys(tenant), args=args)
+        if res[0] == -1:
+            raise QuotaExceeded(f"tenant has {int(res[1])} live sessions, the maximum")
+        if res[0] == -2:
+            raise QuotaExceeded("tenant context-token quota exhausted")
+        if res[0] == -3:
+            raise InvalidRequest("session_id already exists", param="session_id")
+        return int(res[1])
+
+    async def record(self, info: SessionInfo, *, exact_expiry: bool = False) -> None:
+        args = [
+            "record",
+            info.session_id,
+            info.expires_at * 1000,
+            info.version,
+            info.context_tokens,
+            int(exact_expiry),
+        ]
+        async with redis_errors():
+            await self._tenant(keys=tenant_keys(info.tenant), args=args)
+
+    async def unindex(self, tenant: str, session_id: str) -> None:
+        async with redis_errors():
+            await self._tenant(keys=tenant_keys(tenant), args=["remove", session_id])
+
+    async def usage(self, tenant: str) -> tuple[int, int]:
+        async with redis_errors():
+            res = await self._tenant(keys=tenant_keys(tenant), args=["status"])
+        return int(res[1]), int(res[2])
+
+    async def list(
+        self, tenant: str, *, limit: int, after: str | None
+    ) -> tuple[list[SessionInfo], bool]:
+        """Newest first; `after` is the last id of the previous page. Two round trips."""
+        new_key = tenant_keys(tenant)[1]
+        async with redis_errors():
+            await self._tenant(keys=tenant_keys(tenant), args=["status"])  # purge expired
+            start = 0
+            if after is not None:
+                rank = await self.redis.zrevrank(new_key, after)
+                if rank is None:
+                    return [], False
+                start = rank + 1
+            ids = [i.decode() for i in await self.redis.zrevrange(new_key, start, start + limit)]
+            pipe = self.redis.pipeline(transaction=False)
+            for sid in ids[:limit]:
+                pipe.hgetall(session_keys(sid)[0])
+            recs = await pipe.execute()
+        out = [
+            parse_info(sid, rec)
+            for sid, rec in zip(ids[:limit], recs, strict=True)
+            if rec and rec.get(b"tenant", b"").decode() == tenant
+        ]
+        return out, len(ids) > limit
