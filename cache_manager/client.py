@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
+from urllib.parse import urlencode
 
 import httpx
 import orjson
 from fastapi import FastAPI
 from pydantic import BaseModel
+from starlette.types import ASGIApp
 
 from cache_manager.protocol import (
     AppendTurn,
@@ -28,14 +30,64 @@ from cache_manager.protocol import (
     UpdateSession,
 )
 from cache_manager.store import valid_session_id
+from ctxcache.asgi_transport import asgi_call
 from ctxcache.errors import SessionNotFound, StoreUnavailable, error_from_envelope
 
 M = TypeVar("M", bound=BaseModel)
 
 
-class ManagerClient:
+class Transport(Protocol):
+    """How the client reaches the manager: `(status, body)` for one JSON request."""
+
+    async def __call__(
+        self, method: str, path: str, query: dict[str, Any] | None, body: bytes | None
+    ) -> tuple[int, bytes]: ...
+
+    async def aclose(self) -> None: ...
+
+
+class HttpTransport:
     def __init__(self, http: httpx.AsyncClient) -> None:
         self.http = http
+
+    async def __call__(
+        self, method: str, path: str, query: dict[str, Any] | None, body: bytes | None
+    ) -> tuple[int, bytes]:
+        headers = _JSON if body is not None else None
+        r = await self.http.request(method, path, content=body, params=query, headers=headers)
+        return r.status_code, r.content
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+
+class AsgiTransport:
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(
+        self, method: str, path: str, query: dict[str, Any] | None, body: bytes | None
+    ) -> tuple[int, bytes]:
+        return await asgi_call(
+            self.app,
+            method,
+            path,
+            query=urlencode(query or {}).encode(),
+            body=body or b"",
+            headers=_JSON_RAW if body is not None else None,
+        )
+
+    async def aclose(self) -> None:
+        return None
+
+
+_JSON = {"content-type": "application/json"}
+_JSON_RAW = [(b"content-type", b"application/json")]
+
+
+class ManagerClient:
+    def __init__(self, transport: Transport) -> None:
+        self.transport = transport
 
     @classmethod
     def over_http(
@@ -43,24 +95,24 @@ class ManagerClient:
     ) -> ManagerClient:
         headers = {"authorization": f"Bearer {token}"} if token else {}
         limits = httpx.Limits(max_connections=512, max_keepalive_connections=128)
-        return cls(
-            httpx.AsyncClient(base_url=base_url, headers=headers, timeout=timeout_s, limits=limits)
+        http = httpx.AsyncClient(
+            base_url=base_url, headers=headers, timeout=timeout_s, limits=limits
         )
+        return cls(HttpTransport(http))
 
     @classmethod
     @asynccontextmanager
     async def in_process(cls, app: FastAPI) -> AsyncIterator[ManagerClient]:
-        """Run the manager app's lifespan here and talk to it without a socket."""
+        """Run the manager app's lifespan here and call it without a socket."""
         async with app.router.lifespan_context(app):
-            transport = httpx.ASGITransport(app=app)
-            client = cls(httpx.AsyncClient(transport=transport, base_url="http://manager"))
+            client = cls(AsgiTransport(app))
             try:
                 yield client
             finally:
                 await client.aclose()
 
     async def aclose(self) -> None:
-        await self.http.aclose()
+        await self.transport.aclose()
 
     @staticmethod
     def _path(session_id: str, suffix: str = "") -> str:
@@ -79,20 +131,17 @@ class ManagerClient:
         params: dict[str, Any] | None = None,
     ) -> M | None:
         content = body.model_dump_json(exclude_none=True).encode() if body is not None else None
-        headers = {"content-type": "application/json"} if content is not None else None
         try:
-            r = await self.http.request(
-                method, path, content=content, params=params, headers=headers
-            )
+            status, payload = await self.transport(method, path, params, content)
         except httpx.HTTPError as exc:
             raise StoreUnavailable(f"manager unreachable: {type(exc).__name__}") from exc
-        if r.status_code >= 400:
+        if status >= 400:
             try:
-                payload = orjson.loads(r.content)
+                envelope = orjson.loads(payload)
             except orjson.JSONDecodeError:
-                payload = None
-            raise error_from_envelope(r.status_code, payload)
-        return model.model_validate_json(r.content) if model is not None else None
+                envelope = None
+            raise error_from_envelope(status, envelope)
+        return model.model_validate_json(payload) if model is not None else None
 
     async def create(self, req: CreateSession) -> SessionInfo:
         return await self._call("POST", "/sessions", SessionInfo, body=req)  # type: ignore[return-value]

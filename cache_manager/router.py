@@ -21,7 +21,7 @@ from cache_manager.protocol import (
 from cache_manager.service import SessionService
 
 
-def get_service(request: Request) -> SessionService:
+async def get_service(request: Request) -> SessionService:
     return request.app.state.service  # type: ignore[no-any-return]
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import secrets
 from collections.abc import AsyncIterator, Iterable
-from importlib import resources
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -36,6 +36,7 @@ from ctxcache.errors import (
     VersionConflict,
 )
 
+_LUA_DIR = Path(__file__).parent / "lua"
 SESSION_PREFIX = "ctx_"
 _ID_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_")
 
@@ -72,7 +73,7 @@ def tenant_keys(tenant: str) -> list[str]:
 
 
 def _script(redis: aioredis.Redis, name: str) -> Any:
-    text = resources.files("cache_manager").joinpath("lua", f"{name}.lua").read_text()
+    text = (_LUA_DIR / f"{name}.lua").read_text()
     return redis.register_script(text)
 
 
@@ -127,6 +128,25 @@ class SessionStore:
         self._release = _script(redis, "release")
         self._tenant = _script(redis, "tenant")
 
+    async def _pipelined(self, *calls: tuple[Any, list[str], list[Any]]) -> list[Any]:
+        """Several scripts in one round trip (EVALSHA; loaded on the rare NOSCRIPT).
+
+        redis-py's own script-in-pipeline support sends SCRIPT EXISTS before every
+        pipeline, a second round trip; this does not.
+        """
+        for attempt in range(2):
+            pipe = self.redis.pipeline(transaction=False)
+            for script, keys, args in calls:
+                pipe.evalsha(script.sha, len(keys), *keys, *args)
+            try:
+                return await pipe.execute()  # type: ignore[no-any-return]
+            except rexc.NoScriptError:
+                if attempt:
+                    raise
+                for script, _, _ in calls:
+                    await self.redis.script_load(script.script)
+        raise AssertionError("unreachable")
+
     async def ping(self) -> bool:
         async with redis_errors():
             return bool(await self.redis.ping())
@@ -169,10 +189,10 @@ class SessionStore:
         """Load (and lock) a session, and the tenant's usage, in one pipelined round trip."""
         args = [tenant, lock or "", lock_ttl_ms, int(tokens), int(messages), int(touch)]
         async with redis_errors():
-            pipe = self.redis.pipeline(transaction=False)
-            await self._begin(keys=session_keys(session_id), args=args, client=pipe)
-            await self._tenant(keys=tenant_keys(tenant), args=["status"], client=pipe)
-            res, usage = await pipe.execute()
+            res, usage = await self._pipelined(
+                (self._begin, session_keys(session_id), args),
+                (self._tenant, tenant_keys(tenant), ["status"]),
+            )
         if res[0] == 0:
             raise SessionNotFound()
         if res[0] == -1:

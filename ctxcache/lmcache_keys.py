@@ -15,8 +15,20 @@ from dataclasses import dataclass, field
 MAX_KEY_LENGTH = 150  # lmcache.v1.protocol.MAX_KEY_LENGTH: the key field of the header
 TAG_PREFIX = "lmcache.tag."
 SESSION_TAG = "s"
-DTYPE_NAMES = ("half", "bfloat16", "float", "double", "int8", "uint8", "int16", "int32",
-               "int64", "bool", "fp8_e4m3fn", "fp8_e4m3fnuz")
+DTYPE_NAMES = (
+    "half",
+    "bfloat16",
+    "float",
+    "double",
+    "int8",
+    "uint8",
+    "int16",
+    "int32",
+    "int64",
+    "bool",
+    "fp8_e4m3fn",
+    "fp8_e4m3fnuz",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +62,7 @@ def tags_from_params(kv_transfer_params: dict[str, object] | None) -> tuple[tupl
     out: list[tuple[str, str]] = []
     for k, v in kv_transfer_params.items():
         if k.startswith(TAG_PREFIX):
-            name, value = k[len(TAG_PREFIX):], str(v)
+            name, value = k[len(TAG_PREFIX) :], str(v)
             if "@" in name + value or "%" in name:
                 raise ValueError(f"tag {k!r} may not contain '@' or '%' in its name")
             out.append((name, value))

@@ -39,8 +39,7 @@ def setup_logging(component: str, level: str | None = None) -> None:
     handler.addFilter(_SessionFilter())
     handler.setFormatter(
         logging.Formatter(
-            f"%(asctime)s %(levelname)-5s [{component}] %(name)s session=%(session_id)s "
-            "%(message)s"
+            f"%(asctime)s %(levelname)-5s [{component}] %(name)s session=%(session_id)s %(message)s"
         )
     )
     root = logging.getLogger()

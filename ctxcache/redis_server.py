@@ -46,40 +46,57 @@ class RedisServer:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def start(self, timeout: float = 10.0) -> RedisServer:
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        args = [
+    def argv(self) -> list[str]:
+        return [
             redis_server_binary(),
-            "--bind", "127.0.0.1",
-            "--port", str(self.port),
-            "--dir", str(self.data_dir),
-            "--appendonly", "yes" if self.appendonly else "no",
-            "--appendfsync", "everysec",
-            "--save", "",
-            "--protected-mode", "yes",
-            "--daemonize", "no",
-            "--logfile", str(self.data_dir / "redis.log"),
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dir",
+            str(self.data_dir),
+            "--appendonly",
+            "yes" if self.appendonly else "no",
+            "--appendfsync",
+            "everysec",
+            "--save",
+            "",
+            "--protected-mode",
+            "yes",
+            "--daemonize",
+            "no",
+            "--logfile",
+            str(self.data_dir / "redis.log"),
         ]
-        self.proc = subprocess.Popen(
-            args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-        )
+
+    def wait_ready(self, timeout: float = 10.0) -> None:
+        """Block until PING answers (after the AOF is loaded); TimeoutError otherwise."""
         deadline = time.monotonic() + timeout
         client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
         try:
             while True:
                 try:
-                    # AOF loading answers LOADING; PING only succeeds once data is in.
                     if client.ping():
-                        break
+                        return
                 except (redis.ConnectionError, redis.BusyLoadingError):
                     pass
-                if self.proc.poll() is not None:
+                if self.proc is not None and self.proc.poll() is not None:
                     raise RuntimeError(f"redis-server exited with {self.proc.returncode}")
                 if time.monotonic() > deadline:
                     raise TimeoutError("redis-server did not start")
                 time.sleep(0.02)
         finally:
             client.close()
+
+    def start(self, timeout: float = 10.0) -> RedisServer:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen(
+            self.argv(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        self.wait_ready(timeout)
         log.info("redis-server on port %d, data in %s", self.port, self.data_dir)
         return self
 

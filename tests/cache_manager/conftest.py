@@ -43,8 +43,9 @@ def sidecar_link() -> FakeSidecarLink:
 def make_manager(redis_url: str, sidecar_link: FakeSidecarLink) -> ManagerFactory:
     """`async with make_manager(**settings) as client:` an in-process manager."""
 
-    def factory(link: SidecarLink | None = None, **overrides: object
-                ) -> AbstractAsyncContextManager[ManagerClient]:
+    def factory(
+        link: SidecarLink | None = None, **overrides: object
+    ) -> AbstractAsyncContextManager[ManagerClient]:
         fields: dict[str, object] = {"redis_url": redis_url, "min_ttl": 1, **overrides}
         settings = ManagerSettings(**fields)  # type: ignore[arg-type]
         app = create_app(settings, sidecar_link=link or sidecar_link)

@@ -15,8 +15,10 @@ from tests.utils import ServiceProcess
 
 @pytest.fixture
 def manager_proc(redis_url: str, tmp_path: Path):  # type: ignore[no-untyped-def]
-    with ServiceProcess(["manager", "--redis-url", redis_url, "--token", "s3cret"],
-                        log_path=tmp_path / "manager.log") as proc:
+    with ServiceProcess(
+        ["manager", "--redis-url", redis_url, "--token", "s3cret"],
+        log_path=tmp_path / "manager.log",
+    ) as proc:
         yield proc
 
 
@@ -41,8 +43,9 @@ async def test_manager_process_speaks_the_envelope(manager_proc: ServiceProcess)
 
     client = ManagerClient.over_http(manager_proc.url, token="s3cret")
     try:
-        info = await client.create(CreateSession(tenant="a", model="m", kind="completion",
-                                                 tokens=list(range(5000))))
+        info = await client.create(
+            CreateSession(tenant="a", model="m", kind="completion", tokens=list(range(5000)))
+        )
         state = await client.begin(info.session_id, BeginTurn(tenant="a"))
         assert state.tokens == list(range(5000))
         with pytest.raises(SessionBusy) as busy:

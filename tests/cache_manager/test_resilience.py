@@ -11,8 +11,14 @@ from tests.cache_manager.conftest import FakeSidecarLink, ManagerFactory
 
 
 def chat(**kw: object) -> CreateSession:
-    return CreateSession(tenant="acme", model="tiny", kind="chat", tokens=[1, 2, 3],
-                         messages=[{"role": "user", "content": "hi"}], **kw)  # type: ignore[arg-type]
+    return CreateSession(
+        tenant="acme",
+        model="tiny",
+        kind="chat",
+        tokens=[1, 2, 3],
+        messages=[{"role": "user", "content": "hi"}],
+        **kw,
+    )  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("crash", [False, True], ids=["shutdown", "kill-9"])
@@ -21,8 +27,9 @@ async def test_sessions_survive_a_redis_restart_with_aof(
 ) -> None:
     async with make_manager(redis_url=own_redis.url) as manager:
         infos = [await manager.create(chat()) for _ in range(20)]
-        await manager.append(infos[0].session_id, AppendTurn(tenant="acme", expected_version=1,
-                                                             tokens=[4]))
+        await manager.append(
+            infos[0].session_id, AppendTurn(tenant="acme", expected_version=1, tokens=[4])
+        )
         own_redis.stop(kill=crash)
         own_redis.start()
         for info in infos:
@@ -61,14 +68,23 @@ async def test_redis_down_gives_store_unavailable_then_recovers(
 
 
 async def test_sidecar_is_told_to_pin_extend_move_and_drop(
-    manager, sidecar_link: FakeSidecarLink  # type: ignore[no-untyped-def]
+    manager,
+    sidecar_link: FakeSidecarLink,  # type: ignore[no-untyped-def]
 ) -> None:
     info = await manager.create(chat(worker="w0", sidecar="http://sc0", ttl=100))
     sid = info.session_id
     state = await manager.begin(sid, BeginTurn(tenant="acme"))
-    moved = await manager.append(sid, AppendTurn(tenant="acme", expected_version=1,
-                                                 lock=state.lock, tokens=[5], worker="w1",
-                                                 sidecar="http://sc1"))
+    moved = await manager.append(
+        sid,
+        AppendTurn(
+            tenant="acme",
+            expected_version=1,
+            lock=state.lock,
+            tokens=[5],
+            worker="w1",
+            sidecar="http://sc1",
+        ),
+    )
     assert moved.affinity == "w1" and moved.sidecar == "http://sc1"
     patched = await manager.update(sid, UpdateSession(tenant="acme", ttl=500))
     await manager.delete(sid, "acme")
@@ -98,5 +114,4 @@ async def test_a_sidecar_that_is_down_never_fails_an_operation(
 
 async def manager_drain(manager) -> None:  # type: ignore[no-untyped-def]
     """Wait for the background sidecar calls of an in-process manager."""
-    transport = manager.http._transport
-    await transport.app.state.service.link.drain()
+    await manager.transport.app.state.service.link.drain()

@@ -23,9 +23,14 @@ MSGS = [{"role": "user", "content": "héllo \u2603"}, {"role": "assistant", "con
 
 
 def chat(tenant: str = "acme", tokens: list[int] | None = None, **kw: object) -> CreateSession:
-    return CreateSession(tenant=tenant, model="tiny", kind="chat",
-                         tokens=[1, 2, 3] if tokens is None else tokens,
-                         messages=MSGS, **kw)  # type: ignore[arg-type]
+    return CreateSession(
+        tenant=tenant,
+        model="tiny",
+        kind="chat",
+        tokens=[1, 2, 3] if tokens is None else tokens,
+        messages=MSGS,
+        **kw,
+    )  # type: ignore[arg-type]
 
 
 def test_ids_are_unguessable_and_tokens_pack_compactly() -> None:
@@ -40,11 +45,17 @@ def test_ids_are_unguessable_and_tokens_pack_compactly() -> None:
 
 
 async def test_create_get_begin_append_roundtrip(manager: ManagerClient, redis_url: str) -> None:
-    info = await manager.create(chat(ttl=120, metadata={"user": "u1"}, worker="w0",
-                                     sidecar="http://sc0"))
+    info = await manager.create(
+        chat(ttl=120, metadata={"user": "u1"}, worker="w0", sidecar="http://sc0")
+    )
     assert valid_session_id(info.session_id)
-    assert (info.model, info.kind, info.ttl, info.turns, info.version) == ("tiny", "chat",
-                                                                           120, 1, 1)
+    assert (info.model, info.kind, info.ttl, info.turns, info.version) == (
+        "tiny",
+        "chat",
+        120,
+        1,
+        1,
+    )
     assert info.context_tokens == 3 and info.metadata == {"user": "u1"}
     assert info.affinity == "w0" and info.expires_at >= info.created + 119
 
@@ -53,9 +64,16 @@ async def test_create_get_begin_append_roundtrip(manager: ManagerClient, redis_u
 
     state = await manager.begin(info.session_id, BeginTurn(tenant="acme", messages=True))
     assert state.tokens == [1, 2, 3] and state.messages == MSGS and state.lock
-    new = await manager.append(info.session_id, AppendTurn(
-        tenant="acme", expected_version=state.info.version, lock=state.lock,
-        tokens=[4, 5], messages=[{"role": "user", "content": "more"}]))
+    new = await manager.append(
+        info.session_id,
+        AppendTurn(
+            tenant="acme",
+            expected_version=state.info.version,
+            lock=state.lock,
+            tokens=[4, 5],
+            messages=[{"role": "user", "content": "more"}],
+        ),
+    )
     assert (new.version, new.turns, new.context_tokens) == (2, 2, 5)
     state = await manager.begin(info.session_id, BeginTurn(tenant="acme", messages=True))
     assert state.tokens == [1, 2, 3, 4, 5] and len(state.messages) == 3
@@ -69,11 +87,11 @@ async def test_create_get_begin_append_roundtrip(manager: ManagerClient, redis_u
 
 async def test_append_is_compare_and_set(manager: ManagerClient) -> None:
     info = await manager.create(chat())
-    await manager.append(info.session_id, AppendTurn(tenant="acme", expected_version=1,
-                                                     tokens=[9]))
+    await manager.append(info.session_id, AppendTurn(tenant="acme", expected_version=1, tokens=[9]))
     with pytest.raises(VersionConflict):
-        await manager.append(info.session_id, AppendTurn(tenant="acme", expected_version=1,
-                                                         tokens=[10]))
+        await manager.append(
+            info.session_id, AppendTurn(tenant="acme", expected_version=1, tokens=[10])
+        )
     state = await manager.begin(info.session_id, BeginTurn(tenant="acme", lock=False))
     assert state.tokens == [1, 2, 3, 9] and state.info.version == 2  # the stale write is gone
 
@@ -85,19 +103,27 @@ async def test_fifty_concurrent_appends_lose_nothing(manager: ManagerClient) -> 
     async def writer(n: int) -> None:
         nonlocal conflicts
         while True:
-            state = await manager.begin(info.session_id, BeginTurn(tenant="acme", lock=False,
-                                                                   tokens=False))
+            state = await manager.begin(
+                info.session_id, BeginTurn(tenant="acme", lock=False, tokens=False)
+            )
             try:
-                await manager.append(info.session_id, AppendTurn(
-                    tenant="acme", expected_version=state.info.version, tokens=[1000 + n],
-                    messages=[{"role": "user", "content": str(n)}]))
+                await manager.append(
+                    info.session_id,
+                    AppendTurn(
+                        tenant="acme",
+                        expected_version=state.info.version,
+                        tokens=[1000 + n],
+                        messages=[{"role": "user", "content": str(n)}],
+                    ),
+                )
                 return
             except VersionConflict:
                 conflicts += 1
 
     await asyncio.gather(*(writer(n) for n in range(50)))
-    state = await manager.begin(info.session_id, BeginTurn(tenant="acme", lock=False,
-                                                           messages=True))
+    state = await manager.begin(
+        info.session_id, BeginTurn(tenant="acme", lock=False, messages=True)
+    )
     assert sorted(state.tokens) == [1000 + n for n in range(50)]  # each exactly once
     assert sorted(int(m["content"]) for m in state.messages[2:]) == list(range(50))
     assert state.info.turns == 51 and state.info.version == 51
@@ -124,8 +150,10 @@ async def test_turn_lock_refuses_a_second_turn_and_expires(make_manager) -> None
         third = await manager.begin(info.session_id, BeginTurn(tenant="acme"))
         assert third.lock != second.lock
         # appending with our lock releases it
-        await manager.append(info.session_id, AppendTurn(tenant="acme", expected_version=1,
-                                                         lock=third.lock, tokens=[7]))
+        await manager.append(
+            info.session_id,
+            AppendTurn(tenant="acme", expected_version=1, lock=third.lock, tokens=[7]),
+        )
         await manager.begin(info.session_id, BeginTurn(tenant="acme"))
 
 
@@ -153,8 +181,7 @@ async def test_sliding_ttl_and_update(manager: ManagerClient) -> None:
         await manager.update(info.session_id, UpdateSession(tenant="acme", ttl=10**9))
     with pytest.raises(InvalidTTL):
         await manager.create(chat(ttl=0))
-    touched = await manager.begin(info.session_id, BeginTurn(tenant="acme", lock=False,
-                                                             touch=True))
+    touched = await manager.begin(info.session_id, BeginTurn(tenant="acme", lock=False, touch=True))
     assert touched.info.expires_at >= updated.expires_at
 
 
@@ -176,8 +203,19 @@ async def test_tenants_are_isolated_everywhere(manager: ManagerClient) -> None:
     assert state.tokens == [1, 2, 3] and state.info.version == 1  # untouched
 
 
-@pytest.mark.parametrize("bad", ["", "x", "ctx_", "ctx_" + "a" * 31, "ctx_" + "a" * 33,
-                                 "ctx_" + "}" * 32, "ctx_" + "a/b" * 10 + "cd", "../../etc"])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "",
+        "x",
+        "ctx_",
+        "ctx_" + "a" * 31,
+        "ctx_" + "a" * 33,
+        "ctx_" + "}" * 32,
+        "ctx_" + "a/b" * 10 + "cd",
+        "../../etc",
+    ],
+)
 async def test_malformed_ids_are_not_found(manager: ManagerClient, bad: str) -> None:
     with pytest.raises(SessionNotFound):
         await manager.get(bad or "%20", "acme")

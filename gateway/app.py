@@ -1,0 +1,143 @@
+"""The gateway app factory: settings in, app out; clients made once in the lifespan."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from cache_manager.app import create_app as create_manager_app
+from cache_manager.client import ManagerClient
+from cache_manager.settings import ManagerSettings
+from ctxcache.errors import install_error_handlers
+from ctxcache.responses import JSONResponse
+from gateway.auth import KeyRing
+from gateway.completions.router import router as completions_router
+from gateway.completions.service import CompletionService
+from gateway.context.router import router as context_router
+from gateway.context.service import ContextService
+from gateway.metrics import GatewayMetrics
+from gateway.pool import WorkerPool
+from gateway.prompts import PromptBuilder
+from gateway.protocol import ChatBody, CompletionBody, ContextCreate
+from gateway.settings import GatewaySettings
+from gateway.system import router as system_router
+from gateway.turns import TurnService
+
+log = logging.getLogger(__name__)
+
+
+def create_app(settings: GatewaySettings) -> FastAPI:
+    metrics = GatewayMetrics()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with AsyncExitStack() as stack:
+            if settings.manager_url:
+                manager = ManagerClient.over_http(
+                    settings.manager_url, token=settings.manager_token
+                )
+                stack.push_async_callback(manager.aclose)
+            else:  # the manager runs in this process: same client, ASGI transport
+                manager_app = create_manager_app(
+                    ManagerSettings(
+                        redis_url=settings.redis_url,
+                        default_ttl=settings.default_ttl,
+                        min_ttl=settings.min_ttl,
+                        max_ttl=settings.max_ttl,
+                    )
+                )
+                manager = await stack.enter_async_context(ManagerClient.in_process(manager_app))
+            pool = WorkerPool(
+                settings.workers,
+                connect_timeout_s=settings.connect_timeout_s,
+                request_timeout_s=settings.request_timeout_s,
+                health_interval_s=settings.health_interval_s,
+                imbalance_slack=settings.imbalance_slack,
+                max_inflight=settings.max_inflight_per_worker,
+            )
+            await pool.start()
+            stack.push_async_callback(pool.aclose)
+            turns = TurnService(manager, pool, metrics, PromptBuilder())
+            stack.push_async_callback(turns.drain)
+            app.state.keys = KeyRing(settings.api_keys)
+            app.state.manager = manager
+            app.state.pool = pool
+            app.state.metrics = metrics
+            app.state.turns = turns
+            app.state.completions = CompletionService(turns, pool)
+            app.state.contexts = ContextService(manager, turns, pool, settings, metrics)
+            log.info(
+                "gateway ready: %d worker(s), manager %s",
+                len(pool.workers),
+                settings.manager_url or "in-process",
+            )
+            yield
+
+    app = FastAPI(
+        title="ctxcache",
+        version="0.1.0",
+        lifespan=lifespan,
+        default_response_class=JSONResponse,
+        max_body_size=settings.max_body_bytes,
+    )
+    install_error_handlers(app)
+    app.include_router(context_router)
+    app.include_router(completions_router)
+    app.include_router(system_router)
+    app.add_middleware(MetricsMiddleware, metrics=metrics)
+    _document_bodies(app)
+    return app
+
+
+class MetricsMiddleware:
+    """Counts and times every request by route template (never by raw path or tenant)."""
+
+    def __init__(self, app: ASGIApp, metrics: GatewayMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+        t0 = time.perf_counter()
+
+        async def send_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            route = scope.get("route")
+            label = getattr(route, "path", "other")
+            self.metrics.requests.labels(label, str(status)).inc()
+            self.metrics.latency.labels(label).observe(time.perf_counter() - t0)
+
+
+def _document_bodies(app: FastAPI) -> None:
+    """Routes that read their raw body name its schema; put those schemas in the document."""
+    original = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema:
+            return app.openapi_schema
+        schema = original()
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for model in (CompletionBody, ChatBody, ContextCreate):
+            doc = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(doc.pop("$defs", {}))
+            components[model.__name__] = doc
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

@@ -1,0 +1,56 @@
+"""API keys -> tenants. `Authorization: Bearer <key>`, compared in constant time."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from ctxcache.errors import InvalidAPIKey
+
+log = logging.getLogger(__name__)
+
+OPEN_TENANT = "default"
+
+
+class KeyRing:
+    def __init__(self, keys: dict[str, str]) -> None:
+        # Compare fixed-size digests: the time taken does not depend on where a guess
+        # differs, nor on the length of the real keys.
+        self._keys = [(hashlib.sha256(k.encode()).digest(), t) for k, t in keys.items()]
+        if not self._keys:
+            log.warning(
+                "NO API KEYS CONFIGURED: the gateway is OPEN, every caller is tenant "
+                "%r. Set CTX_GATEWAY_API_KEYS or --api-key for any shared deployment.",
+                OPEN_TENANT,
+            )
+
+    @property
+    def open(self) -> bool:
+        return not self._keys
+
+    def tenant_for(self, authorization: str | None) -> str:
+        if self.open:
+            return OPEN_TENANT
+        scheme, _, key = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not key:
+            raise InvalidAPIKey()
+        digest = hashlib.sha256(key.strip().encode()).digest()
+        found = None
+        for known, tenant in self._keys:  # no early exit: same work for every key
+            if hmac.compare_digest(digest, known):
+                found = tenant
+        if found is None:
+            raise InvalidAPIKey()
+        return found
+
+
+async def get_tenant(request: Request) -> str:
+    ring: KeyRing = request.app.state.keys
+    return ring.tenant_for(request.headers.get("authorization"))
+
+
+TenantDep = Annotated[str, Depends(get_tenant)]

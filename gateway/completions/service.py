@@ -1,0 +1,109 @@
+"""`/v1/completions` and `/v1/chat/completions`: a pass-through, or a session turn."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Response
+from fastapi.responses import StreamingResponse
+
+from ctxcache.errors import BackendUnavailable, InvalidRequest
+from ctxcache.responses import JSONResponse
+from gateway.pool import Worker, WorkerPool
+from gateway.shaping import (
+    CHAT_ONLY_UNSUPPORTED,
+    ChunkShaper,
+    chat_completion,
+    session_ref,
+    text_completion,
+)
+from gateway.turns import Generation, Turn, TurnService
+from gateway.upstream import WorkerDown, open_stream, post_raw
+
+PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
+SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+
+
+class CompletionService:
+    def __init__(self, turns: TurnService, pool: WorkerPool) -> None:
+        self.turns = turns
+        self.pool = pool
+
+    async def handle(
+        self, tenant: str, kind: str, raw: bytes, body: dict[str, Any], session_id: str | None
+    ) -> Response:
+        if session_id is None:
+            return await self.passthrough(kind, raw, body)
+        if kind == "chat":
+            bad = [k for k in CHAT_ONLY_UNSUPPORTED if body.get(k) not in (None, False)]
+            if bad:
+                raise InvalidRequest(f"{bad[0]} is not supported on a session turn", param=bad[0])
+        turn = await self.turns.begin(tenant, session_id, kind, body)
+        if body.get("stream"):
+            return self._stream(turn, body)
+        try:
+            gen = await self.turns.generate(turn)
+            info = await self.turns.commit(turn, gen)
+        except BaseException:
+            self.turns.release(tenant, turn.state)
+            raise
+        return JSONResponse(self._shape(turn, gen, session_ref(info), body))
+
+    @staticmethod
+    def _shape(
+        turn: Turn, gen: Generation, session: dict[str, Any], body: dict[str, Any]
+    ) -> dict[str, Any]:
+        if turn.kind == "chat":
+            out = chat_completion(turn.model, gen.text, gen.finish_reason, gen.usage)
+        else:
+            ids = gen.token_ids if body.get("return_token_ids") else None
+            out = text_completion(turn.model, gen.text, gen.finish_reason, gen.usage, ids)
+        out["session_id"] = session["session_id"]
+        out["session"] = session
+        return out
+
+    def _stream(self, turn: Turn, body: dict[str, Any]) -> StreamingResponse:
+        shaper = ChunkShaper(turn.kind, turn.model, bool(body.get("return_token_ids")))
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+
+        async def on_done(gen: Generation) -> dict[str, Any]:
+            return session_ref(await self.turns.commit(turn, gen))
+
+        return StreamingResponse(
+            self.turns.stream(turn, shaper, include_usage, on_done),
+            media_type="text/event-stream",
+            headers=SSE_HEADERS,
+        )
+
+    async def passthrough(self, kind: str, raw: bytes, body: dict[str, Any]) -> Response:
+        """No session: the request goes as it is to the least-loaded healthy worker."""
+        model = body["model"]
+        path = PATHS[kind]
+        tried: list[str] = []
+        while True:
+            worker = self.pool.pick(model, exclude=tried)
+            try:
+                if body.get("stream"):
+                    return await self._stream_through(worker, path, raw)
+                async with self.pool.lease(worker):
+                    status, payload = await post_raw(worker, path, raw)
+                return Response(payload, status_code=status, media_type="application/json")
+            except WorkerDown as exc:
+                self.pool.mark_down(worker, str(exc))
+                tried.append(worker.id)
+                if len(tried) >= len(self.pool.workers):
+                    raise BackendUnavailable() from exc
+
+    async def _stream_through(self, worker: Worker, path: str, raw: bytes) -> StreamingResponse:
+        upstream = await open_stream(worker, path, raw)
+
+        async def relay() -> AsyncIterator[bytes]:
+            try:
+                async with self.pool.lease(worker):
+                    async for chunk in upstream.response.aiter_raw():
+                        yield chunk
+            finally:
+                await upstream.aclose()
+
+        return StreamingResponse(relay(), media_type="text/event-stream", headers=SSE_HEADERS)

@@ -1,0 +1,140 @@
+"""`/v1/context`: create a session (prefill, optionally generate), list, get, patch, delete."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cache_manager.client import ManagerClient
+from cache_manager.protocol import CreateSession, SessionInfo, UpdateSession
+from cache_manager.store import new_session_id
+from ctxcache.errors import InvalidRequest, InvalidTTL
+from gateway.metrics import GatewayMetrics
+from gateway.pool import WorkerPool
+from gateway.protocol import ContextCreate, ContextList, ContextObject
+from gateway.settings import GatewaySettings
+from gateway.shaping import chat_completion, sampling_fields, session_ref, text_completion
+from gateway.turns import Turn, TurnService
+
+CREATE_ONLY = ("ttl", "metadata")
+
+
+def context_object(info: SessionInfo) -> ContextObject:
+    return ContextObject(
+        session_id=info.session_id,
+        model=info.model,
+        created=info.created,
+        expires_at=info.expires_at,
+        ttl=info.ttl,
+        context_tokens=info.context_tokens,
+        turns=info.turns,
+        metadata=info.metadata,
+    )
+
+
+class ContextService:
+    def __init__(
+        self,
+        manager: ManagerClient,
+        turns: TurnService,
+        pool: WorkerPool,
+        settings: GatewaySettings,
+        metrics: GatewayMetrics,
+    ) -> None:
+        self.manager = manager
+        self.turns = turns
+        self.pool = pool
+        self.settings = settings
+        self.metrics = metrics
+
+    def check_ttl(self, ttl: int | None) -> int:
+        s = self.settings
+        if ttl is None:
+            return s.default_ttl
+        if not s.min_ttl <= ttl <= s.max_ttl:
+            raise InvalidTTL(
+                f"ttl must be an integer between {s.min_ttl} and {s.max_ttl} seconds", param="ttl"
+            )
+        return ttl
+
+    async def create(self, tenant: str, req: ContextCreate, body: dict[str, Any]) -> dict[str, Any]:
+        if (req.prompt is None) == (req.messages is None):
+            raise InvalidRequest("give exactly one of prompt or messages", param="prompt")
+        ttl = self.check_ttl(req.ttl)
+        worker = self.pool.pick(req.model)
+        generate = req.max_tokens > 0
+        if req.messages is not None:
+            kind = "chat"
+            messages = [m.model_dump(exclude_none=True) for m in req.messages]
+            # prefill only: the conversation so far, closed; else ready for the reply
+            prompt, window = await self.turns.prompts.chat(
+                worker, req.model, messages, generation_prompt=generate
+            )
+        else:
+            kind, messages = "completion", []
+            assert req.prompt is not None
+            prompt, window = await self.turns.prompts.text(
+                worker, req.model, req.prompt, special=True
+            )
+        session_id = new_session_id()
+        sampling = {k: v for k, v in sampling_fields(body).items() if k not in CREATE_ONLY}
+        turn = Turn(
+            kind=kind,
+            model=req.model,
+            tenant=tenant,
+            prompt=prompt,
+            new_tokens=prompt,
+            new_messages=messages,
+            window=window,
+            session_id=session_id,
+            worker=worker,
+            sampling=sampling,
+        )
+        self.turns.check_window(turn)
+        gen = await self.turns.generate(turn)
+        assert turn.worker is not None
+        if generate and kind == "chat":
+            messages = [*messages, {"role": "assistant", "content": gen.text}]
+        info = await self.manager.create(
+            CreateSession(
+                session_id=session_id,
+                tenant=tenant,
+                model=req.model,
+                kind=kind,
+                tokens=prompt + gen.token_ids,
+                messages=messages,
+                ttl=ttl,
+                metadata=req.metadata or {},
+                worker=turn.worker.id,
+                sidecar=turn.worker.sidecar,
+            )
+        )
+        self.metrics.sessions_created.inc()
+        text = gen.text if generate else None
+        if kind == "chat":
+            out = chat_completion(req.model, text, gen.finish_reason, gen.usage)
+        else:
+            out = text_completion(req.model, text, gen.finish_reason, gen.usage)
+        out.update(session_id=session_id, expires_at=info.expires_at, session=session_ref(info))
+        return out
+
+    async def list(self, tenant: str, limit: int, after: str | None) -> ContextList:
+        page = await self.manager.list(tenant, limit=limit, after=after)
+        return ContextList(
+            data=[context_object(i) for i in page.data],
+            has_more=page.has_more,
+            first_id=page.first_id,
+            last_id=page.last_id,
+        )
+
+    async def get(self, tenant: str, session_id: str) -> ContextObject:
+        return context_object(await self.manager.get(session_id, tenant))
+
+    async def update(self, tenant: str, session_id: str, ttl: int) -> ContextObject:
+        self.check_ttl(ttl)
+        return context_object(
+            await self.manager.update(session_id, UpdateSession(tenant=tenant, ttl=ttl))
+        )
+
+    async def delete(self, tenant: str, session_id: str) -> None:
+        await self.manager.delete(session_id, tenant)
+        self.metrics.sessions_deleted.inc()

@@ -1,0 +1,83 @@
+"""Prometheus metrics of one gateway (its own registry: no globals, no tenant labels)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+    30,
+    60,
+    120,
+)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "ctxcache_gateway_requests_total",
+            "requests by route and status",
+            ["route", "status"],
+            registry=r,
+        )
+        self.latency = Histogram(
+            "ctxcache_gateway_request_seconds",
+            "request latency",
+            ["route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "ctxcache_gateway_ttft_seconds",
+            "time to the first generated token (or the whole response)",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "ctxcache_gateway_prompt_tokens_total", "prompt tokens attended to", registry=r
+        )
+        self.cached_tokens = Counter(
+            "ctxcache_gateway_cached_tokens_total", "prompt tokens whose KV was reused", registry=r
+        )
+        self.sessions_created = Counter(
+            "ctxcache_gateway_sessions_created_total",
+            "sessions created through this gateway",
+            registry=r,
+        )
+        self.sessions_deleted = Counter(
+            "ctxcache_gateway_sessions_deleted_total",
+            "sessions deleted through this gateway",
+            registry=r,
+        )
+        self.worker_inflight = Gauge(
+            "ctxcache_gateway_worker_inflight",
+            "requests in flight per worker",
+            ["worker"],
+            registry=r,
+        )
+        self.worker_healthy = Gauge(
+            "ctxcache_gateway_worker_healthy", "1 if healthy", ["worker"], registry=r
+        )
+
+    def tokens(self, usage: dict[str, Any]) -> None:
+        self.prompt_tokens.inc(usage.get("prompt_tokens", 0))
+        self.cached_tokens.inc((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,156 @@
+"""The inference workers behind the gateway: health, load, and who serves a request.
+
+Each worker (the built-in one or vLLM: the same HTTP contract) has one pooled keep-alive
+HTTP client. A background task checks every worker's `/health` and learns its models
+from `/v1/models`. Routing: a session turn goes to its affine worker (where its KV is
+hot) unless that worker is down or runs more than `imbalance_slack` requests above the
+least-loaded healthy one; everything else goes to the least-loaded healthy worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass, field
+
+import httpx
+
+from ctxcache.errors import BackendUnavailable, NotFound
+from gateway.settings import WorkerEndpoint
+
+log = logging.getLogger(__name__)
+
+
+class ModelNotFound(NotFound):
+    code = "model_not_found"
+    default_message = "the model does not exist or no worker serves it"
+
+
+@dataclass
+class Worker:
+    id: str
+    url: str
+    sidecar: str | None
+    http: httpx.AsyncClient
+    healthy: bool = False
+    inflight: int = 0
+    models: dict[str, int] = field(default_factory=dict)  # model id -> max_model_len
+
+
+class WorkerPool:
+    def __init__(
+        self,
+        endpoints: Iterable[WorkerEndpoint],
+        *,
+        connect_timeout_s: float,
+        request_timeout_s: float,
+        health_interval_s: float,
+        imbalance_slack: int,
+        max_inflight: int,
+    ) -> None:
+        timeout = httpx.Timeout(request_timeout_s, connect=connect_timeout_s)
+        limits = httpx.Limits(max_connections=max_inflight * 2, max_keepalive_connections=64)
+        self.workers = [
+            Worker(
+                e.id,
+                e.url,
+                e.sidecar,
+                httpx.AsyncClient(base_url=e.url, timeout=timeout, limits=limits),
+            )
+            for e in endpoints
+        ]
+        self.health_interval_s = health_interval_s
+        self.imbalance_slack = imbalance_slack
+        self.max_inflight = max_inflight
+        self._rr = itertools.count()
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        await self.check_all()
+        self._task = asyncio.get_running_loop().create_task(self._health_loop())
+
+    async def aclose(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for w in self.workers:
+            await w.http.aclose()
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_interval_s)
+            await self.check_all()
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self.check(w) for w in self.workers))
+
+    async def check(self, w: Worker) -> None:
+        try:
+            r = await w.http.get("/health", timeout=min(2.0, self.health_interval_s * 2))
+            ok = r.status_code == 200
+            if ok and not w.models:
+                r = await w.http.get("/v1/models", timeout=2.0)
+                r.raise_for_status()
+                w.models = {m["id"]: int(m.get("max_model_len") or 0) for m in r.json()["data"]}
+        except (httpx.HTTPError, ValueError, KeyError) as exc:
+            ok = False
+            log.debug("health check of %s failed: %s", w.id, exc)
+        if ok != w.healthy:
+            log.log(
+                logging.INFO if ok else logging.WARNING,
+                "worker %s (%s) is %s",
+                w.id,
+                w.url,
+                "healthy" if ok else "DOWN",
+            )
+        w.healthy = ok
+
+    def mark_down(self, w: Worker, reason: str) -> None:
+        if w.healthy:
+            log.warning("worker %s (%s) marked down: %s", w.id, w.url, reason)
+        w.healthy = False
+
+    def models(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for w in self.workers:
+            if w.healthy:
+                out.update(w.models)
+        return out
+
+    def healthy(self) -> list[Worker]:
+        return [w for w in self.workers if w.healthy]
+
+    def pick(
+        self, model: str, *, affinity: str | None = None, exclude: Iterable[str] = ()
+    ) -> Worker:
+        excluded = set(exclude)
+        serving = [w for w in self.workers if w.healthy and model in w.models]
+        candidates = [w for w in serving if w.id not in excluded]
+        if not candidates:
+            known = any(model in w.models for w in self.workers)
+            if not known and any(w.healthy for w in self.workers):
+                raise ModelNotFound(f"model {model!r} does not exist", param="model")
+            raise BackendUnavailable()
+        least = min(w.inflight for w in candidates)
+        if affinity is not None:
+            for w in candidates:
+                if (
+                    w.id == affinity
+                    and w.inflight <= least + self.imbalance_slack
+                    and w.inflight < self.max_inflight
+                ):
+                    return w
+        best = [w for w in candidates if w.inflight == least]
+        return best[next(self._rr) % len(best)]
+
+    @contextlib.asynccontextmanager
+    async def lease(self, w: Worker) -> AsyncIterator[Worker]:
+        w.inflight += 1
+        try:
+            yield w
+        finally:
+            w.inflight -= 1

@@ -1,0 +1,101 @@
+"""Building a session turn's prompt as token ids, exactly as the full conversation would be.
+
+The stored token ids of a session are the truth and are always kept as the prefix: the
+ids the model generated are never re-tokenized from their text (which need not round
+trip). Only the newly rendered part is tokenized:
+
+* completion sessions: the new prompt's text, without special tokens;
+* chat sessions: the chat template rendered over (previous messages + new messages) with
+  the generation prompt, minus the rendering of the previous messages alone — i.e. the
+  new turns and the generation prompt. If the stored ids end inside an assistant reply
+  (they do after a generated turn), the template's end-of-turn tokens come first
+  (learned once per model from a probe conversation); a generated end-of-turn id that
+  is already there is not repeated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from ctxcache.errors import InvalidRequest
+from gateway.pool import Worker
+from gateway.upstream import post_json
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class PromptBuilder:
+    def __init__(self) -> None:
+        self._closing: dict[str, list[int]] = {}  # model -> end-of-assistant-turn ids
+
+    async def tokenize(self, worker: Worker, body: dict[str, Any]) -> tuple[list[int], int]:
+        """Token ids and the model's max_model_len, from the worker's `/tokenize`."""
+        out = await post_json(worker, "/tokenize", body)
+        return list(out["tokens"]), int(out.get("max_model_len") or 0)
+
+    async def text(
+        self, worker: Worker, model: str, prompt: str | list[int], *, special: bool
+    ) -> tuple[list[int], int]:
+        if isinstance(prompt, list):
+            return list(prompt), worker.models.get(model, 0)
+        return await self.tokenize(
+            worker, {"model": model, "prompt": prompt, "add_special_tokens": special}
+        )
+
+    async def chat(
+        self, worker: Worker, model: str, messages: list[dict[str, Any]], *, generation_prompt: bool
+    ) -> tuple[list[int], int]:
+        return await self.tokenize(
+            worker,
+            {"model": model, "messages": messages, "add_generation_prompt": generation_prompt},
+        )
+
+    async def chat_delta(
+        self,
+        worker: Worker,
+        model: str,
+        stored: list[int],
+        previous: list[dict[str, Any]],
+        new: list[dict[str, Any]],
+    ) -> tuple[list[int], int]:
+        """The ids to put after `stored` so the prompt is the whole conversation's."""
+        (full, window), (before, _) = await asyncio.gather(
+            self.chat(worker, model, previous + new, generation_prompt=True),
+            self.chat(worker, model, previous, generation_prompt=False),
+        )
+        # Templates that rewrite earlier turns (not append-only) keep what still matches.
+        new_part = full[common_prefix(full, before) :]
+        if stored == before:  # the stored ids already end with a closed turn
+            return new_part, window
+        closing = await self.closing(worker, model)
+        if stored and closing and stored[-1] == closing[0]:
+            closing = closing[1:]  # the model generated the end-of-turn id itself
+        return closing + new_part, window
+
+    async def closing(self, worker: Worker, model: str) -> list[int]:
+        """The template's ids after an assistant message's content (e.g. `<|im_end|>\\n`)."""
+        if model not in self._closing:
+            probe = [{"role": "user", "content": "ping"}, {"role": "assistant", "content": "pong"}]
+            (open_, _), (closed, _) = await asyncio.gather(
+                self.tokenize(
+                    worker,
+                    {
+                        "model": model,
+                        "messages": probe,
+                        "add_generation_prompt": False,
+                        "continue_final_message": True,
+                    },
+                ),
+                self.chat(worker, model, probe, generation_prompt=False),
+            )
+            if closed[: len(open_)] != open_:
+                raise InvalidRequest("this model's chat template cannot continue a session")
+            self._closing[model] = closed[len(open_) :]
+        return self._closing[model]

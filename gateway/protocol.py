@@ -1,0 +1,99 @@
+"""Gateway request and response bodies: OpenAI's, plus the session fields."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+
+from ctxcache.schema import OpenAIBaseModel
+
+
+class ChatMessage(OpenAIBaseModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class SessionFields(OpenAIBaseModel):
+    session_id: str | None = Field(None, max_length=256)
+    session_append: bool = True
+
+
+class CompletionBody(SessionFields):
+    model: str = Field(min_length=1, max_length=256)
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0)
+    n: int = Field(1, ge=1, le=128)
+    stream: bool = False
+
+
+class ChatBody(SessionFields):
+    model: str = Field(min_length=1, max_length=256)
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=0)
+    max_completion_tokens: int | None = Field(None, ge=0)
+    n: int = Field(1, ge=1, le=128)
+    stream: bool = False
+
+
+Metadata = dict[str, str]
+
+
+class ContextCreate(OpenAIBaseModel):
+    model: str = Field(min_length=1, max_length=256)
+    prompt: str | list[int] | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    ttl: int | None = None
+    max_tokens: int = Field(0, ge=0, description="0: prefill only (choices: [])")
+    metadata: Metadata | None = None
+    stream: Literal[False] = False
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, v: Metadata | None) -> Metadata | None:
+        # OpenAI's metadata limits: 16 pairs, keys <= 64 chars, values <= 512 chars.
+        if v is not None and (
+            len(v) > 16 or any(len(k) > 64 or len(x) > 512 for k, x in v.items())
+        ):
+            raise ValueError("metadata: at most 16 pairs, keys <= 64 and values <= 512 chars")
+        return v
+
+
+class ContextUpdate(OpenAIBaseModel):
+    ttl: int
+
+
+class SessionRef(OpenAIBaseModel):
+    """What a session turn's response carries as `"session"`."""
+
+    session_id: str
+    context_tokens: int
+    expires_at: int
+
+
+class ContextObject(OpenAIBaseModel):
+    session_id: str
+    object: Literal["context"] = "context"
+    model: str
+    created: int
+    expires_at: int
+    ttl: int
+    context_tokens: int
+    turns: int
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+class ContextList(OpenAIBaseModel):
+    object: Literal["list"] = "list"
+    data: list[ContextObject]
+    has_more: bool
+    first_id: str | None
+    last_id: str | None
+
+
+class ContextDeleted(OpenAIBaseModel):
+    session_id: str
+    object: Literal["context.deleted"] = "context.deleted"
+    deleted: bool = True
+    status: Literal["success"] = "success"

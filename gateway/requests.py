@@ -1,0 +1,44 @@
+"""Reading a client's JSON body once: parsed, validated, and kept raw for pass-through."""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import orjson
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+
+from ctxcache.errors import InvalidRequest
+
+M = TypeVar("M", bound=BaseModel)
+
+
+async def read_json(request: Request, model: type[M]) -> tuple[bytes, dict[str, Any], M]:
+    raw = await request.body()
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        raise InvalidRequest("the request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("the request body must be a JSON object")
+    try:
+        parsed = model.model_validate(body)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = ".".join(str(p) for p in first.get("loc", ())) or None
+        raise InvalidRequest(
+            f"{first.get('msg', 'invalid value')} ({param})", param=param
+        ) from None
+    return raw, body, parsed
+
+
+def session_id_of(request: Request, body: dict[str, Any]) -> str | None:
+    """`session_id` in the body (the openai SDK's extra_body) or the X-Session-Id header."""
+    in_body = body.get("session_id")
+    in_header = request.headers.get("x-session-id")
+    if in_body is not None and in_header is not None and in_body != in_header:
+        raise InvalidRequest("session_id in the body and X-Session-Id differ", param="session_id")
+    sid = in_body if in_body is not None else in_header
+    if sid is not None and not isinstance(sid, str):
+        raise InvalidRequest("session_id must be a string", param="session_id")
+    return sid

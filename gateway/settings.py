@@ -1,0 +1,67 @@
+"""Gateway settings: `CTX_GATEWAY_*` environment variables, overridden by CLI flags."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field, field_validator
+from pydantic_settings import BaseSettings
+
+from ctxcache.settings import service_config
+
+
+class WorkerEndpoint(BaseModel):
+    """An inference worker (ours or vLLM) and the control URL of the sidecar it stores into."""
+
+    id: str
+    url: str
+    sidecar: str | None = None
+
+    @classmethod
+    def parse(cls, spec: str, index: int) -> WorkerEndpoint:
+        """`URL` or `URL=SIDECAR_CONTROL_URL`, optionally prefixed `ID@`."""
+        wid = f"w{index}"
+        if "@" in spec.split("://", 1)[0]:
+            wid, spec = spec.split("@", 1)
+        url, _, sidecar = spec.partition("=")
+        return cls(id=wid, url=url.rstrip("/"), sidecar=sidecar.rstrip("/") or None)
+
+
+class GatewaySettings(BaseSettings):
+    model_config = service_config("gateway")
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    workers: list[WorkerEndpoint] = Field(
+        default_factory=list, description="JSON list of {id, url, sidecar}"
+    )
+    manager_url: str | None = Field(None, description="the manager service; unset: in-process")
+    manager_token: str | None = None
+    redis_url: str = Field(
+        "redis://127.0.0.1:6379/0", description="Redis of the in-process manager"
+    )
+    api_keys: dict[str, str] = Field(
+        default_factory=dict, description='JSON {"<key>": "<tenant>"}; empty: open'
+    )
+    default_ttl: int = 3600
+    min_ttl: int = 60
+    max_ttl: int = 7 * 24 * 3600
+    max_body_bytes: int = Field(8 * 2**20, ge=1024)
+    request_timeout_s: float = Field(300.0, gt=0, description="a whole worker call")
+    connect_timeout_s: float = Field(2.0, gt=0)
+    health_interval_s: float = Field(2.0, gt=0)
+    imbalance_slack: int = Field(
+        4,
+        ge=0,
+        description="in-flight requests an affine worker may run above the least "
+        "loaded one before a session turn goes elsewhere",
+    )
+    max_inflight_per_worker: int = Field(64, ge=1)
+    log_level: str = "INFO"
+
+    @field_validator("workers", mode="before")
+    @classmethod
+    def _workers(cls, value: object) -> object:
+        if isinstance(value, list):
+            return [
+                WorkerEndpoint.parse(v, i) if isinstance(v, str) else v for i, v in enumerate(value)
+            ]
+        return value

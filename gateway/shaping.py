@@ -1,0 +1,185 @@
+"""Turning the worker's text completions into what the client asked for."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import orjson
+
+# Fields of ours that never go to a worker, and chat-only fields a token-id completion
+# cannot honour in a session turn.
+SESSION_ONLY = ("session_id", "session_append")
+CHAT_ONLY_UNSUPPORTED = (
+    "tools",
+    "tool_choice",
+    "functions",
+    "function_call",
+    "response_format",
+    "logprobs",
+    "top_logprobs",
+    "parallel_tool_calls",
+)
+
+
+def sampling_fields(body: dict[str, Any]) -> dict[str, Any]:
+    """The client's generation parameters, to forward with our token-id prompt."""
+    drop = {
+        *SESSION_ONLY,
+        "prompt",
+        "messages",
+        "stream_options",
+        "echo",
+        "suffix",
+        "max_completion_tokens",
+        "return_token_ids",
+        "kv_transfer_params",
+    }
+    out = {k: v for k, v in body.items() if k not in drop}
+    if body.get("max_completion_tokens") is not None and body.get("max_tokens") is None:
+        out["max_tokens"] = body["max_completion_tokens"]
+    return out
+
+
+def session_ref(info: Any) -> dict[str, Any]:
+    return {
+        "session_id": info.session_id,
+        "context_tokens": info.context_tokens,
+        "expires_at": info.expires_at,
+    }
+
+
+def cached_tokens(usage: dict[str, Any] | None) -> int:
+    """vLLM without `--enable-prompt-tokens-details` leaves it out: count it as 0."""
+    details = (usage or {}).get("prompt_tokens_details") or {}
+    return int(details.get("cached_tokens") or 0)
+
+
+def normalize_usage(usage: dict[str, Any] | None) -> dict[str, Any]:
+    usage = dict(usage or {})
+    usage.setdefault("prompt_tokens", 0)
+    usage.setdefault("completion_tokens", 0)
+    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+    usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens(usage)}
+    return usage
+
+
+def chat_completion(
+    model: str, text: str | None, finish_reason: str | None, usage: dict[str, Any]
+) -> dict[str, Any]:
+    choices = (
+        []
+        if text is None
+        else [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": finish_reason,
+            }
+        ]
+    )
+    return {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": usage,
+    }
+
+
+def text_completion(
+    model: str,
+    text: str | None,
+    finish_reason: str | None,
+    usage: dict[str, Any],
+    token_ids: list[int] | None = None,
+) -> dict[str, Any]:
+    choices: list[dict[str, Any]] = []
+    if text is not None:
+        choice: dict[str, Any] = {
+            "index": 0,
+            "text": text,
+            "logprobs": None,
+            "finish_reason": finish_reason,
+        }
+        if token_ids is not None:
+            choice["token_ids"] = token_ids
+        choices.append(choice)
+    return {
+        "id": f"cmpl-{uuid.uuid4().hex}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": usage,
+    }
+
+
+class ChunkShaper:
+    """Re-shapes a worker's text-completion stream into the client's stream format."""
+
+    def __init__(self, kind: str, model: str, want_token_ids: bool) -> None:
+        self.kind = kind
+        self.model = model
+        self.want_token_ids = want_token_ids
+        self.id = f"chatcmpl-{uuid.uuid4().hex}" if kind == "chat" else f"cmpl-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.started = False
+
+    def content(self, choice: dict[str, Any]) -> bytes:
+        if self.kind == "chat":
+            delta: dict[str, Any] = {"content": choice.get("text", "")}
+            if not self.started:
+                delta = {"role": "assistant", **delta}
+            out_choice: dict[str, Any] = {
+                "index": 0,
+                "delta": delta,
+                "logprobs": None,
+                "finish_reason": choice.get("finish_reason"),
+            }
+            obj = "chat.completion.chunk"
+        else:
+            out_choice = {
+                "index": 0,
+                "text": choice.get("text", ""),
+                "logprobs": None,
+                "finish_reason": choice.get("finish_reason"),
+            }
+            if self.want_token_ids and choice.get("token_ids") is not None:
+                out_choice["token_ids"] = choice["token_ids"]
+            obj = "text_completion"
+        self.started = True
+        return self._event(
+            {
+                "id": self.id,
+                "object": obj,
+                "created": self.created,
+                "model": self.model,
+                "choices": [out_choice],
+            }
+        )
+
+    def usage(self, usage: dict[str, Any], session: dict[str, Any]) -> bytes:
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        return self._event(
+            {
+                "id": self.id,
+                "object": obj,
+                "created": self.created,
+                "model": self.model,
+                "choices": [],
+                "usage": usage,
+                "session": session,
+                "session_id": session["session_id"],
+            }
+        )
+
+    @staticmethod
+    def _event(payload: dict[str, Any]) -> bytes:
+        return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+DONE = b"data: [DONE]\n\n"

@@ -1,0 +1,50 @@
+"""`/v1/models`, `/health`, `/ready`, `/metrics`."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+
+from ctxcache.errors import BackendUnavailable, StoreUnavailable
+from ctxcache.responses import JSONResponse
+
+router = APIRouter()
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> JSONResponse:
+    # no auth on the model list, like vLLM: it names models, nothing of any tenant
+    now = int(time.time())
+    data = [
+        {"id": m, "object": "model", "created": now, "owned_by": "ctxcache", "max_model_len": n}
+        for m, n in sorted(request.app.state.pool.models().items())
+    ]
+    return JSONResponse({"object": "list", "data": data})
+
+
+@router.get("/health")
+async def health() -> dict[str, str]:
+    """Liveness: the process answers."""
+    return {"status": "ok"}
+
+
+@router.get("/ready")
+async def ready(request: Request) -> dict[str, Any]:
+    """Readiness: the session store answers and at least one worker is healthy."""
+    if not await request.app.state.manager.health():
+        raise StoreUnavailable()
+    healthy = request.app.state.pool.healthy()
+    if not healthy:
+        raise BackendUnavailable()
+    return {"status": "ready", "workers": len(healthy)}
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    m = request.app.state.metrics
+    for w in request.app.state.pool.workers:
+        m.worker_inflight.labels(w.id).set(w.inflight)
+        m.worker_healthy.labels(w.id).set(1 if w.healthy else 0)
+    return Response(m.render(), media_type="text/plain; version=0.0.4")

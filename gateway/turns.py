@@ -1,0 +1,313 @@
+"""Session turns: load + lock, build the prompt, run it on a worker, append with CAS.
+
+A turn either commits whole (new input + generated ids + messages appended in one
+compare-and-set, TTL slid, affinity recorded) or leaves the session exactly as it was:
+any failure — worker error, timeout, client gone mid-stream — releases the lock and
+appends nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from cache_manager.client import ManagerClient
+from cache_manager.protocol import AppendTurn, BeginTurn, SessionInfo, SessionState
+from ctxcache.errors import (
+    BackendUnavailable,
+    ContextLengthExceeded,
+    InvalidRequest,
+    SessionModelMismatch,
+)
+from ctxcache.lmcache_keys import session_key
+from ctxcache.logs import bind_session
+from gateway.metrics import GatewayMetrics
+from gateway.pool import Worker, WorkerPool
+from gateway.prompts import PromptBuilder
+from gateway.shaping import (
+    DONE,
+    ChunkShaper,
+    cached_tokens,
+    normalize_usage,
+    sampling_fields,
+)
+from gateway.upstream import WorkerDown, open_stream, post_json
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Generation:
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    usage: dict[str, Any]
+
+
+@dataclass
+class Turn:
+    """A planned turn: the whole prompt, and what to append if it succeeds."""
+
+    kind: str
+    model: str
+    tenant: str
+    prompt: list[int]
+    new_tokens: list[int]  # appended before the generated ids
+    new_messages: list[dict[str, Any]]
+    window: int
+    state: SessionState | None = None
+    session_id: str | None = None
+    worker: Worker | None = None
+    sampling: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def append(self) -> bool:
+        return self.state is not None and self.state.lock is not None
+
+
+class TurnService:
+    def __init__(
+        self,
+        manager: ManagerClient,
+        pool: WorkerPool,
+        metrics: GatewayMetrics,
+        prompts: PromptBuilder,
+    ) -> None:
+        self.manager = manager
+        self.pool = pool
+        self.metrics = metrics
+        self.prompts = prompts
+        self._background: set[asyncio.Task[Any]] = set()
+
+    # -- planning ---------------------------------------------------------------------
+    async def begin(self, tenant: str, session_id: str, kind: str, body: dict[str, Any]) -> Turn:
+        """Load (and lock, unless `session_append` is false) the session; plan the turn."""
+        append = body.get("session_append", True) is not False
+        state = await self.manager.begin(
+            session_id,
+            BeginTurn(
+                tenant=tenant, lock=append, tokens=True, messages=kind == "chat", touch=not append
+            ),
+        )
+        try:
+            return await self._plan(tenant, session_id, kind, body, state)
+        except BaseException:
+            self.release(tenant, state)
+            raise
+
+    async def _plan(
+        self, tenant: str, session_id: str, kind: str, body: dict[str, Any], state: SessionState
+    ) -> Turn:
+        info = state.info
+        model = body["model"]
+        if model != info.model:
+            raise SessionModelMismatch(
+                f"this session uses model {info.model!r}, the request names {model!r}",
+                param="model",
+            )
+        if info.kind != kind:
+            other = "/v1/chat/completions" if info.kind == "chat" else "/v1/completions"
+            raise InvalidRequest(
+                f"this is a {info.kind} session: continue it on {other}", param="session_id"
+            )
+        if int(body.get("n") or 1) != 1:
+            raise InvalidRequest("a session turn generates one choice: n must be 1", param="n")
+        if body.get("echo"):
+            raise InvalidRequest("echo is not supported on a session turn", param="echo")
+        worker = self.pool.pick(model, affinity=info.affinity)
+        if kind == "chat":
+            new_msgs = body["messages"]
+            new_tokens, window = await self.prompts.chat_delta(
+                worker, model, state.tokens, state.messages, new_msgs
+            )
+        else:
+            prompt = body["prompt"]
+            if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+                raise InvalidRequest("a session turn takes one prompt, not a batch", param="prompt")
+            new_msgs = []
+            new_tokens, window = await self.prompts.text(worker, model, prompt, special=False)
+        turn = Turn(
+            kind=kind,
+            model=model,
+            tenant=tenant,
+            prompt=state.tokens + new_tokens,
+            new_tokens=new_tokens,
+            new_messages=new_msgs,
+            window=window or worker.models.get(model, 0),
+            state=state,
+            session_id=session_id,
+            worker=worker,
+            sampling=sampling_fields(body),
+        )
+        self.check_window(turn)
+        return turn
+
+    def check_window(self, turn: Turn) -> None:
+        want = int(turn.sampling.get("max_tokens") or 0)
+        if turn.window and len(turn.prompt) + want > turn.window:
+            raise ContextLengthExceeded(
+                f"this turn needs {len(turn.prompt)} prompt tokens (session context + new "
+                f"input) + {want} to generate, over the model's {turn.window}-token window",
+                param="messages" if turn.kind == "chat" else "prompt",
+            )
+        if not turn.prompt:
+            raise InvalidRequest("the prompt is empty", param="prompt")
+
+    # -- running ----------------------------------------------------------------------
+    def _worker_body(self, turn: Turn, *, stream: bool) -> dict[str, Any]:
+        body = {
+            **turn.sampling,
+            "model": turn.model,
+            "prompt": turn.prompt,
+            "return_token_ids": True,
+            "stream": stream,
+        }
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        if turn.session_id is not None:
+            body["kv_transfer_params"] = {"lmcache.tag.s": session_key(turn.session_id)}
+        return body
+
+    async def _with_failover(self, turn: Turn, call: Callable[[Worker], Awaitable[Any]]) -> Any:
+        """Run `call` on the turn's worker; if that worker is down, on the next one."""
+        tried: list[str] = []
+        worker = turn.worker or self.pool.pick(turn.model)
+        while True:
+            try:
+                async with self.pool.lease(worker):
+                    result = await call(worker)
+                turn.worker = worker
+                return result
+            except WorkerDown as exc:
+                self.pool.mark_down(worker, str(exc))
+                tried.append(worker.id)
+                if len(tried) >= len(self.pool.workers):
+                    raise BackendUnavailable() from exc
+                worker = self.pool.pick(turn.model, exclude=tried)
+                log.info("retrying on worker %s (KV is recomputed there)", worker.id)
+
+    async def generate(self, turn: Turn) -> Generation:
+        body = orjson.dumps(self._worker_body(turn, stream=False))
+        t0 = time.perf_counter()
+        out = await self._with_failover(turn, lambda w: post_json(w, "/v1/completions", body))
+        self.metrics.ttft.observe(time.perf_counter() - t0)
+        choice = (out.get("choices") or [{}])[0]
+        usage = normalize_usage(out.get("usage"))
+        self.metrics.tokens(usage)
+        return Generation(
+            text=choice.get("text") or "",
+            token_ids=list(choice.get("token_ids") or []),
+            finish_reason=choice.get("finish_reason"),
+            usage=usage,
+        )
+
+    async def commit(self, turn: Turn, gen: Generation) -> SessionInfo:
+        """Append the turn (CAS on the version we loaded, releasing our lock)."""
+        state = turn.state
+        assert state is not None and turn.session_id is not None and turn.worker is not None
+        if not turn.append:
+            return state.info
+        messages = list(turn.new_messages)
+        if turn.kind == "chat":
+            messages.append({"role": "assistant", "content": gen.text})
+        info = await self.manager.append(
+            turn.session_id,
+            AppendTurn(
+                tenant=turn.tenant,
+                expected_version=state.info.version,
+                lock=state.lock,
+                tokens=turn.new_tokens + gen.token_ids,
+                messages=messages,
+                worker=turn.worker.id,
+                sidecar=turn.worker.sidecar,
+            ),
+        )
+        with bind_session(turn.session_id):
+            log.info(
+                "turn %d: %d prompt tokens, %d cached, %d generated",
+                info.turns,
+                gen.usage["prompt_tokens"],
+                cached_tokens(gen.usage),
+                len(gen.token_ids),
+            )
+        return info
+
+    def release(self, tenant: str, state: SessionState | None) -> None:
+        """Give the turn lock back, in the background (also from a cancelled request)."""
+        if state is None or state.lock is None:
+            return
+        sid, lock = state.info.session_id, state.lock
+
+        async def run() -> None:
+            try:
+                await self.manager.release(sid, tenant, lock)
+            except Exception as exc:  # the lock expires by itself anyway
+                with bind_session(sid):
+                    log.warning("could not release the turn lock: %s", exc)
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def drain(self) -> None:
+        while self._background:
+            await asyncio.gather(*list(self._background), return_exceptions=True)
+
+    async def stream(
+        self,
+        turn: Turn,
+        shaper: ChunkShaper,
+        include_usage: bool,
+        on_done: Callable[[Generation], Awaitable[dict[str, Any]]],
+    ) -> AsyncIterator[bytes]:
+        """Stream the worker's tokens to the client; commit before the final usage chunk.
+
+        If the client goes away (or anything fails) before the commit, the turn is
+        dropped: the lock is released and nothing is appended.
+        """
+        body = orjson.dumps(self._worker_body(turn, stream=True))
+        t0 = time.perf_counter()
+        upstream = await self._with_failover(
+            turn, lambda w: open_stream(w, "/v1/completions", body)
+        )
+        assert turn.worker is not None
+        committed = False
+        try:
+            async with self.pool.lease(turn.worker):
+                text: list[str] = []
+                ids: list[int] = []
+                finish: str | None = None
+                usage: dict[str, Any] | None = None
+                first = True
+                async for data in upstream.events():
+                    if data == b"[DONE]":
+                        break
+                    event = orjson.loads(data)
+                    if event.get("usage") and not event.get("choices"):
+                        usage = event["usage"]
+                        continue
+                    for choice in event.get("choices") or []:
+                        if first:
+                            self.metrics.ttft.observe(time.perf_counter() - t0)
+                            first = False
+                        text.append(choice.get("text") or "")
+                        ids.extend(choice.get("token_ids") or [])
+                        finish = choice.get("finish_reason") or finish
+                        yield shaper.content(choice)
+                gen = Generation("".join(text), ids, finish, normalize_usage(usage))
+                self.metrics.tokens(gen.usage)
+                session = await on_done(gen)
+                committed = True
+                if include_usage:
+                    yield shaper.usage(gen.usage, session)
+                yield DONE
+        finally:
+            if not committed:
+                self.release(turn.tenant, turn.state)
+            await upstream.aclose()

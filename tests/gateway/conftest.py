@@ -1,0 +1,126 @@
+"""The whole stack as real processes: Redis, a sidecar, two workers, the gateway."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+from ctxcache.net import free_port
+from ctxcache.redis_server import RedisServer
+from tests.utils import ServiceProcess
+
+KEYS = {"key-a": "tenant-a", "key-b": "tenant-b"}
+
+
+@dataclass
+class Stack:
+    root: Path
+    redis: RedisServer
+    model_dir: Path
+    sidecar: ServiceProcess | None = None
+    sidecar_data_port: int = 0
+    workers: list[ServiceProcess] = field(default_factory=list)
+    gateway: ServiceProcess | None = None
+
+    @property
+    def url(self) -> str:
+        assert self.gateway is not None
+        return self.gateway.url
+
+    @property
+    def sidecar_url(self) -> str:
+        assert self.sidecar is not None
+        return self.sidecar.url
+
+    def start_sidecar(self) -> None:
+        self.sidecar_data_port = self.sidecar_data_port or free_port()
+        data = self.root / "sidecar"
+        data.mkdir(exist_ok=True)
+        control = self.sidecar.port if self.sidecar else free_port()
+        self.sidecar = ServiceProcess(
+            [
+                "sidecar",
+                "--port",
+                str(self.sidecar_data_port),
+                "--control-port",
+                str(control),
+                "--data-dir",
+                str(data),
+                "--disk-bytes",
+                str(1 << 30),
+            ],
+            port=control,
+            log_path=self.root / "sidecar.log",
+        ).start()
+
+    def worker_proc(self, i: int, port: int | None = None) -> ServiceProcess:
+        return ServiceProcess(
+            [
+                "worker",
+                "--model",
+                str(self.model_dir),
+                "--sidecar",
+                f"lm://127.0.0.1:{self.sidecar_data_port}",
+                "--threads",
+                "1",
+                "--chunk-size",
+                "64",
+            ],
+            port=port,
+            log_path=self.root / f"worker{i}.log",
+            startup_timeout=120,
+        )
+
+    def restart_worker(self, i: int) -> None:
+        old = self.workers[i]
+        old.stop()
+        self.workers[i] = self.worker_proc(i, port=old.port).start()
+
+    def client(self, key: str = "key-a", **kw: object) -> httpx.Client:
+        return httpx.Client(
+            base_url=self.url, timeout=120, headers={"authorization": f"Bearer {key}"}, **kw
+        )  # type: ignore[arg-type]
+
+    def stop(self) -> None:
+        for proc in [self.gateway, *self.workers, self.sidecar]:
+            if proc is not None:
+                proc.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from worker.presets import create_model
+
+    return create_model("tiny", tmp_path_factory.mktemp("gw-models") / "tiny")
+
+
+@pytest.fixture(scope="session")
+def stack(
+    tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer, tiny_model_dir: Path
+) -> Iterator[Stack]:
+    root = tmp_path_factory.mktemp("stack")
+    s = Stack(root=root, redis=redis_server, model_dir=tiny_model_dir)
+    try:
+        s.start_sidecar()
+        procs = [s.worker_proc(i) for i in range(2)]
+        for p in procs:  # start both, then wait: they load the model in parallel
+            p.startup_timeout = 120
+        s.workers = [p.start() for p in procs]
+        argv = ["gateway", "--redis-url", redis_server.url]
+        for w in s.workers:
+            argv += ["--worker", f"{w.url}={s.sidecar_url}"]
+        for key, tenant in KEYS.items():
+            argv += ["--api-key", f"{key}={tenant}"]
+        s.gateway = ServiceProcess(
+            argv,
+            log_path=root / "gateway.log",
+            env={"CTX_GATEWAY_HEALTH_INTERVAL_S": "0.5", "CTX_GATEWAY_MIN_TTL": "1"},
+            health_path="/ready",
+        ).start()
+        yield s
+    finally:
+        s.stop()
