@@ -14,6 +14,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from cache_manager.app import create_app as create_manager_app
 from cache_manager.client import ManagerClient
 from cache_manager.settings import ManagerSettings
+from ctxcache.body_limit import BodyLimitMiddleware
 from ctxcache.errors import install_error_handlers
 from ctxcache.responses import JSONResponse
 from gateway.auth import KeyRing
@@ -84,12 +85,12 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         version="0.1.0",
         lifespan=lifespan,
         default_response_class=JSONResponse,
-        max_body_size=settings.max_body_bytes,
     )
     install_error_handlers(app)
     app.include_router(context_router)
     app.include_router(completions_router)
     app.include_router(system_router)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     _document_bodies(app)
     return app

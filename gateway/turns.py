@@ -20,7 +20,6 @@ import orjson
 from cache_manager.client import ManagerClient
 from cache_manager.protocol import AppendTurn, BeginTurn, SessionInfo, SessionState
 from ctxcache.errors import (
-    BackendUnavailable,
     ContextLengthExceeded,
     InvalidRequest,
     SessionModelMismatch,
@@ -71,6 +70,17 @@ class Turn:
         return self.state is not None and self.state.lock is not None
 
 
+def check_turn_body(kind: str, body: dict[str, Any]) -> None:
+    if int(body.get("n") or 1) != 1:
+        raise InvalidRequest("a session turn generates one choice: n must be 1", param="n")
+    if body.get("echo"):
+        raise InvalidRequest("echo is not supported on a session turn", param="echo")
+    if kind == "completion":
+        prompt = body["prompt"]
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            raise InvalidRequest("a session turn takes one prompt, not a batch", param="prompt")
+
+
 class TurnService:
     def __init__(
         self,
@@ -88,6 +98,7 @@ class TurnService:
     # -- planning ---------------------------------------------------------------------
     async def begin(self, tenant: str, session_id: str, kind: str, body: dict[str, Any]) -> Turn:
         """Load (and lock, unless `session_append` is false) the session; plan the turn."""
+        check_turn_body(kind, body)  # before the lock: a bad body never blocks the session
         append = body.get("session_append", True) is not False
         state = await self.manager.begin(
             session_id,
@@ -98,7 +109,7 @@ class TurnService:
         try:
             return await self._plan(tenant, session_id, kind, body, state)
         except BaseException:
-            self.release(tenant, state)
+            await self.release_now(tenant, state)
             raise
 
     async def _plan(
@@ -116,22 +127,16 @@ class TurnService:
             raise InvalidRequest(
                 f"this is a {info.kind} session: continue it on {other}", param="session_id"
             )
-        if int(body.get("n") or 1) != 1:
-            raise InvalidRequest("a session turn generates one choice: n must be 1", param="n")
-        if body.get("echo"):
-            raise InvalidRequest("echo is not supported on a session turn", param="echo")
-        worker = self.pool.pick(model, affinity=info.affinity)
-        if kind == "chat":
-            new_msgs = body["messages"]
-            new_tokens, window = await self.prompts.chat_delta(
-                worker, model, state.tokens, state.messages, new_msgs
-            )
-        else:
-            prompt = body["prompt"]
-            if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-                raise InvalidRequest("a session turn takes one prompt, not a batch", param="prompt")
-            new_msgs = []
-            new_tokens, window = await self.prompts.text(worker, model, prompt, special=False)
+        new_msgs = body["messages"] if kind == "chat" else []
+
+        async def build(worker: Worker) -> tuple[list[int], int]:
+            if kind == "chat":
+                return await self.prompts.chat_delta(
+                    worker, model, state.tokens, state.messages, new_msgs
+                )
+            return await self.prompts.text(worker, model, body["prompt"], special=False)
+
+        (new_tokens, window), worker = await self.failover(model, build, affinity=info.affinity)
         turn = Turn(
             kind=kind,
             model=model,
@@ -174,23 +179,35 @@ class TurnService:
             body["kv_transfer_params"] = {"lmcache.tag.s": session_key(turn.session_id)}
         return body
 
-    async def _with_failover(self, turn: Turn, call: Callable[[Worker], Awaitable[Any]]) -> Any:
-        """Run `call` on the turn's worker; if that worker is down, on the next one."""
+    async def failover(
+        self,
+        model: str,
+        call: Callable[[Worker], Awaitable[Any]],
+        *,
+        affinity: str | None = None,
+        first: Worker | None = None,
+    ) -> tuple[Any, Worker]:
+        """Run `call` on a worker; if that worker is down, on the next healthy one.
+
+        Only a worker that could not be reached counts as down: nothing ran there, so
+        running the call elsewhere is safe (the KV is recomputed there). When no healthy
+        worker is left, `pick` raises `backend_unavailable`.
+        """
         tried: list[str] = []
-        worker = turn.worker or self.pool.pick(turn.model)
+        worker = first or self.pool.pick(model, affinity=affinity)
         while True:
             try:
                 async with self.pool.lease(worker):
-                    result = await call(worker)
-                turn.worker = worker
-                return result
+                    return await call(worker), worker
             except WorkerDown as exc:
                 self.pool.mark_down(worker, str(exc))
                 tried.append(worker.id)
-                if len(tried) >= len(self.pool.workers):
-                    raise BackendUnavailable() from exc
-                worker = self.pool.pick(turn.model, exclude=tried)
+                worker = self.pool.pick(model, exclude=tried)
                 log.info("retrying on worker %s (KV is recomputed there)", worker.id)
+
+    async def _with_failover(self, turn: Turn, call: Callable[[Worker], Awaitable[Any]]) -> Any:
+        result, turn.worker = await self.failover(turn.model, call, first=turn.worker)
+        return result
 
     async def generate(self, turn: Turn) -> Generation:
         body = orjson.dumps(self._worker_body(turn, stream=False))
@@ -238,10 +255,19 @@ class TurnService:
             )
         return info
 
-    def release(self, tenant: str, state: SessionState | None) -> None:
-        """Give the turn lock back, in the background (also from a cancelled request)."""
+    async def release_now(self, tenant: str, state: SessionState | None) -> None:
+        """Give the turn lock back before answering, so the client's next turn finds it free.
+
+        Shielded: if this request is being cancelled, the release still completes.
+        """
+        task = self.release(tenant, state)
+        if task is not None:
+            await asyncio.shield(task)
+
+    def release(self, tenant: str, state: SessionState | None) -> asyncio.Task[None] | None:
+        """Give the turn lock back in the background."""
         if state is None or state.lock is None:
-            return
+            return None
         sid, lock = state.info.session_id, state.lock
 
         async def run() -> None:
@@ -254,6 +280,7 @@ class TurnService:
         task = asyncio.get_running_loop().create_task(run())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        return task
 
     async def drain(self) -> None:
         while self._background:
@@ -309,5 +336,5 @@ class TurnService:
                 yield DONE
         finally:
             if not committed:
-                self.release(turn.tenant, turn.state)
+                await self.release_now(turn.tenant, turn.state)
             await upstream.aclose()

@@ -8,7 +8,7 @@ from typing import Any
 from fastapi import Response
 from fastapi.responses import StreamingResponse
 
-from ctxcache.errors import BackendUnavailable, InvalidRequest
+from ctxcache.errors import InvalidRequest
 from ctxcache.responses import JSONResponse
 from gateway.pool import Worker, WorkerPool
 from gateway.shaping import (
@@ -19,7 +19,7 @@ from gateway.shaping import (
     text_completion,
 )
 from gateway.turns import Generation, Turn, TurnService
-from gateway.upstream import WorkerDown, open_stream, post_raw
+from gateway.upstream import SSEStream, open_stream, post_raw
 
 PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
@@ -46,7 +46,7 @@ class CompletionService:
             gen = await self.turns.generate(turn)
             info = await self.turns.commit(turn, gen)
         except BaseException:
-            self.turns.release(tenant, turn.state)
+            await self.turns.release_now(tenant, turn.state)
             raise
         return JSONResponse(self._shape(turn, gen, session_ref(info), body))
 
@@ -78,26 +78,18 @@ class CompletionService:
 
     async def passthrough(self, kind: str, raw: bytes, body: dict[str, Any]) -> Response:
         """No session: the request goes as it is to the least-loaded healthy worker."""
-        model = body["model"]
         path = PATHS[kind]
-        tried: list[str] = []
-        while True:
-            worker = self.pool.pick(model, exclude=tried)
-            try:
-                if body.get("stream"):
-                    return await self._stream_through(worker, path, raw)
-                async with self.pool.lease(worker):
-                    status, payload = await post_raw(worker, path, raw)
-                return Response(payload, status_code=status, media_type="application/json")
-            except WorkerDown as exc:
-                self.pool.mark_down(worker, str(exc))
-                tried.append(worker.id)
-                if len(tried) >= len(self.pool.workers):
-                    raise BackendUnavailable() from exc
+        if body.get("stream"):
+            upstream, worker = await self.turns.failover(
+                body["model"], lambda w: open_stream(w, path, raw)
+            )
+            return self._relay(worker, upstream)
+        (status, payload), _ = await self.turns.failover(
+            body["model"], lambda w: post_raw(w, path, raw)
+        )
+        return Response(payload, status_code=status, media_type="application/json")
 
-    async def _stream_through(self, worker: Worker, path: str, raw: bytes) -> StreamingResponse:
-        upstream = await open_stream(worker, path, raw)
-
+    def _relay(self, worker: Worker, upstream: SSEStream) -> StreamingResponse:
         async def relay() -> AsyncIterator[bytes]:
             try:
                 async with self.pool.lease(worker):

@@ -9,7 +9,7 @@ from cache_manager.protocol import CreateSession, SessionInfo, UpdateSession
 from cache_manager.store import new_session_id
 from ctxcache.errors import InvalidRequest, InvalidTTL
 from gateway.metrics import GatewayMetrics
-from gateway.pool import WorkerPool
+from gateway.pool import Worker, WorkerPool
 from gateway.protocol import ContextCreate, ContextList, ContextObject
 from gateway.settings import GatewaySettings
 from gateway.shaping import chat_completion, sampling_fields, session_ref, text_completion
@@ -60,21 +60,19 @@ class ContextService:
         if (req.prompt is None) == (req.messages is None):
             raise InvalidRequest("give exactly one of prompt or messages", param="prompt")
         ttl = self.check_ttl(req.ttl)
-        worker = self.pool.pick(req.model)
         generate = req.max_tokens > 0
-        if req.messages is not None:
-            kind = "chat"
-            messages = [m.model_dump(exclude_none=True) for m in req.messages]
-            # prefill only: the conversation so far, closed; else ready for the reply
-            prompt, window = await self.turns.prompts.chat(
-                worker, req.model, messages, generation_prompt=generate
-            )
-        else:
-            kind, messages = "completion", []
+        messages = [m.model_dump(exclude_none=True) for m in req.messages or []]
+        kind = "chat" if req.messages is not None else "completion"
+
+        async def build(worker: Worker) -> tuple[list[int], int]:
+            if kind == "chat":  # prefill only: the conversation so far, closed
+                return await self.turns.prompts.chat(
+                    worker, req.model, messages, generation_prompt=generate
+                )
             assert req.prompt is not None
-            prompt, window = await self.turns.prompts.text(
-                worker, req.model, req.prompt, special=True
-            )
+            return await self.turns.prompts.text(worker, req.model, req.prompt, special=True)
+
+        (prompt, window), worker = await self.turns.failover(req.model, build)
         session_id = new_session_id()
         sampling = {k: v for k, v in sampling_fields(body).items() if k not in CREATE_ONLY}
         turn = Turn(

@@ -13,7 +13,8 @@ from ctxcache.net import free_port
 from ctxcache.redis_server import RedisServer
 from tests.utils import ServiceProcess
 
-KEYS = {"key-a": "tenant-a", "key-b": "tenant-b"}
+KEYS = {"key-a": "tenant-a", "key-b": "tenant-b", "key-c": "tenant-c"}
+QUOTAS = '{"tenant-c": {"max_sessions": 1, "max_context_tokens": 100000}}'
 
 
 @dataclass
@@ -118,9 +119,27 @@ def stack(
         s.gateway = ServiceProcess(
             argv,
             log_path=root / "gateway.log",
-            env={"CTX_GATEWAY_HEALTH_INTERVAL_S": "0.5", "CTX_GATEWAY_MIN_TTL": "1"},
+            env={
+                "CTX_GATEWAY_HEALTH_INTERVAL_S": "0.5",
+                "CTX_GATEWAY_MIN_TTL": "1",
+                "CTX_MANAGER_TENANT_QUOTAS": QUOTAS,
+            },
             health_path="/ready",
         ).start()
         yield s
     finally:
         s.stop()
+
+
+def aux_gateway(
+    stack: Stack, name: str, workers: list[str], redis_url: str, **env: str
+) -> ServiceProcess:
+    """Another gateway in front of (some of) the stack's parts, for failure cases."""
+    argv = ["gateway", "--redis-url", redis_url, "--api-key", "key-a=tenant-a"]
+    for w in workers:
+        argv += ["--worker", w]
+    return ServiceProcess(
+        argv,
+        log_path=stack.root / f"{name}.log",
+        env={"CTX_GATEWAY_HEALTH_INTERVAL_S": "0.5", **env},
+    ).start()
