@@ -38,7 +38,10 @@ def create_app(settings: ManagerSettings, *, sidecar_link: SidecarLink | None = 
             health_check_interval=30,
             max_connections=256,
         )
-        link = BackgroundLink(sidecar_link or HttpSidecarLink(timeout_s=settings.sidecar_timeout_s))
+        link = BackgroundLink(
+            sidecar_link
+            or HttpSidecarLink(timeout_s=settings.sidecar_timeout_s, token=settings.sidecar_token)
+        )
         app.state.service = SessionService(SessionStore(redis), settings, link)
         log.info("manager ready, redis at %s", _redact(settings.redis_url))
         try:

@@ -16,23 +16,24 @@ class TenantQuota(BaseModel):
 class ManagerSettings(BaseSettings):
     model_config = service_config("manager")
 
-    host: str = "127.0.0.1"
-    port: int = Field(8300, ge=0, le=65535)
-    redis_url: str = "redis://127.0.0.1:6379/0"
+    host: str = Field("127.0.0.1", description="bind address")
+    port: int = Field(8300, ge=0, le=65535, description="internal API port")
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="the session store")
     redis_timeout_s: float = Field(2.0, gt=0, description="socket timeout of Redis calls")
     default_ttl: int = Field(3600, description="seconds, used when a create gives no ttl")
-    min_ttl: int = Field(60, ge=1)
-    max_ttl: int = Field(7 * 24 * 3600, ge=1)
+    min_ttl: int = Field(60, ge=1, description="smallest ttl accepted")
+    max_ttl: int = Field(7 * 24 * 3600, ge=1, description="largest ttl accepted")
     lock_ttl_ms: int = Field(
         120_000, ge=100, description="a turn lock expires after this even if its holder crashed"
     )
-    default_quota: TenantQuota = TenantQuota()
+    default_quota: TenantQuota = Field(TenantQuota(), description="quota of every tenant")
     tenant_quotas: dict[str, TenantQuota] = Field(
         default_factory=dict, description='per-tenant overrides, JSON: {"acme": {...}}'
     )
     sidecar_timeout_s: float = Field(1.0, gt=0, description="timeout of sidecar pin/drop calls")
+    sidecar_token: str | None = Field(None, description="bearer token of the sidecars' control API")
     token: str | None = Field(None, description="shared token required on the manager API")
-    log_level: str = "INFO"
+    log_level: str = Field("INFO", description="DEBUG, INFO, WARNING, ...")
 
     @model_validator(mode="after")
     def _ttl_bounds(self) -> ManagerSettings:

@@ -39,9 +39,12 @@ class CacheKey:
     chunk_hash: int
     dtype: str
     tags: tuple[tuple[str, str], ...] = field(default=())
+    layer: int | None = None  # LMCache's layer-wise keys (LayerCacheEngineKey) carry one
 
     def to_string(self) -> str:
         s = f"{self.model}@{self.world_size}@{self.worker_id}@{self.chunk_hash:x}@{self.dtype}"
+        if self.layer is not None:
+            s += f"@{self.layer}"
         if self.tags:
             s += "@" + "@".join(f"{k}%{v}" for k, v in self.tags)
         return s
@@ -75,7 +78,11 @@ def parse_key(s: str) -> CacheKey:
     if len(parts) < 5:
         raise ValueError(f"invalid cache key: {s!r}")
     tags: list[tuple[str, str]] = []
-    for kv in parts[5:]:
+    layer = None
+    rest = parts[5:]
+    if rest and rest[0].isdigit():  # model@ws@id@hash@dtype@<layer>[@tags]
+        layer, rest = int(rest[0]), rest[1:]
+    for kv in rest:
         name, sep, value = kv.partition("%")
         if not sep:
             raise ValueError(f"invalid tag in cache key: {s!r}")
@@ -87,6 +94,7 @@ def parse_key(s: str) -> CacheKey:
         chunk_hash=int(parts[3], 16),
         dtype=parts[4],
         tags=tuple(tags),
+        layer=layer,
     )
 
 

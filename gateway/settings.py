@@ -28,34 +28,34 @@ class WorkerEndpoint(BaseModel):
 class GatewaySettings(BaseSettings):
     model_config = service_config("gateway")
 
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
+    host: str = Field("127.0.0.1", description="bind address")
+    port: int = Field(8000, ge=0, le=65535, description="the OpenAI API port")
     workers: list[WorkerEndpoint] = Field(
         default_factory=list, description="JSON list of {id, url, sidecar}"
     )
     manager_url: str | None = Field(None, description="the manager service; unset: in-process")
-    manager_token: str | None = None
+    manager_token: str | None = Field(None, description="shared token of the manager service")
     redis_url: str = Field(
         "redis://127.0.0.1:6379/0", description="Redis of the in-process manager"
     )
     api_keys: dict[str, str] = Field(
         default_factory=dict, description='JSON {"<key>": "<tenant>"}; empty: open'
     )
-    default_ttl: int = 3600
-    min_ttl: int = 60
-    max_ttl: int = 7 * 24 * 3600
-    max_body_bytes: int = Field(8 * 2**20, ge=1024)
+    default_ttl: int = Field(3600, description="seconds, when a create gives no ttl")
+    min_ttl: int = Field(60, description="smallest ttl a client may ask for")
+    max_ttl: int = Field(7 * 24 * 3600, description="largest ttl a client may ask for")
+    max_body_bytes: int = Field(8 * 2**20, ge=1024, description="larger bodies get 413")
     request_timeout_s: float = Field(300.0, gt=0, description="a whole worker call")
-    connect_timeout_s: float = Field(2.0, gt=0)
-    health_interval_s: float = Field(2.0, gt=0)
+    connect_timeout_s: float = Field(2.0, gt=0, description="connecting to a worker")
+    health_interval_s: float = Field(2.0, gt=0, description="seconds between worker checks")
     imbalance_slack: int = Field(
         4,
         ge=0,
         description="in-flight requests an affine worker may run above the least "
         "loaded one before a session turn goes elsewhere",
     )
-    max_inflight_per_worker: int = Field(64, ge=1)
-    log_level: str = "INFO"
+    max_inflight_per_worker: int = Field(64, ge=1, description="then a turn goes elsewhere")
+    log_level: str = Field("INFO", description="DEBUG, INFO, WARNING, ...")
 
     @field_validator("workers", mode="before")
     @classmethod

@@ -87,3 +87,18 @@ def test_cli_lists_the_contract_commands() -> None:
     for name in ("serve", "manager"):
         assert name in out
     assert build_parser().parse_args(["manager", "--port", "9999"]).port == 9999
+
+
+def test_lmcache_keys_round_trip_including_layerwise() -> None:
+    from ctxcache.lmcache_keys import parse_key, session_key, tags_from_params
+
+    tags = tags_from_params({"lmcache.tag.s": session_key("ctx_x"), "other": 1})
+    key = "tiny@1@0@1f@float@s%" + session_key("ctx_x")
+    parsed = parse_key(key)
+    assert parsed.to_string() == key and parsed.session == session_key("ctx_x")
+    assert parsed.tags == tags and parsed.layer is None
+    layered = parse_key("m@2@1@abc@half@7@s%k")
+    assert (layered.layer, layered.session) == (7, "k")
+    assert layered.to_string() == "m@2@1@abc@half@7@s%k"
+    with pytest.raises(ValueError):
+        parse_key("m@1@0@1f")

@@ -1,0 +1,87 @@
+"""Bench output: JSON rows, a Markdown table and a PNG plot."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    target: str
+    op: str  # "put" | "get"
+    size: int
+    clients: int
+    ops: int  # over all rounds
+    rounds: int
+    gbps: float  # 1e9 payload bytes per second, median over the rounds
+    p50_ms: float
+    p99_ms: float
+
+
+def human(size: int) -> str:
+    return f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"
+
+
+def markdown(rows: list[Row], targets: list[str]) -> str:
+    by = {(r.target, r.op, r.size, r.clients): r for r in rows}
+    head = ["op", "block", "clients"] + [f"{t} GB/s (p50 / p99 ms)" for t in targets]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    cases = sorted({(r.op, r.size, r.clients) for r in rows}, key=lambda c: (c[0] != "get", *c[1:]))
+    for op, size, clients in cases:
+        cells = [op.upper(), human(size), str(clients)]
+        best = max(
+            (by[(t, op, size, clients)].gbps for t in targets if (t, op, size, clients) in by),
+            default=0.0,
+        )
+        for t in targets:
+            r = by.get((t, op, size, clients))
+            if r is None:
+                cells.append("n/a")
+                continue
+            gb = f"**{r.gbps:.2f}**" if r.gbps == best else f"{r.gbps:.2f}"
+            cells.append(f"{gb} ({r.p50_ms:.2f} / {r.p99_ms:.2f})")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[Row], targets: list[str], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5), sharey=True)
+    for ax, op in zip(axes, ("get", "put"), strict=True):
+        cases = sorted({(r.size, r.clients) for r in rows if r.op == op})
+        width = 0.8 / max(1, len(targets))
+        for i, t in enumerate(targets):
+            vals = [
+                next(
+                    (r.gbps for r in rows if (r.target, r.op, r.size, r.clients) == (t, op, s, c)),
+                    0.0,
+                )
+                for s, c in cases
+            ]
+            ax.bar([x + i * width for x in range(len(cases))], vals, width, label=t)
+        ax.set_xticks([x + width * (len(targets) - 1) / 2 for x in range(len(cases))])
+        ax.set_xticklabels([f"{human(s)}\n{c} client{'s' if c > 1 else ''}" for s, c in cases])
+        ax.set_title(f"{op.upper()} throughput (loopback)")
+        ax.set_ylabel("GB/s")
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write(rows: list[Row], targets: list[str], out: Path, meta: dict[str, object]) -> str:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(
+        json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=2)
+    )
+    table = markdown(rows, targets)
+    (out / "results.md").write_text(table)
+    plot(rows, targets, out / "sidecar-bench.png")
+    return table

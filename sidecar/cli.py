@@ -1,0 +1,53 @@
+"""`ctxcache sidecar`: the KV sidecar (data port + control API in one process)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    a = parser.add_argument
+    a("--host", help="bind address for both ports (default 127.0.0.1)")
+    a("--port", type=int, help="data port, LMCache lm:// protocol (default 65432)")
+    a("--control-port", type=int, help="control HTTP API port (default 8200)")
+    a("--data-dir", help="directory of the disk tier and the saved pins")
+    a("--memory-bytes", type=int, help="memory tier budget in bytes (default 4 GiB)")
+    a("--disk-bytes", type=int, help="disk tier budget in bytes (default 0: no disk tier)")
+    a("--token", help="bearer token the control API requires (env CTX_SIDECAR_TOKEN)")
+    a(
+        "--encryption-key",
+        help="base64 32-byte AES-256-GCM key for the disk tier (env CTX_SIDECAR_ENCRYPTION_KEY)",
+    )
+    a("--log-level", help="DEBUG, INFO, WARNING...")
+
+
+def main(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from ctxcache.logs import setup_logging
+    from ctxcache.settings import from_args
+    from sidecar.app import create_app
+    from sidecar.settings import SidecarSettings
+
+    settings = from_args(
+        SidecarSettings,
+        args,
+        host="host",
+        port="port",
+        control_port="control_port",
+        data_dir="data_dir",
+        memory_bytes="memory_bytes",
+        disk_bytes="disk_bytes",
+        token="token",
+        encryption_key="encryption_key",
+        log_level="log_level",
+    )
+    setup_logging("sidecar", settings.log_level)
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.control_port,
+        log_config=None,
+        access_log=False,
+    )
+    return 0

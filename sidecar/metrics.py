@@ -1,0 +1,50 @@
+"""Prometheus metrics of one sidecar, in its own registry (no process-global state)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+PREFIX = "ctxcache_sidecar"
+
+
+class SidecarMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            f"{PREFIX}_requests", "data-port requests by command", ["command"], registry=r
+        )
+        self.hits = Counter(f"{PREFIX}_hits", "GET hits by tier", ["tier"], registry=r)
+        self.misses = Counter(f"{PREFIX}_misses", "GET misses", registry=r)
+        self.bytes_in = Counter(f"{PREFIX}_put_bytes", "payload bytes received", registry=r)
+        self.bytes_out = Counter(f"{PREFIX}_get_bytes", "payload bytes sent", registry=r)
+        self.evictions = Counter(
+            f"{PREFIX}_evictions", "blocks dropped to make room, by tier", ["tier"], registry=r
+        )
+        self.spills = Counter(f"{PREFIX}_spills", "blocks written to the disk tier", registry=r)
+        self.corrupt = Counter(
+            f"{PREFIX}_corrupt_blocks", "disk blocks that failed verification", registry=r
+        )
+        self.refused = Counter(
+            f"{PREFIX}_refused_blocks", "PUTs not stored, by reason", ["reason"], registry=r
+        )
+        self.expired = Counter(
+            f"{PREFIX}_expired_sessions", "sessions dropped at expiry", registry=r
+        )
+        self.connections = Gauge(f"{PREFIX}_connections", "open data connections", registry=r)
+        self._gauges: dict[str, Gauge] = {}
+
+    def render(self, stats: Callable[[], dict[str, Any]]) -> bytes:
+        """Exposition text; the store's numeric stats become gauges at scrape time."""
+        for name, value in stats().items():
+            if not isinstance(value, int | float) or isinstance(value, bool):
+                continue
+            gauge = self._gauges.get(name)
+            if gauge is None:
+                gauge = Gauge(f"{PREFIX}_{name}", f"store stat {name}", registry=self.registry)
+                self._gauges[name] = gauge
+            gauge.set(value)
+        return generate_latest(self.registry)

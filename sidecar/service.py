@@ -1,0 +1,79 @@
+"""One running sidecar: the store, its tiers, the data server and the expiry reaper.
+
+`create_app` (sidecar/app.py) starts and stops it in the control API's lifespan, so one
+process serves both ports; tests can also run it on its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from sidecar.disk import DiskTier
+from sidecar.metrics import SidecarMetrics
+from sidecar.server import DataServer
+from sidecar.sessions import PinTable
+from sidecar.settings import SidecarSettings
+from sidecar.store import BlockStore
+
+log = logging.getLogger(__name__)
+
+
+class Sidecar:
+    def __init__(self, settings: SidecarSettings) -> None:
+        self.settings = settings
+        self.metrics = SidecarMetrics()
+        disk, pins_path = None, None
+        if settings.data_dir is not None:
+            settings.data_dir.mkdir(parents=True, exist_ok=True)
+            pins_path = settings.data_dir / "sessions.json"
+            if settings.disk_enabled:
+                disk = DiskTier(settings.data_dir, aes_key=settings.aes_key)
+        self.store = BlockStore(
+            memory_bytes=settings.memory_bytes,
+            disk=disk,
+            disk_bytes=settings.disk_bytes,
+            pins=PinTable(pins_path),
+            metrics=self.metrics,
+        )
+        self.server: DataServer | None = None
+        self._stop = threading.Event()
+        self._reaper = threading.Thread(target=self._reap_loop, name="sidecar-reaper", daemon=True)
+
+    @property
+    def port(self) -> int:
+        assert self.server is not None
+        return self.server.port
+
+    def start(self) -> Sidecar:
+        self.store.load_disk()
+        self.store.reap()
+        self.server = DataServer(
+            self.store,
+            self.settings.host,
+            self.settings.port,
+            max_block_bytes=self.settings.max_block_bytes,
+            metrics=self.metrics,
+        )
+        self.server.start()
+        self._reaper.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self.server is not None:
+            self.server.stop()
+        if self._reaper.is_alive():
+            self._reaper.join(timeout=5)
+        if self.settings.flush_on_shutdown:
+            n = self.store.flush()
+            if n:
+                log.info("flushed %d memory blocks to the disk tier", n)
+        self.store.reap()  # also saves the pins
+
+    def _reap_loop(self) -> None:
+        while not self._stop.wait(self.settings.reap_interval):
+            try:
+                self.store.reap()
+            except Exception:
+                log.exception("expiry sweep failed")

@@ -1,0 +1,390 @@
+"""The block store: a memory tier and a disk tier under one index, with session pins.
+
+Policy (docs/sidecar.md has the long form):
+- A PUT lands in memory. When memory is over budget the least recently used block
+  leaves it — unpinned blocks first, then pinned ones — and spills to the disk tier
+  (if it has no copy there yet). A block larger than the memory budget goes straight
+  to disk.
+- The disk tier makes room by deleting its least recently used *unpinned* blocks. A
+  block that finds no room is dropped if unpinned; a pinned one stays in memory.
+- Pinned blocks (their session is pinned and not expired) are never dropped to make
+  room. A new pinned block that would take pinned bytes past the pin budget (memory +
+  disk budgets) is refused, so one session can never push out another's pinned KV.
+- A GET served from disk promotes the block back into memory (keeping the disk copy).
+
+One lock guards the index; payload bytes move outside it (socket I/O, disk writes and
+reads), so concurrent connections only serialize on dictionary updates.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+from sidecar.blocks import BlockMeta, Buffer, Entry, Work
+from sidecar.disk import CorruptBlock, DiskTier
+from sidecar.metrics import SidecarMetrics
+from sidecar.sessions import PinTable, save_pins
+
+log = logging.getLogger(__name__)
+
+
+class BlockStore:
+    def __init__(
+        self,
+        *,
+        memory_bytes: int,
+        disk: DiskTier | None = None,
+        disk_bytes: int = 0,
+        pins: PinTable | None = None,
+        metrics: SidecarMetrics | None = None,
+    ) -> None:
+        self.memory_bytes = memory_bytes
+        self.disk = disk if disk_bytes > 0 else None
+        self.disk_bytes = disk_bytes if self.disk else 0
+        self.pin_budget = self.memory_bytes + self.disk_bytes
+        self.pins = pins if pins is not None else PinTable()
+        self.metrics = metrics if metrics is not None else SidecarMetrics()
+        self._lock = threading.Lock()
+        self._blocks: dict[str, Entry] = {}
+        self._by_session: dict[str, set[str]] = {}
+        # LRU order, oldest first; index by the entry's pinned flag
+        self._mem: tuple[OrderedDict[str, Entry], OrderedDict[str, Entry]] = (
+            OrderedDict(),
+            OrderedDict(),
+        )
+        self._disk: tuple[OrderedDict[str, Entry], OrderedDict[str, Entry]] = (
+            OrderedDict(),
+            OrderedDict(),
+        )
+        self._memory_hits = self.metrics.hits.labels("memory")
+        self.mem_used = 0
+        self.disk_used = 0  # written + reserved for writes in flight
+        self.pinned_used = 0
+
+    # ---- start-up -------------------------------------------------------------------
+    def load_disk(self) -> int:
+        """Index the blocks the disk tier holds from a previous run; returns how many."""
+        if self.disk is None:
+            return 0
+        work = Work()
+        with self._lock:
+            for found in self.disk.scan():
+                old = self._blocks.get(found.meta.key)
+                if old is not None:  # an older copy of the same key: keep the newest
+                    self._unlink(old, work)
+                e = Entry(found.meta, found.meta.session)
+                e.pinned = self.pins.is_pinned(e.session)
+                self._link(e)
+                self.disk_used += e.size
+                self._disk_add(e, found.path)
+            while self.disk_used > self.disk_bytes and self._disk[False]:
+                self._unlink(next(iter(self._disk[False].values())), work)
+        self._finish(work)
+        log.info("disk tier: %d blocks, %d bytes", len(self._blocks), self.disk_used)
+        return len(self._blocks)
+
+    # ---- data path ------------------------------------------------------------------
+    def put(self, meta: BlockMeta, data: Buffer) -> bool:
+        """Store a block; False when it is refused (see the module docstring)."""
+        work = Work()
+        with self._lock:
+            e = Entry(meta, meta.session)
+            e.pinned = self.pins.is_pinned(e.session)
+            old = self._blocks.get(meta.key)
+            old_pinned = old.size if old is not None and old.pinned else 0
+            if e.pinned and self.pinned_used - old_pinned + e.size > self.pin_budget:
+                return self._refuse(meta, "pin_budget")
+            to_disk = e.size > self.memory_bytes
+            if to_disk and (e.size > self.disk_bytes or self.disk is None):
+                return self._refuse(meta, "too_large")
+            if old is not None:
+                self._unlink(old, work)
+            stored = not to_disk or self._reserve_disk(e.size, work)
+            if stored:
+                e.data = data
+                self._link(e)
+                if to_disk:
+                    e.spilling = True
+                    work.spill.append((e, data))
+                else:
+                    self._mem_add(e)
+                    self._evict_memory(work)
+        self._finish(work)
+        return stored or self._refuse(meta, "disk_full")
+
+    def get(self, key: str) -> tuple[BlockMeta, Buffer] | None:
+        with self._lock:
+            e = self._blocks.get(key)
+            if e is None:
+                self.metrics.misses.inc()
+                return None
+            if e.data is not None:
+                if e.in_mem:
+                    self._mem[e.pinned].move_to_end(key)
+                self._memory_hits.inc()
+                return e.meta, e.data
+            path = e.disk_path
+            assert path is not None and self.disk is not None
+            self._disk[e.pinned].move_to_end(key)
+        try:
+            data = self.disk.read(e.meta, path)
+        except CorruptBlock as exc:
+            self._drop_corrupt(e, path, exc)
+            self.metrics.misses.inc()
+            return None
+        self.metrics.hits.labels("disk").inc()
+        work = Work()
+        with self._lock:  # promote: the block is hot again
+            if self._blocks.get(key) is e and not e.in_mem and e.size <= self.memory_bytes:
+                e.data = data
+                self._mem_add(e)
+                self._evict_memory(work)
+        self._finish(work)
+        return e.meta, data
+
+    def exists(self, key: str) -> bool:
+        with self._lock:
+            return key in self._blocks
+
+    def keys(self) -> list[str]:
+        with self._lock:
+            return list(self._blocks)
+
+    # ---- sessions -------------------------------------------------------------------
+    def pin(self, session: str, expires_at: float) -> None:
+        """Pin or extend a session; its blocks already stored become pinned too."""
+        if expires_at <= time.time():
+            self.drop_session(session)
+            return
+        with self._lock:
+            self.pins.set(session, expires_at)
+            for key in self._by_session.get(session, ()):
+                self._set_pinned(self._blocks[key], True)
+
+    def drop_session(self, session: str) -> tuple[int, int]:
+        """Drop a session's blocks from every tier and its pin; returns (blocks, bytes)."""
+        work = Work()
+        with self._lock:
+            dropped = self._drop_session(session, work)
+        self._finish(work)
+        return dropped
+
+    def reap(self, now: float | None = None) -> int:
+        """Drop the blocks of sessions whose pin expired; save the pins if they changed."""
+        work = Work()
+        now = time.time() if now is None else now
+        with self._lock:
+            expired = self.pins.expired(now)
+            for session in expired:
+                self._drop_session(session, work)
+            snapshot = self.pins.snapshot() if self.pins.dirty and self.pins.path else None
+        self._finish(work)
+        if expired:
+            self.metrics.expired.inc(len(expired))
+            log.info("dropped %d expired sessions", len(expired))
+        if snapshot is not None and self.pins.path is not None:
+            save_pins(self.pins.path, snapshot)
+        return len(expired)
+
+    def session_info(self, session: str) -> dict[str, Any]:
+        with self._lock:
+            keys = self._by_session.get(session, ())
+            return {
+                "session": session,
+                "blocks": len(keys),
+                "bytes": sum(self._blocks[k].size for k in keys),
+                "pinned": self.pins.is_pinned(session),
+                "expires_at": self.pins.expires_at(session),
+            }
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "blocks": len(self._blocks),
+                "memory_blocks": len(self._mem[0]) + len(self._mem[1]),
+                "memory_bytes_used": self.mem_used,
+                "memory_bytes_budget": self.memory_bytes,
+                "disk_blocks": len(self._disk[0]) + len(self._disk[1]),
+                "disk_bytes_used": self.disk_used,
+                "disk_bytes_budget": self.disk_bytes,
+                "pinned_bytes": self.pinned_used,
+                "pinned_sessions": len(self.pins),
+                "sessions": len(self._by_session),
+            }
+
+    def flush(self) -> int:
+        """Write every memory-only block to the disk tier (clean shutdown); returns count."""
+        if self.disk is None:
+            return 0
+        with self._lock:
+            pending = [*reversed(self._mem[1].values()), *reversed(self._mem[0].values())]
+        written = 0
+        for e in pending:
+            work = Work()
+            with self._lock:
+                if self._blocks.get(e.meta.key) is not e or e.data is None:
+                    continue
+                if e.disk_path is not None or e.spilling or not e.in_mem:
+                    continue
+                if not self._reserve_disk(e.size, work):
+                    continue
+                e.spilling = True
+                work.spill.append((e, e.data))
+            self._finish(work)
+            written += 1
+        return written
+
+    # ---- internals (call with the lock held) ----------------------------------------
+    def _refuse(self, meta: BlockMeta, reason: str) -> bool:
+        self.metrics.refused.labels(reason).inc()
+        log.warning("refused block %s (%d bytes): %s", meta.key, meta.length, reason)
+        return False
+
+    def _link(self, e: Entry) -> None:
+        self._blocks[e.meta.key] = e
+        if e.session is not None:
+            self._by_session.setdefault(e.session, set()).add(e.meta.key)
+        if e.pinned:
+            self.pinned_used += e.size
+
+    def _unlink(self, e: Entry, work: Work) -> None:
+        """Forget a block everywhere (a spill in flight notices and deletes its file)."""
+        del self._blocks[e.meta.key]
+        if e.session is not None:
+            keys = self._by_session[e.session]
+            keys.discard(e.meta.key)
+            if not keys:
+                del self._by_session[e.session]
+        if e.pinned:
+            self.pinned_used -= e.size
+        if e.in_mem:
+            self._mem_remove(e)
+        if e.disk_path is not None:
+            self._disk_remove(e, work)
+        e.data = None
+
+    def _mem_add(self, e: Entry) -> None:
+        self._mem[e.pinned][e.meta.key] = e
+        e.in_mem = True
+        self.mem_used += e.size
+
+    def _mem_remove(self, e: Entry) -> None:
+        del self._mem[e.pinned][e.meta.key]
+        e.in_mem = False
+        self.mem_used -= e.size
+
+    def _disk_add(self, e: Entry, path: Path) -> None:
+        """Count a written file (its space was reserved before the write)."""
+        self._disk[e.pinned][e.meta.key] = e
+        e.disk_path = path
+
+    def _disk_remove(self, e: Entry, work: Work) -> None:
+        del self._disk[e.pinned][e.meta.key]
+        assert e.disk_path is not None
+        work.trash.append(e.disk_path)
+        e.disk_path = None
+        self.disk_used -= e.size
+
+    def _set_pinned(self, e: Entry, pinned: bool) -> None:
+        if e.pinned == pinned:
+            return
+        for tier in (self._mem, self._disk):
+            if e.meta.key in tier[e.pinned]:
+                tier[pinned][e.meta.key] = tier[e.pinned].pop(e.meta.key)
+        self.pinned_used += e.size if pinned else -e.size
+        e.pinned = pinned
+
+    def _drop_session(self, session: str, work: Work) -> tuple[int, int]:
+        self.pins.remove(session)
+        entries = [self._blocks[k] for k in self._by_session.get(session, ())]
+        for e in entries:
+            self._unlink(e, work)
+        return len(entries), sum(e.size for e in entries)
+
+    def _reserve_disk(self, n: int, work: Work) -> bool:
+        """Make room for n bytes on disk by deleting unpinned LRU blocks, then reserve it."""
+        if self.disk is None or n > self.disk_bytes:
+            return False
+        unpinned = self._disk[False]
+        while self.disk_used + n > self.disk_bytes and unpinned:
+            victim = next(iter(unpinned.values()))
+            if victim.in_mem:
+                self._disk_remove(victim, work)  # still in memory: only the copy goes
+            else:
+                self._unlink(victim, work)
+                self.metrics.evictions.labels("disk").inc()
+        if self.disk_used + n > self.disk_bytes:
+            return False
+        self.disk_used += n
+        return True
+
+    def _evict_memory(self, work: Work) -> None:
+        while self.mem_used > self.memory_bytes:
+            tier = self._mem[False] or self._mem[True]
+            if not tier:
+                return
+            victim = next(iter(tier.values()))
+            self._mem_remove(victim)
+            if victim.disk_path is not None:
+                victim.data = None  # the disk copy is current
+            elif victim.data is not None and self._reserve_disk(victim.size, work):
+                victim.spilling = True
+                work.spill.append((victim, victim.data))
+            elif not victim.pinned:
+                self._unlink(victim, work)
+                self.metrics.evictions.labels("memory").inc()
+            else:  # pinned, nowhere to go: keep it, over budget, rather than lose it
+                self._mem_add(victim)
+                log.warning(
+                    "memory over budget: pinned block %s has no room on disk", victim.meta.key
+                )
+                return
+
+    # ---- work done outside the lock -------------------------------------------------
+    def _finish(self, work: Work) -> None:
+        # Write before deleting: a crash in between must leave the old copy of an
+        # overwritten key, not nothing (the next start keeps the newest file per key).
+        for e, data in work.spill:
+            self._write(e, data)
+        for path in work.trash:
+            path.unlink(missing_ok=True)
+
+    def _write(self, e: Entry, data: Buffer) -> None:
+        assert self.disk is not None
+        try:
+            path: Path | None = self.disk.write(e.meta, data)
+        except OSError as exc:
+            log.error("disk write of %s failed: %s", e.meta.key, exc)
+            path = None
+        with self._lock:
+            e.spilling = False
+            current = self._blocks.get(e.meta.key) is e
+            if path is not None and current:
+                self._disk_add(e, path)
+                if not e.in_mem:
+                    e.data = None
+                self.metrics.spills.inc()
+                return
+            self.disk_used -= e.size  # give the reservation back
+            if current and not e.in_mem:
+                if e.pinned and e.size <= self.memory_bytes:
+                    self._mem_add(e)  # keep pinned KV in memory rather than lose it
+                else:
+                    self._unlink(e, Work())
+        if path is not None:
+            path.unlink(missing_ok=True)  # the block was replaced or dropped meanwhile
+
+    def _drop_corrupt(self, e: Entry, path: Path, exc: CorruptBlock) -> None:
+        work = Work()
+        with self._lock:
+            if self._blocks.get(e.meta.key) is not e or e.disk_path != path:
+                return  # evicted or replaced while we read: not corruption
+            self._unlink(e, work)
+        self._finish(work)
+        self.metrics.corrupt.inc()
+        log.warning("corrupt block %s dropped: %s", e.meta.key, exc)
