@@ -17,11 +17,11 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import IO
+from typing import IO, Any
 
 from ctxcache.net import wait_http
 
-__all__ = ["Child", "Supervisor", "http_ready"]
+__all__ = ["Child", "Interrupted", "Supervisor", "http_ready"]
 
 log = logging.getLogger(__name__)
 
@@ -36,12 +36,35 @@ class Child:
     proc: subprocess.Popen[bytes] | None = None
 
 
+class Interrupted(Exception):
+    """SIGINT/SIGTERM arrived while the stack was starting."""
+
+
 class Supervisor:
+    """Use as a context manager: from entry on, SIGINT/SIGTERM request a clean stop."""
+
     def __init__(self, *, out: IO[str] | None = None, grace_s: float = 10.0) -> None:
         self.children: list[Child] = []
         self.out = out or sys.stdout
         self.grace_s = grace_s
         self._lock = threading.Lock()
+        self.stopping = threading.Event()
+        self._old_handlers: dict[int, Any] = {}
+
+    def __enter__(self) -> Supervisor:
+        def on_signal(signum: int, frame: object) -> None:
+            self.stopping.set()
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._old_handlers[sig] = signal.signal(sig, on_signal)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.stop()
+        finally:
+            for sig, handler in self._old_handlers.items():
+                signal.signal(sig, handler)
 
     def start(self, child: Child) -> Child:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **child.env}
@@ -57,6 +80,8 @@ class Supervisor:
         if child.ready is not None:
             deadline = time.monotonic() + child.startup_timeout
             while True:
+                if self.stopping.is_set():
+                    raise Interrupted()
                 if child.proc.poll() is not None:
                     raise RuntimeError(f"{child.name} exited with {child.proc.returncode}")
                 try:
@@ -80,29 +105,15 @@ class Supervisor:
                 self.out.flush()
 
     def wait(self) -> int:
-        """Block until a child exits on its own (an error) or a signal stops us."""
-        stop = threading.Event()
-        exit_code = 0
-
-        def on_signal(signum: int, frame: object) -> None:
-            stop.set()
-
-        old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            while not stop.wait(0.5):
-                for child in self.children:
-                    if child.proc is not None and child.proc.poll() is not None:
-                        log.error(
-                            "%s exited with %s; stopping the stack",
-                            child.name,
-                            child.proc.returncode,
-                        )
-                        exit_code = 1
-                        stop.set()
-        finally:
-            for s, handler in old.items():
-                signal.signal(s, handler)
-        return exit_code
+        """Block until a signal asks for a stop (0) or a child exits on its own (1)."""
+        while not self.stopping.wait(0.5):
+            for child in self.children:
+                if child.proc is not None and child.proc.poll() is not None:
+                    log.error(
+                        "%s exited with %s; stopping the stack", child.name, child.proc.returncode
+                    )
+                    return 1
+        return 0
 
     def stop(self) -> None:
         """SIGTERM every child's process group, newest first; SIGKILL what lingers."""

@@ -1,0 +1,153 @@
+"""`ctxcache serve`: one command for the whole stack; Ctrl-C leaves nothing behind; a
+restart on the same data dir continues every session."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+
+from ctxcache.net import free_port, wait_http
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below `pid` (children start their own sessions, so walk ppids)."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            parents[int(entry.name)] = int(fields[1])
+    found: set[int] = set()
+    frontier = {pid}
+    while frontier:
+        frontier = {p for p, pp in parents.items() if pp in frontier} - found
+        found |= frontier
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def start_serve(data: Path, port: int, log: Path) -> subprocess.Popen[bytes]:
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "ctxcache.cli",
+                "serve",
+                "--port",
+                str(port),
+                "--data-dir",
+                str(data),
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    try:
+        wait_http(f"http://127.0.0.1:{port}/ready", timeout=180)
+    except TimeoutError:
+        proc.kill()
+        raise AssertionError(log.read_text()[-3000:]) from None
+    return proc
+
+
+def stop_serve(proc: subprocess.Popen[bytes]) -> None:
+    children = descendants(proc.pid)
+    assert len(children) >= 4  # redis, sidecar, worker, gateway (and their own children)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=60) == 0
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in children if alive(p)], "processes left behind after Ctrl-C"
+
+
+def test_serve_runs_stops_cleanly_and_continues_after_restart(tmp_path: Path) -> None:
+    data, port, log = tmp_path / "data", free_port(), tmp_path / "serve.log"
+    proc = start_serve(data, port, log)
+    try:
+        banner = f"serving on http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 10
+        while banner not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert banner in log.read_text()
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="any", max_retries=0)
+        r = httpx.post(
+            f"http://127.0.0.1:{port}/v1/context",
+            json={"model": "tiny", "messages": [{"role": "system", "content": "Be brief. " * 40}]},
+        )
+        assert r.status_code == 200, r.text
+        sid = r.json()["session_id"]
+        for question in ("one?", "two?", "three?"):
+            out = client.chat.completions.create(
+                model="tiny",
+                messages=[{"role": "user", "content": question}],
+                max_tokens=4,
+                temperature=0,
+                extra_body={"session_id": sid},
+            )
+            assert out.choices[0].message.content is not None
+    finally:
+        stop_serve(proc)
+
+    proc = start_serve(data, port, log)  # same data dir: Redis AOF, sidecar disk tier
+    try:
+        info = httpx.get(f"http://127.0.0.1:{port}/v1/context/{sid}").json()
+        assert info["turns"] == 4  # the create + 3 turns survived the restart
+        out = client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "four?"}],
+            max_tokens=4,
+            temperature=0,
+            extra_body={"session_id": sid},
+        )
+        assert (out.model_extra or {})["session"]["session_id"] == sid
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/context/{sid}").json()["turns"] == 5
+    finally:
+        stop_serve(proc)
+
+
+def test_ctrl_c_during_start_up_stops_cleanly(tmp_path: Path) -> None:
+    log = tmp_path / "serve.log"
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "ctxcache.cli",
+                "serve",
+                "--port",
+                str(free_port()),
+                "--data-dir",
+                str(tmp_path / "data"),
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    deadline = time.monotonic() + 60
+    while "redis is up" not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    children = descendants(proc.pid)
+    assert children, log.read_text()
+    proc.send_signal(signal.SIGINT)  # while the other services are still starting
+    assert proc.wait(timeout=60) == 0, log.read_text()[-2000:]
+    time.sleep(0.5)
+    assert not [p for p in children | descendants(proc.pid) if alive(p)]
