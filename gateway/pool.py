@@ -16,7 +16,7 @@ import logging
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 
-import httpx
+import aiohttp
 
 from ctxcache.errors import BackendUnavailable, NotFound
 from gateway.settings import WorkerEndpoint
@@ -34,7 +34,7 @@ class Worker:
     id: str
     url: str
     sidecar: str | None
-    http: httpx.AsyncClient
+    http: aiohttp.ClientSession
     healthy: bool = False
     inflight: int = 0
     models: dict[str, int] = field(default_factory=dict)  # model id -> max_model_len
@@ -51,17 +51,11 @@ class WorkerPool:
         imbalance_slack: int,
         max_inflight: int,
     ) -> None:
-        timeout = httpx.Timeout(request_timeout_s, connect=connect_timeout_s)
-        limits = httpx.Limits(max_connections=max_inflight * 2, max_keepalive_connections=64)
-        self.workers = [
-            Worker(
-                e.id,
-                e.url,
-                e.sidecar,
-                httpx.AsyncClient(base_url=e.url, timeout=timeout, limits=limits),
-            )
-            for e in endpoints
-        ]
+        self.workers = [Worker(e.id, e.url, e.sidecar, None) for e in endpoints]  # type: ignore[arg-type]
+        self._timeout = aiohttp.ClientTimeout(
+            total=request_timeout_s, sock_connect=connect_timeout_s
+        )
+        self._connections = max_inflight * 2
         self.health_interval_s = health_interval_s
         self.imbalance_slack = imbalance_slack
         self.max_inflight = max_inflight
@@ -69,6 +63,12 @@ class WorkerPool:
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
+        """Open one pooled keep-alive session per worker (needs the running loop)."""
+        for w in self.workers:
+            connector = aiohttp.TCPConnector(limit=self._connections, keepalive_timeout=30)
+            w.http = aiohttp.ClientSession(
+                base_url=w.url, connector=connector, timeout=self._timeout, raise_for_status=False
+            )
         await self.check_all()
         self._task = asyncio.get_running_loop().create_task(self._health_loop())
 
@@ -78,7 +78,7 @@ class WorkerPool:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         for w in self.workers:
-            await w.http.aclose()
+            await w.http.close()
 
     async def _health_loop(self) -> None:
         while True:
@@ -89,14 +89,16 @@ class WorkerPool:
         await asyncio.gather(*(self.check(w) for w in self.workers))
 
     async def check(self, w: Worker) -> None:
+        probe = aiohttp.ClientTimeout(total=min(2.0, self.health_interval_s * 2))
         try:
-            r = await w.http.get("/health", timeout=min(2.0, self.health_interval_s * 2))
-            ok = r.status_code == 200
+            async with w.http.get("/health", timeout=probe) as r:
+                ok = r.status == 200
             if ok and not w.models:
-                r = await w.http.get("/v1/models", timeout=2.0)
-                r.raise_for_status()
-                w.models = {m["id"]: int(m.get("max_model_len") or 0) for m in r.json()["data"]}
-        except (httpx.HTTPError, ValueError, KeyError) as exc:
+                async with w.http.get("/v1/models", timeout=probe) as r:
+                    r.raise_for_status()
+                    models = (await r.json())["data"]
+                w.models = {m["id"]: int(m.get("max_model_len") or 0) for m in models}
+        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError) as exc:
             ok = False
             log.debug("health check of %s failed: %s", w.id, exc)
         if ok != w.healthy:

@@ -1,9 +1,12 @@
 """Calls to an inference worker, with every failure mapped to the error table.
 
-A worker that cannot be reached (connection refused or reset before a byte came back)
-raises `WorkerDown`: nothing happened there, so the caller may retry on another worker.
-A worker that took too long is `backend_timeout`; an error the worker answered (its own
+A worker that cannot be reached (connection refused, or closed before answering) raises
+`WorkerDown`: nothing was answered there, so the caller may retry on another worker. A
+worker that took too long is `backend_timeout`; an error the worker answered (its own
 OpenAI envelope, e.g. `context_length_exceeded`) is passed on as the same error.
+
+The client is aiohttp: under load httpx's connection pool scans every pooled connection
+on every request, which cost the gateway most of its CPU (see docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -12,11 +15,13 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
-import httpx
+import aiohttp
 import orjson
 
 from ctxcache.errors import BackendTimeout, BackendUnavailable, CtxError, error_from_envelope
 from gateway.pool import Worker
+
+_JSON = {"content-type": "application/json"}
 
 
 class WorkerDown(Exception):
@@ -25,20 +30,19 @@ class WorkerDown(Exception):
         self.worker = worker
 
 
-_JSON = {"content-type": "application/json"}
-
-
 @contextlib.asynccontextmanager
 async def mapped_errors(worker: Worker) -> AsyncIterator[None]:
     try:
         yield
-    except (httpx.ConnectError, httpx.RemoteProtocolError) as exc:
+    except (
+        aiohttp.ClientConnectorError,
+        aiohttp.ServerDisconnectedError,
+        aiohttp.ConnectionTimeoutError,
+    ) as exc:
         raise WorkerDown(worker, type(exc).__name__) from exc
-    except httpx.TimeoutException as exc:
-        if isinstance(exc, httpx.ConnectTimeout):
-            raise WorkerDown(worker, "connect timeout") from exc
+    except TimeoutError as exc:
         raise BackendTimeout() from exc
-    except httpx.HTTPError as exc:
+    except aiohttp.ClientError as exc:
         raise BackendUnavailable(f"worker error: {type(exc).__name__}") from exc
 
 
@@ -53,55 +57,55 @@ def _raise_for(status: int, payload: bytes) -> None:
     raise err
 
 
-async def post_json(worker: Worker, path: str, body: dict[str, Any] | bytes) -> dict[str, Any]:
-    content = body if isinstance(body, bytes) else orjson.dumps(body)
-    async with mapped_errors(worker):
-        r = await worker.http.post(path, content=content, headers=_JSON)
-    if r.status_code >= 400:
-        _raise_for(r.status_code, r.content)
-    return orjson.loads(r.content)  # type: ignore[no-any-return]
+def _content(body: dict[str, Any] | bytes) -> bytes:
+    return body if isinstance(body, bytes) else orjson.dumps(body)
 
 
-async def post_raw(worker: Worker, path: str, content: bytes) -> tuple[int, bytes]:
+async def post_raw(worker: Worker, path: str, body: dict[str, Any] | bytes) -> tuple[int, bytes]:
     """Pass-through: the worker's status and body, as they are."""
-    async with mapped_errors(worker):
-        r = await worker.http.post(path, content=content, headers=_JSON)
-    return r.status_code, r.content
+    async with (
+        mapped_errors(worker),
+        worker.http.post(path, data=_content(body), headers=_JSON) as r,
+    ):
+        return r.status, await r.read()
+
+
+async def post_json(worker: Worker, path: str, body: dict[str, Any] | bytes) -> dict[str, Any]:
+    status, payload = await post_raw(worker, path, body)
+    if status >= 400:
+        _raise_for(status, payload)
+    return orjson.loads(payload)  # type: ignore[no-any-return]
 
 
 class SSEStream:
-    """An open streaming response from a worker: `events()` yields each `data:` payload."""
+    """An open streaming response from a worker."""
 
-    def __init__(self, response: httpx.Response, ctx: Any) -> None:
+    def __init__(self, worker: Worker, response: aiohttp.ClientResponse) -> None:
+        self.worker = worker
         self.response = response
-        self._ctx = ctx
 
     async def events(self) -> AsyncIterator[bytes]:
-        buf = b""
-        try:
-            async for chunk in self.response.aiter_raw():
-                buf += chunk
-                while b"\n\n" in buf:
-                    event, buf = buf.split(b"\n\n", 1)
-                    for line in event.split(b"\n"):
-                        if line.startswith(b"data:"):
-                            yield line[5:].strip()
-        except httpx.TimeoutException as exc:
-            raise BackendTimeout() from exc
-        except httpx.HTTPError as exc:
-            raise BackendUnavailable(f"worker stream broke: {type(exc).__name__}") from exc
+        """Each `data:` payload, in order."""
+        async with mapped_errors(self.worker):
+            async for line in self.response.content:
+                if line.startswith(b"data:"):
+                    yield line[5:].strip()
+
+    async def raw(self) -> AsyncIterator[bytes]:
+        """The bytes as they come (pass-through)."""
+        async with mapped_errors(self.worker):
+            async for chunk in self.response.content.iter_any():
+                yield chunk
 
     async def aclose(self) -> None:
-        await self._ctx.__aexit__(None, None, None)
+        self.response.release()
 
 
 async def open_stream(worker: Worker, path: str, body: dict[str, Any] | bytes) -> SSEStream:
-    content = body if isinstance(body, bytes) else orjson.dumps(body)
-    ctx = worker.http.stream("POST", path, content=content, headers=_JSON)
     async with mapped_errors(worker):
-        response = await ctx.__aenter__()
-    if response.status_code >= 400:
-        payload = await response.aread()
-        await ctx.__aexit__(None, None, None)
-        _raise_for(response.status_code, payload)
-    return SSEStream(response, ctx)
+        response = await worker.http.post(path, data=_content(body), headers=_JSON)
+    if response.status >= 400:
+        payload = await response.read()
+        response.release()
+        _raise_for(response.status, payload)
+    return SSEStream(worker, response)

@@ -93,7 +93,7 @@ class CompletionService:
         async def relay() -> AsyncIterator[bytes]:
             try:
                 async with self.pool.lease(worker):
-                    async for chunk in upstream.response.aiter_raw():
+                    async for chunk in upstream.raw():
                         yield chunk
             finally:
                 await upstream.aclose()

@@ -1,0 +1,119 @@
+"""A fast fake of the worker/vLLM HTTP contract, for gateway benchmarks and load tests.
+
+It answers instantly with deterministic output: tokens are the prompt's bytes, the
+"model" echoes a fixed reply. It is a test double at the network boundary (the gateway
+is always also tested against the real worker); run it with
+`python -m ctxcache.fake_worker --port P`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+import orjson
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+MODEL = "fake"
+MAX_LEN = 1 << 20
+REPLY = [ord(c) for c in " ok"]
+
+
+def _json(payload: Any) -> Response:
+    return Response(orjson.dumps(payload), media_type="application/json")
+
+
+def _ids(body: dict[str, Any]) -> list[int]:
+    if "messages" in body:
+        text = "".join(f"<{m.get('role')}>{m.get('content') or ''}" for m in body["messages"])
+        return list(text.encode()) + (
+            list(b"<assistant>") if body.get("add_generation_prompt", True) else []
+        )
+    prompt = body.get("prompt", "")
+    return list(prompt) if isinstance(prompt, list) else list(str(prompt).encode())
+
+
+async def tokenize(request: Request) -> Response:
+    ids = _ids(orjson.loads(await request.body()))
+    return _json({"tokens": ids, "count": len(ids), "max_model_len": MAX_LEN})
+
+
+async def completions(request: Request) -> Response:
+    body = orjson.loads(await request.body())
+    prompt = _ids(body)
+    n = min(int(body.get("max_tokens") or 3), len(REPLY))
+    usage = {
+        "prompt_tokens": len(prompt),
+        "completion_tokens": n,
+        "total_tokens": len(prompt) + n,
+        "prompt_tokens_details": {"cached_tokens": max(0, len(prompt) - 16)},
+    }
+    choice = {
+        "index": 0,
+        "text": bytes(REPLY[:n]).decode(),
+        "logprobs": None,
+        "finish_reason": "length",
+        "token_ids": REPLY[:n],
+    }
+    head = {
+        "id": "cmpl-fake",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": body.get("model", MODEL),
+    }
+    if not body.get("stream"):
+        return _json({**head, "choices": [choice], "usage": usage})
+
+    async def events() -> Any:
+        yield b"data: " + orjson.dumps({**head, "choices": [choice]}) + b"\n\n"
+        yield b"data: " + orjson.dumps({**head, "choices": [], "usage": usage}) + b"\n\n"
+        yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+async def models(request: Request) -> Response:
+    return _json(
+        {"object": "list", "data": [{"id": MODEL, "object": "model", "max_model_len": MAX_LEN}]}
+    )
+
+
+async def health(request: Request) -> Response:
+    return _json({"status": "ok"})
+
+
+def create_app() -> Starlette:
+    return Starlette(
+        routes=[
+            Route("/tokenize", tokenize, methods=["POST"]),
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/chat/completions", completions, methods=["POST"]),
+            Route("/v1/models", models),
+            Route("/health", health),
+        ]
+    )
+
+
+def main() -> None:
+    import uvicorn
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--port", type=int, required=True)
+    args = p.parse_args()
+    uvicorn.run(
+        create_app(),
+        host="127.0.0.1",
+        port=args.port,
+        log_level="warning",
+        access_log=False,
+        loop="uvloop",
+        http="httptools",
+    )
+
+
+if __name__ == "__main__":
+    main()

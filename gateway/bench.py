@@ -1,0 +1,230 @@
+"""`ctxcache bench gateway`: what the gateway adds over calling the worker directly.
+
+One run starts its own Redis, a fast fake OpenAI backend (instant answers, so the numbers
+are the gateway's own cost) and, unless --no-model, a real worker on the tiny model, with
+one gateway in front of both. Each case is measured direct and through the gateway,
+interleaved in rounds, at each concurrency, with a minimal keep-alive load generator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+KEY = "bench-key"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--requests", type=int, default=3000, help="requests per case and round")
+    p.add_argument(
+        "--model-requests",
+        type=int,
+        default=200,
+        help="requests per case and round on the tiny model",
+    )
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--no-model", action="store_true", help="only the fake backend")
+    p.add_argument("--model-dir", type=Path, default=Path(".ctxcache/models/tiny"))
+    p.add_argument("--out", type=Path, default=Path("bench-results/gateway"))
+    p.add_argument("--plot", type=Path, default=None)
+    p.add_argument("--quick", action="store_true", help="a short run")
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.quick:
+        args.requests, args.model_requests, args.rounds = 200, 20, 1
+    return asyncio.run(_run(args))
+
+
+async def _run(args: argparse.Namespace) -> int:
+    import httpx
+    from tqdm import tqdm
+
+    from ctxcache.benchutil import machine, markdown_table, percentile, write_outputs
+    from ctxcache.loadgen import Conn, run
+    from ctxcache.net import free_port, wait_http
+    from ctxcache.redis_server import RedisServer
+    from ctxcache.supervisor import Child, Supervisor, http_ready
+
+    with tempfile.TemporaryDirectory() as tmp, Supervisor(out=open("/dev/null", "w")) as sup:  # noqa: ASYNC230
+        redis = RedisServer(Path(tmp) / "redis")
+        redis.data_dir.mkdir(parents=True)
+        sup.start(Child("redis", redis.argv(), ready=redis.wait_ready))
+        fake_port, gw_port = free_port(), free_port()
+        sup.start(
+            Child(
+                "fake",
+                [sys.executable, "-m", "ctxcache.fake_worker", "--port", str(fake_port)],
+                ready=http_ready(f"http://127.0.0.1:{fake_port}/health"),
+            )
+        )
+        backends = {"fake": fake_port}
+        workers = [f"http://127.0.0.1:{fake_port}"]
+        if not args.no_model:
+            if not (args.model_dir / "config.json").exists():
+                from worker.presets.model import create_model
+
+                create_model("tiny", args.model_dir)
+            wport = free_port()
+            sup.start(
+                Child(
+                    "worker",
+                    [
+                        sys.executable,
+                        "-m",
+                        "ctxcache.cli",
+                        "worker",
+                        "--model",
+                        str(args.model_dir),
+                        "--model-name",
+                        "tiny",
+                        "--port",
+                        str(wport),
+                    ],
+                    ready=http_ready(f"http://127.0.0.1:{wport}/health"),
+                )
+            )
+            backends["tiny"] = wport
+            workers.append(f"http://127.0.0.1:{wport}")
+        argv = [
+            sys.executable,
+            "-m",
+            "ctxcache.cli",
+            "gateway",
+            "--port",
+            str(gw_port),
+            "--redis-url",
+            redis.url,
+            "--api-key",
+            f"{KEY}=bench",
+            "--log-level",
+            "WARNING",
+        ]
+        for w in workers:
+            argv += ["--worker", w]
+        sup.start(Child("gateway", argv, ready=http_ready(f"http://127.0.0.1:{gw_port}/ready")))
+        wait_http(f"http://127.0.0.1:{gw_port}/ready")
+
+        auth = {"Authorization": f"Bearer {KEY}"}
+        cases: list[tuple[str, str, int, Any]] = []
+        for model, port in backends.items():
+            n = args.requests if model == "fake" else args.model_requests
+            body = {
+                "model": model,
+                "prompt": "Say something about caches.",
+                "max_tokens": 3,
+                "temperature": 0,
+            }
+            cases.append((f"{model}: direct to the worker", model, n, ("direct", port, body)))
+            cases.append((f"{model}: gateway, no session", model, n, ("gateway", body)))
+            cases.append((f"{model}: gateway, session turn", model, n, ("session", body)))
+
+        async def new_session(model: str) -> str:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{gw_port}", headers=auth) as c:
+                r = await c.post(
+                    "/v1/context",
+                    json={"model": model, "prompt": "A context of some length. " * 20},
+                )
+                r.raise_for_status()
+                return str(r.json()["session_id"])
+
+        samples: dict[tuple[str, int], list[tuple[list[float], float, int]]] = {}
+        total = sum(n for _, _, n, _ in cases) * args.rounds * len(args.concurrency)
+        with tqdm(total=total, desc="gateway bench", unit="req") as bar:
+            for conc in args.concurrency:
+                for _ in range(args.rounds):
+                    for name, model, n, spec in cases:
+                        kind = spec[0]
+                        port = spec[1] if kind == "direct" else gw_port
+                        body = spec[-1]
+                        sessions: dict[int, str] = {}
+                        sids: list[str] = []
+                        if kind == "session":
+                            sids = [await new_session(model) for _ in range(conc)]
+
+                        def make(
+                            conn: Conn,
+                            i: int,
+                            kind: str = kind,
+                            body: Any = body,
+                            sessions: dict[int, str] = sessions,
+                            sids: list[str] = sids,
+                        ) -> bytes:
+                            if kind == "direct":
+                                return conn.build("POST", "/v1/completions", body)
+                            if kind == "gateway":
+                                return conn.build("POST", "/v1/completions", body, auth)
+                            key = id(conn)
+                            if key not in sessions:
+                                sessions[key] = sids[len(sessions)]
+                            return conn.build(
+                                "POST",
+                                "/v1/completions",
+                                {**body, "prompt": " and?", "session_id": sessions[key]},
+                                auth,
+                            )
+
+                        result = await run(
+                            "127.0.0.1",
+                            port,
+                            make,
+                            requests=n,
+                            concurrency=conc,
+                            progress=bar.update,
+                        )
+                        samples.setdefault((name, conc), []).append(result)
+
+    rows, data = [], []
+    for (name, conc), results in samples.items():
+        lat = sorted(x for r in results for x in r[0])
+        rps = sorted(len(r[0]) / r[1] for r in results)[len(results) // 2]
+        errors = sum(r[2] for r in results)
+        p50, p99 = percentile(lat, 50) * 1e3, percentile(lat, 99) * 1e3
+        direct = next(
+            (
+                v
+                for (n2, c2), v in samples.items()
+                if c2 == conc and n2.split(":")[0] == name.split(":")[0] and "direct" in n2
+            ),
+            None,
+        )
+        over = (
+            p50 - percentile(sorted(x for r in direct for x in r[0]), 50) * 1e3
+            if direct and "direct" not in name
+            else 0.0
+        )
+        rows.append([name, conc, rps, p50, p99, over, errors])
+        data.append(
+            {
+                "case": name,
+                "concurrency": conc,
+                "requests_per_s": rps,
+                "p50_ms": p50,
+                "p99_ms": p99,
+                "p50_overhead_ms": over,
+                "errors": errors,
+            }
+        )
+    table = markdown_table(
+        ["case", "concurrency", "req/s", "p50 ms", "p99 ms", "p50 overhead ms", "errors"], rows
+    )
+    write_outputs(args.out, "gateway", {"machine": machine(), "results": data}, table)
+    _plot(args.plot or args.out / "gateway.png", data, args.concurrency)
+    print(table)
+    return 0
+
+
+def _plot(path: Path, data: list[dict[str, Any]], concurrency: list[int]) -> None:
+    from ctxcache.benchutil import bar_plot
+
+    labels = [d["case"] for d in data if d["concurrency"] == concurrency[0]]
+    series = {
+        f"concurrency {c}": [d["requests_per_s"] for d in data if d["concurrency"] == c]
+        for c in concurrency
+    }
+    bar_plot(path, "gateway vs direct: requests/s", labels, series, "requests / s")
