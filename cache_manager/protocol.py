@@ -6,10 +6,10 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from cache_manager.tokens import TokenIds
 from ctxcache.schema import StrictModel
 
 Kind = Literal["chat", "completion"]
-TokenIds = list[int]
 
 
 class SessionInfo(StrictModel):

@@ -117,7 +117,8 @@ class SessionService:
         if req.touch:
             await self.store.record(info)
             self.link.pin(info.sidecar, session_id, info.expires_at)
-        return SessionState(info=info, tokens=tokens, messages=messages, lock=lock)
+        # built from what the store returned: nothing to validate again
+        return SessionState.model_construct(info=info, tokens=tokens, messages=messages, lock=lock)
 
     async def append(self, session_id: str, req: AppendTurn) -> SessionInfo:
         self._check_id(session_id)

@@ -17,16 +17,16 @@ from __future__ import annotations
 
 import contextlib
 import secrets
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import orjson
 import redis.asyncio as aioredis
 from redis import exceptions as rexc
 
 from cache_manager.protocol import SessionInfo
+from cache_manager.tokens import pack_tokens, unpack_tokens
 from ctxcache.errors import (
     InvalidRequest,
     QuotaExceeded,
@@ -49,17 +49,6 @@ def new_session_id() -> str:
 def valid_session_id(session_id: str) -> bool:
     body = session_id[len(SESSION_PREFIX) :]
     return session_id.startswith(SESSION_PREFIX) and len(body) == 32 and _ID_CHARS.issuperset(body)
-
-
-def pack_tokens(ids: Iterable[int]) -> bytes:
-    arr = np.fromiter(ids, dtype=np.int64)
-    if arr.size and (arr.min() < 0 or arr.max() > 0xFFFFFFFF):
-        raise ValueError("token ids must fit in uint32")
-    return arr.astype("<u4").tobytes()
-
-
-def unpack_tokens(data: bytes) -> list[int]:
-    return np.frombuffer(data, dtype="<u4").tolist()
 
 
 def session_keys(session_id: str) -> list[str]:

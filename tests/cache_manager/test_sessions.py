@@ -9,7 +9,8 @@ import redis
 
 from cache_manager.client import ManagerClient
 from cache_manager.protocol import AppendTurn, BeginTurn, CreateSession, UpdateSession
-from cache_manager.store import new_session_id, pack_tokens, unpack_tokens, valid_session_id
+from cache_manager.store import new_session_id, valid_session_id
+from cache_manager.tokens import pack_tokens, unpack_tokens
 from ctxcache.errors import (
     InvalidRequest,
     InvalidTTL,
@@ -267,3 +268,17 @@ async def test_duplicate_pregenerated_id_is_refused(manager: ManagerClient) -> N
         await manager.create(chat(session_id=sid, tokens=[5]))
     assert (await manager.begin(sid, BeginTurn(tenant="acme", lock=False))).tokens == [1, 2, 3]
     assert (await manager.usage("acme")).sessions == 1
+
+
+def test_token_ids_travel_packed_and_are_checked() -> None:
+    from pydantic import ValidationError
+
+    from cache_manager.protocol import AppendTurn
+
+    turn = AppendTurn(tenant="t", expected_version=1, tokens=[1, 2, 2**32 - 1])
+    wire = turn.model_dump_json()
+    assert '"tokens":"' in wire  # base64 of the packed uint32, not a JSON list
+    assert AppendTurn.model_validate_json(wire).tokens == [1, 2, 2**32 - 1]
+    for bad in (["x"], [-1], [2**32], "not base64!", "AAA=", [True]):
+        with pytest.raises(ValidationError):
+            AppendTurn(tenant="t", expected_version=1, tokens=bad)  # type: ignore[arg-type]
