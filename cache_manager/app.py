@@ -13,7 +13,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError, TimeoutError
 
-from cache_manager.router import router, tenants
+from cache_manager.router import router, stats, tenants
 from cache_manager.service import SessionService
 from cache_manager.settings import ManagerSettings
 from cache_manager.sidecar_link import BackgroundLink, HttpSidecarLink, SidecarLink
@@ -54,6 +54,7 @@ def create_app(settings: ManagerSettings, *, sidecar_link: SidecarLink | None = 
     install_error_handlers(app)
     app.include_router(router)
     app.include_router(tenants)
+    app.include_router(stats)
 
     if settings.token:
         expected = f"Bearer {settings.token}".encode()

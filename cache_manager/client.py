@@ -193,6 +193,12 @@ class ManagerClient:
     async def usage(self, tenant: str) -> TenantUsage:
         return await self._call("GET", f"/tenants/{tenant}/usage", TenantUsage)  # type: ignore[return-value]
 
+    async def live_sessions(self) -> int:
+        status, payload = await self.transport("GET", "/stats", None, None)
+        if status >= 400:
+            raise error_from_envelope(status, orjson.loads(payload))
+        return int(orjson.loads(payload)["live_sessions"])
+
     async def health(self) -> bool:
         try:
             await self._call("GET", "/health", None)

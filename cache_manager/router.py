@@ -75,6 +75,13 @@ async def delete(session_id: str, tenant: TenantQ, svc: ServiceDep) -> Deleted:
 
 
 tenants = APIRouter(prefix="/tenants")
+stats = APIRouter()
+
+
+@stats.get("/stats")
+async def get_stats(svc: ServiceDep) -> dict[str, int]:
+    """Counts across every tenant, for metrics (no tenant is named)."""
+    return {"live_sessions": await svc.live_sessions()}
 
 
 @tenants.get("/{tenant}/usage", response_model=TenantUsage)

@@ -180,6 +180,9 @@ class SessionService:
             last_id=data[-1].session_id if data else None,
         )
 
+    async def live_sessions(self) -> int:
+        return await self.store.live_sessions()
+
     async def usage(self, tenant: str) -> TenantUsage:
         sessions, tokens = await self.store.usage(tenant)
         quota = self.settings.quota_for(tenant)

@@ -9,6 +9,7 @@ Key layout (see docs/architecture.md):
     tn:{<tenant>}:new zset    session ids by created ms (listing order)
     tn:{<tenant>}:tok hash    id -> "version:context_tokens"
     tn:{<tenant>}:sum string  the tenant's total context tokens
+    ctx:live          zset    every live session id by expires_at ms (the live-session metric)
 The `{...}` hash tags put a session's keys in one Redis Cluster slot, and a tenant's index
 in another; no script touches two slots. Expiry is Redis' own (PEXPIREAT on every key).
 """
@@ -38,6 +39,7 @@ from ctxcache.errors import (
 
 _LUA_DIR = Path(__file__).parent / "lua"
 SESSION_PREFIX = "ctx_"
+LIVE_KEY = "ctx:live"
 _ID_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_")
 
 
@@ -116,8 +118,11 @@ class SessionStore:
         self._delete = _script(redis, "delete")
         self._release = _script(redis, "release")
         self._tenant = _script(redis, "tenant")
+        self._live = _script(redis, "live")
 
-    async def _pipelined(self, *calls: tuple[Any, list[str], list[Any]]) -> list[Any]:
+    async def _pipelined(
+        self, *calls: tuple[Any, list[str], list[Any]], also: Any = None
+    ) -> list[Any]:
         """Several scripts in one round trip (EVALSHA; loaded on the rare NOSCRIPT).
 
         redis-py's own script-in-pipeline support sends SCRIPT EXISTS before every
@@ -127,6 +132,8 @@ class SessionStore:
             pipe = self.redis.pipeline(transaction=False)
             for script, keys, args in calls:
                 pipe.evalsha(script.sha, len(keys), *keys, *args)
+            if also is not None:  # plain commands riding in the same round trip
+                also(pipe)
             try:
                 return await pipe.execute()  # type: ignore[no-any-return]
             except rexc.NoScriptError:
@@ -155,7 +162,11 @@ class SessionStore:
         args = [expires_at_ms, pack_tokens(tokens), len(fields), *flat]
         args += [orjson.dumps(m) for m in messages]
         async with redis_errors():
-            return bool(await self._create(keys=session_keys(session_id)[:3], args=args))
+            (created, *_) = await self._pipelined(
+                (self._create, session_keys(session_id)[:3], args),
+                also=lambda pipe: pipe.zadd(LIVE_KEY, {session_id: expires_at_ms}, nx=True),
+            )
+        return bool(created)
 
     async def get(self, session_id: str, tenant: str) -> SessionInfo:
         async with redis_errors():
@@ -282,6 +293,7 @@ class SessionStore:
         return int(res[1])
 
     async def record(self, info: SessionInfo, *, exact_expiry: bool = False) -> None:
+        """The tenant index and the live-session set learn the session's new state."""
         args = [
             "record",
             info.session_id,
@@ -290,12 +302,23 @@ class SessionStore:
             info.context_tokens,
             int(exact_expiry),
         ]
+        exp_ms = info.expires_at * 1000
         async with redis_errors():
-            await self._tenant(keys=tenant_keys(info.tenant), args=args)
+            await self._pipelined(
+                (self._tenant, tenant_keys(info.tenant), args),
+                also=lambda pipe: pipe.zadd(LIVE_KEY, {info.session_id: exp_ms}),
+            )
 
     async def unindex(self, tenant: str, session_id: str) -> None:
         async with redis_errors():
-            await self._tenant(keys=tenant_keys(tenant), args=["remove", session_id])
+            await self._pipelined(
+                (self._tenant, tenant_keys(tenant), ["remove", session_id]),
+                also=lambda pipe: pipe.zrem(LIVE_KEY, session_id),
+            )
+
+    async def live_sessions(self) -> int:
+        async with redis_errors():
+            return int(await self._live(keys=[LIVE_KEY]))
 
     async def usage(self, tenant: str) -> tuple[int, int]:
         async with redis_errors():

@@ -65,6 +65,9 @@ class GatewayMetrics:
             "sessions deleted through this gateway",
             registry=r,
         )
+        self.live_sessions = Gauge(
+            "ctxcache_live_sessions", "live sessions, every tenant", registry=r
+        )
         self.worker_inflight = Gauge(
             "ctxcache_gateway_worker_inflight",
             "requests in flight per worker",

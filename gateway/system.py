@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
 
-from ctxcache.errors import BackendUnavailable, StoreUnavailable
+from ctxcache.errors import BackendUnavailable, CtxError, StoreUnavailable
 from ctxcache.responses import JSONResponse
 
 router = APIRouter()
@@ -44,6 +45,8 @@ async def ready(request: Request) -> dict[str, Any]:
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
     m = request.app.state.metrics
+    with contextlib.suppress(CtxError):  # store down: the gauge keeps its last value
+        m.live_sessions.set(await request.app.state.manager.live_sessions())
     for w in request.app.state.pool.workers:
         m.worker_inflight.labels(w.id).set(w.inflight)
         m.worker_healthy.labels(w.id).set(1 if w.healthy else 0)

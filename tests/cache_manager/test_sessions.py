@@ -282,3 +282,15 @@ def test_token_ids_travel_packed_and_are_checked() -> None:
     for bad in (["x"], [-1], [2**32], "not base64!", "AAA=", [True]):
         with pytest.raises(ValidationError):
             AppendTurn(tenant="t", expected_version=1, tokens=bad)  # type: ignore[arg-type]
+
+
+async def test_live_sessions_count_every_tenant(manager: ManagerClient) -> None:
+    base = await manager.live_sessions()
+    short = await manager.create(chat("t1", ttl=1))
+    await manager.create(chat("t2"))
+    gone = await manager.create(chat("t2"))
+    assert await manager.live_sessions() == base + 3
+    await manager.delete(gone.session_id, "t2")
+    await asyncio.sleep(1.3)
+    assert await manager.live_sessions() == base + 1  # one deleted, one expired
+    assert short.session_id

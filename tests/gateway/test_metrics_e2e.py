@@ -1,0 +1,40 @@
+"""The gateway's Prometheus metrics: requests, TTFT, tokens, live sessions, workers."""
+
+from __future__ import annotations
+
+import httpx
+
+from tests.gateway.conftest import Stack
+
+
+def metric(text: str, name: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and not line.startswith("#"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_metrics_count_turns_tokens_and_sessions(stack: Stack) -> None:
+    with stack.client() as a:
+        before = httpx.get(f"{stack.url}/metrics").text
+        sid = a.post("/v1/context", json={"model": "tiny", "prompt": "word " * 200}).json()[
+            "session_id"
+        ]
+        r = a.post(
+            "/v1/completions",
+            json={"model": "tiny", "prompt": " more", "max_tokens": 2, "session_id": sid},
+        )
+        assert r.status_code == 200
+        after = httpx.get(f"{stack.url}/metrics").text
+    assert metric(after, "ctxcache_live_sessions") >= 1
+    assert (
+        metric(after, "ctxcache_gateway_cached_tokens_total")
+        >= metric(before, "ctxcache_gateway_cached_tokens_total") + 190
+    )
+    assert (
+        metric(after, "ctxcache_gateway_ttft_seconds_count")
+        >= metric(before, "ctxcache_gateway_ttft_seconds_count") + 2
+    )
+    assert 'route="/v1/completions"' in after and sid not in after  # no ids in labels
+    assert metric(after, "ctxcache_gateway_worker_healthy") == 2
