@@ -51,6 +51,8 @@ class Conn:
             name, _, value = line.partition(b":")
             if name.strip().lower() == b"content-length":
                 length = int(value)
+        if length == 0 and b"chunked" in head.lower():
+            raise RuntimeError("chunked responses are not supported by this load generator")
         body = await self.reader.readexactly(length) if length else b""
         return status, body
 

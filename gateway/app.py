@@ -22,6 +22,7 @@ from gateway.completions.router import router as completions_router
 from gateway.completions.service import CompletionService
 from gateway.context.router import router as context_router
 from gateway.context.service import ContextService
+from gateway.fastpath import FastPath
 from gateway.metrics import GatewayMetrics
 from gateway.pool import WorkerPool
 from gateway.prompts import PromptBuilder
@@ -31,6 +32,18 @@ from gateway.system import router as system_router
 from gateway.turns import TurnService
 
 log = logging.getLogger(__name__)
+
+
+def create_asgi(settings: GatewaySettings) -> FastPath:
+    """What the server runs: the FastAPI app behind the no-session fast path.
+
+    The fast path wraps the app from outside, so a plain request skips every FastAPI
+    layer; everything else (and the lifespan) goes to the app unchanged.
+    """
+    app = create_app(settings)
+    return FastPath(
+        app, state=app.state, metrics=app.state.metrics, max_body_bytes=settings.max_body_bytes
+    )
 
 
 def create_app(settings: GatewaySettings) -> FastAPI:
@@ -86,12 +99,17 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         lifespan=lifespan,
         default_response_class=JSONResponse,
     )
+    app.state.metrics = metrics
     install_error_handlers(app)
     app.include_router(context_router)
     app.include_router(completions_router)
     app.include_router(system_router)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
+    # outermost: plain requests without a session skip the framework entirely
+    app.add_middleware(
+        FastPath, state=app.state, metrics=metrics, max_body_bytes=settings.max_body_bytes
+    )
     _document_bodies(app)
     return app
 

@@ -36,7 +36,7 @@ def main(args: argparse.Namespace) -> int:
 
     from ctxcache.logs import setup_logging
     from ctxcache.settings import from_args
-    from gateway.app import create_app
+    from gateway.app import create_asgi
     from gateway.settings import GatewaySettings
 
     if args.api_key is not None:
@@ -54,7 +54,7 @@ def main(args: argparse.Namespace) -> int:
     )
     setup_logging("gateway", settings.log_level)
     uvicorn.run(
-        create_app(settings),
+        create_asgi(settings),
         host=settings.host,
         port=settings.port,
         log_config=None,
