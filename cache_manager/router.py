@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Depends, Query, Request, Response
+from pydantic import BaseModel
 
 from cache_manager.protocol import (
     AppendTurn,
@@ -31,6 +32,12 @@ TenantQ = Annotated[str, Query(min_length=1, max_length=256)]
 router = APIRouter(prefix="/sessions")
 
 
+def _json(model: BaseModel) -> Response:
+    """The hot routes answer with the model's own JSON: FastAPI would dump, re-validate and
+    re-serialize it (the whole token history, twice) for the same bytes."""
+    return Response(model.model_dump_json(), media_type="application/json")
+
+
 @router.post("", response_model=SessionInfo)
 async def create(body: CreateSession, svc: ServiceDep) -> SessionInfo:
     return await svc.create(body)
@@ -44,18 +51,18 @@ async def list_sessions(
 
 
 @router.get("/{session_id}", response_model=SessionInfo)
-async def get(session_id: str, tenant: TenantQ, svc: ServiceDep) -> SessionInfo:
-    return await svc.get(session_id, tenant)
+async def get(session_id: str, tenant: TenantQ, svc: ServiceDep) -> Response:
+    return _json(await svc.get(session_id, tenant))
 
 
 @router.post("/{session_id}/begin", response_model=SessionState)
-async def begin(session_id: str, body: BeginTurn, svc: ServiceDep) -> SessionState:
-    return await svc.begin(session_id, body)
+async def begin(session_id: str, body: BeginTurn, svc: ServiceDep) -> Response:
+    return _json(await svc.begin(session_id, body))
 
 
 @router.post("/{session_id}/append", response_model=SessionInfo)
-async def append(session_id: str, body: AppendTurn, svc: ServiceDep) -> SessionInfo:
-    return await svc.append(session_id, body)
+async def append(session_id: str, body: AppendTurn, svc: ServiceDep) -> Response:
+    return _json(await svc.append(session_id, body))
 
 
 @router.post("/{session_id}/release", status_code=204)

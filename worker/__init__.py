@@ -1,1 +1,1 @@
-"""worker: see SPEC.md."""
+"""worker: the CPU inference worker (`ctxcache worker`); see docs/worker.md and SPEC.md."""

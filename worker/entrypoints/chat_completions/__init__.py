@@ -1,0 +1,1 @@
+"""`chat_completions` endpoint: api_router (HTTP), protocol (bodies), serving (logic)."""

@@ -1,0 +1,1 @@
+"""`completions` endpoint: api_router (HTTP), protocol (bodies), serving (logic)."""

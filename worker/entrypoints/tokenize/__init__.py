@@ -1,0 +1,1 @@
+"""`tokenize` endpoint: api_router (HTTP), protocol (bodies), serving (logic)."""

@@ -1,0 +1,60 @@
+"""Prefix-chained token hashes, deterministic across processes (no salted `hash()`).
+
+A chunk's hash covers the previous chunk's hash and this chunk's ids, so equal hashes
+mean equal prefixes (up to a 128-bit blake2b collision). The same chain is used at two
+granularities: 16-token blocks for the L1, `--chunk-size` chunks for the sidecar.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import numpy as np
+
+from ctxcache.lmcache_keys import MAX_KEY_LENGTH, CacheKey
+
+ROOT_HASH = 0
+_HASH_BYTES = 16
+
+
+def chain_hash(prev: int, ids: Sequence[int]) -> int:
+    h = hashlib.blake2b(digest_size=_HASH_BYTES)
+    h.update(prev.to_bytes(_HASH_BYTES, "little"))
+    h.update(np.asarray(ids, dtype="<i4").tobytes())
+    return int.from_bytes(h.digest(), "little")
+
+
+def chunk_hashes(ids: Sequence[int], size: int, limit: int | None = None) -> list[int]:
+    """Hashes of the full `size`-token chunks of `ids[:limit]`, each chained on the last."""
+    end = len(ids) if limit is None else min(limit, len(ids))
+    out: list[int] = []
+    prev = ROOT_HASH
+    for start in range(0, end - size + 1, size):
+        prev = chain_hash(prev, ids[start : start + size])
+        out.append(prev)
+    return out
+
+
+class KeyMaker:
+    """LMCache `CacheEngineKey` strings for this worker's model, dtype and a request's tags."""
+
+    def __init__(self, model: str, dtype: str, worker_id: int, world_size: int = 1) -> None:
+        self.model = model.replace("@", "_")
+        self.dtype = dtype
+        self.worker_id = worker_id
+        self.world_size = world_size
+
+    def fits(self, tags: tuple[tuple[str, str], ...]) -> bool:
+        """Whether keys with these tags fit LMCache's 150-character key field."""
+        return len(self._string((1 << 128) - 1, tags)) <= MAX_KEY_LENGTH
+
+    def _string(self, chunk_hash: int, tags: tuple[tuple[str, str], ...]) -> str:
+        key = CacheKey(self.model, self.world_size, self.worker_id, chunk_hash, self.dtype, tags)
+        return key.to_string()
+
+    def key(self, chunk_hash: int, tags: tuple[tuple[str, str], ...]) -> str:
+        s = self._string(chunk_hash, tags)
+        if len(s) > MAX_KEY_LENGTH:
+            raise ValueError(f"cache key longer than {MAX_KEY_LENGTH} characters")
+        return s
