@@ -74,6 +74,7 @@ def test_list_keys(client: KVClient) -> None:
 def test_client_reconnects_after_server_drops_connection(sidecar: Sidecar) -> None:
     with KVClient("127.0.0.1", sidecar.port) as c:
         c.put(KEY, b"abc", fmt=1, dtype=2, shape=(3, 0, 0, 0))
+        assert c.exists(KEY)  # PUT has no reply: this barrier makes sure it was stored
         assert sidecar.server is not None
         for conn in list(sidecar.server._conns):
             conn.shutdown(socket.SHUT_RDWR)
