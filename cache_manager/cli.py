@@ -14,12 +14,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from cache_manager.app import create_app
     from cache_manager.settings import ManagerSettings
     from ctxcache.logs import setup_logging
-    from ctxcache.settings import from_args
+    from ctxcache.settings import from_args, serve_app
 
     settings = from_args(
         ManagerSettings,
@@ -31,13 +29,5 @@ def main(args: argparse.Namespace) -> int:
         log_level="log_level",
     )
     setup_logging("manager", settings.log_level)
-    uvicorn.run(
-        create_app(settings),
-        host=settings.host,
-        port=settings.port,
-        log_config=None,
-        access_log=False,
-        loop="uvloop",
-        http="httptools",
-    )
+    serve_app(create_app(settings), host=settings.host, port=settings.port)
     return 0

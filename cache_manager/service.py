@@ -22,8 +22,9 @@ from cache_manager.protocol import (
 from cache_manager.settings import ManagerSettings
 from cache_manager.sidecar_link import BackgroundLink
 from cache_manager.store import SessionStore, new_session_id, valid_session_id
-from ctxcache.errors import InvalidRequest, InvalidTTL, QuotaExceeded, SessionNotFound
+from ctxcache.errors import InvalidRequest, QuotaExceeded, SessionNotFound
 from ctxcache.logs import bind_session
+from ctxcache.settings import check_ttl
 
 log = logging.getLogger(__name__)
 
@@ -36,13 +37,7 @@ class SessionService:
 
     def check_ttl(self, ttl: int | None) -> int:
         s = self.settings
-        if ttl is None:
-            return s.default_ttl
-        if isinstance(ttl, bool) or not s.min_ttl <= ttl <= s.max_ttl:
-            raise InvalidTTL(
-                f"ttl must be an integer between {s.min_ttl} and {s.max_ttl} seconds", param="ttl"
-            )
-        return ttl
+        return check_ttl(ttl, default=s.default_ttl, low=s.min_ttl, high=s.max_ttl)
 
     @staticmethod
     def _check_id(session_id: str) -> None:

@@ -30,3 +30,30 @@ def from_args(cls: type[S], args: argparse.Namespace, **fields: str) -> S:
         if value is not None:
             overrides[field] = value
     return cls(**overrides)
+
+
+def check_ttl(ttl: int | None, *, default: int, low: int, high: int) -> int:
+    """A client's ttl (seconds): `default` when absent, `invalid_ttl` outside [low, high]."""
+    from ctxcache.errors import InvalidTTL
+
+    if ttl is None:
+        return default
+    if isinstance(ttl, bool) or not low <= ttl <= high:
+        raise InvalidTTL(f"ttl must be an integer between {low} and {high} seconds", param="ttl")
+    return ttl
+
+
+def serve_app(app: Any, *, host: str, port: int) -> None:
+    """Serve an ASGI app the way every ctxcache service does: uvloop, httptools, our logging."""
+    import uvicorn
+
+    uvicorn.run(
+        app,
+        host=host,
+        port=port,
+        log_config=None,
+        access_log=False,
+        loop="uvloop",
+        http="httptools",
+        timeout_graceful_shutdown=5,
+    )

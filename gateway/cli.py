@@ -32,10 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from ctxcache.logs import setup_logging
-    from ctxcache.settings import from_args
+    from ctxcache.settings import from_args, serve_app
     from gateway.app import create_asgi
     from gateway.settings import GatewaySettings
 
@@ -53,14 +51,5 @@ def main(args: argparse.Namespace) -> int:
         log_level="log_level",
     )
     setup_logging("gateway", settings.log_level)
-    uvicorn.run(
-        create_asgi(settings),
-        host=settings.host,
-        port=settings.port,
-        log_config=None,
-        access_log=False,
-        loop="uvloop",
-        http="httptools",
-        timeout_graceful_shutdown=5,
-    )
+    serve_app(create_asgi(settings), host=settings.host, port=settings.port)
     return 0

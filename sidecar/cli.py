@@ -22,10 +22,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from ctxcache.logs import setup_logging
-    from ctxcache.settings import from_args
+    from ctxcache.settings import from_args, serve_app
     from sidecar.app import create_app
     from sidecar.settings import SidecarSettings
 
@@ -43,11 +41,5 @@ def main(args: argparse.Namespace) -> int:
         log_level="log_level",
     )
     setup_logging("sidecar", settings.log_level)
-    uvicorn.run(
-        create_app(settings),
-        host=settings.host,
-        port=settings.control_port,
-        log_config=None,
-        access_log=False,
-    )
+    serve_app(create_app(settings), host=settings.host, port=settings.control_port)
     return 0

@@ -55,12 +55,17 @@ class ServiceProcess:
 
     def _spawn(self, out: object) -> ServiceProcess:
         self.proc = subprocess.Popen(
-            self.command, stdout=out, stderr=subprocess.STDOUT, env=self.env,
+            self.command,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=self.env,
             start_new_session=True,
         )
         try:
-            wait_http(f"http://127.0.0.1:{self.health_port}{self.health_path}",
-                      timeout=self.startup_timeout)
+            wait_http(
+                f"http://127.0.0.1:{self.health_port}{self.health_path}",
+                timeout=self.startup_timeout,
+            )
         except TimeoutError:
             self.stop()
             raise RuntimeError(f"{self.command} did not become healthy:\n{self.logs()}") from None
@@ -91,3 +96,38 @@ class ServiceProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class SidecarProcess(ServiceProcess):
+    """A real `ctxcache sidecar` with a disk tier; free ports unless given (to restart on
+    the same ones)."""
+
+    def __init__(
+        self,
+        data_dir: Path,
+        *,
+        data_port: int | None = None,
+        control_port: int | None = None,
+        log_path: Path | None = None,
+    ) -> None:
+        self.data_port = data_port or free_port()
+        control = control_port or free_port()
+        super().__init__(
+            [
+                "sidecar",
+                "--port",
+                str(self.data_port),
+                "--control-port",
+                str(control),
+                "--data-dir",
+                str(data_dir),
+                "--disk-bytes",
+                str(1 << 30),
+            ],
+            port=control,
+            log_path=log_path or data_dir / "sidecar.log",
+        )
+
+    @property
+    def lm_url(self) -> str:
+        return f"lm://127.0.0.1:{self.data_port}"

@@ -53,11 +53,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    import uvicorn
     from pydantic import ValidationError
 
     from ctxcache.logs import setup_logging
-    from ctxcache.settings import from_args
+    from ctxcache.settings import from_args, serve_app
     from worker.app import create_app
     from worker.settings import WorkerSettings
 
@@ -67,11 +66,5 @@ def main(args: argparse.Namespace) -> int:
     except ValidationError as exc:
         sys.stderr.write(f"ctxcache worker: invalid settings\n{exc}\n")
         return 2
-    uvicorn.run(
-        create_app(settings),
-        host=settings.host,
-        port=settings.port,
-        log_config=None,
-        timeout_graceful_shutdown=5,
-    )
+    serve_app(create_app(settings), host=settings.host, port=settings.port)
     return 0

@@ -7,7 +7,8 @@ from typing import Any
 from cache_manager.client import ManagerClient
 from cache_manager.protocol import CreateSession, SessionInfo, UpdateSession
 from cache_manager.store import new_session_id
-from ctxcache.errors import InvalidRequest, InvalidTTL
+from ctxcache.errors import InvalidRequest
+from ctxcache.settings import check_ttl
 from gateway.metrics import GatewayMetrics
 from gateway.pool import Worker, WorkerPool
 from gateway.protocol import ContextCreate, ContextList, ContextObject
@@ -48,13 +49,7 @@ class ContextService:
 
     def check_ttl(self, ttl: int | None) -> int:
         s = self.settings
-        if ttl is None:
-            return s.default_ttl
-        if not s.min_ttl <= ttl <= s.max_ttl:
-            raise InvalidTTL(
-                f"ttl must be an integer between {s.min_ttl} and {s.max_ttl} seconds", param="ttl"
-            )
-        return ttl
+        return check_ttl(ttl, default=s.default_ttl, low=s.min_ttl, high=s.max_ttl)
 
     async def create(self, tenant: str, req: ContextCreate, body: dict[str, Any]) -> dict[str, Any]:
         if (req.prompt is None) == (req.messages is None):

@@ -9,9 +9,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from ctxcache.net import free_port
 from ctxcache.redis_server import RedisServer
-from tests.utils import ServiceProcess
+from tests.utils import ServiceProcess, SidecarProcess
 
 KEYS = {"key-a": "tenant-a", "key-b": "tenant-b", "key-c": "tenant-c"}
 QUOTAS = '{"tenant-c": {"max_sessions": 1, "max_context_tokens": 100000}}'
@@ -38,25 +37,16 @@ class Stack:
         return self.sidecar.url
 
     def start_sidecar(self) -> None:
-        self.sidecar_data_port = self.sidecar_data_port or free_port()
+        """Start (or restart, on the same ports and data dir) the stack's sidecar."""
         data = self.root / "sidecar"
         data.mkdir(exist_ok=True)
-        control = self.sidecar.port if self.sidecar else free_port()
-        self.sidecar = ServiceProcess(
-            [
-                "sidecar",
-                "--port",
-                str(self.sidecar_data_port),
-                "--control-port",
-                str(control),
-                "--data-dir",
-                str(data),
-                "--disk-bytes",
-                str(1 << 30),
-            ],
-            port=control,
+        self.sidecar = SidecarProcess(
+            data,
+            data_port=self.sidecar_data_port or None,
+            control_port=self.sidecar.port if self.sidecar else None,
             log_path=self.root / "sidecar.log",
         ).start()
+        self.sidecar_data_port = self.sidecar.data_port
 
     def worker_proc(self, i: int, port: int | None = None) -> ServiceProcess:
         return ServiceProcess(

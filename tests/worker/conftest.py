@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ctxcache.net import free_port
-from tests.utils import ServiceProcess
+from tests.utils import SidecarProcess
 from worker.engine.engine import Engine
 from worker.engine.request import Request, SamplingParams
 from worker.engine.runner import ModelRunner
@@ -37,31 +36,7 @@ def runner(tiny_model: Path) -> ModelRunner:
     return ModelRunner(str(tiny_model), "float32")
 
 
-class Sidecar(ServiceProcess):
-    """A real `ctxcache sidecar` with a disk tier, on free ports."""
-
-    def __init__(self, data_dir: Path) -> None:
-        self.data_port = free_port()
-        control = free_port()
-        super().__init__(
-            [
-                "sidecar",
-                "--port",
-                str(self.data_port),
-                "--control-port",
-                str(control),
-                "--data-dir",
-                str(data_dir),
-                "--disk-bytes",
-                str(1 << 30),
-            ],
-            port=control,
-            log_path=data_dir / "sidecar.log",
-        )
-
-    @property
-    def lm_url(self) -> str:
-        return f"lm://127.0.0.1:{self.data_port}"
+Sidecar = SidecarProcess
 
 
 @pytest.fixture
