@@ -47,6 +47,7 @@ def create_app(settings: ManagerSettings, *, sidecar_link: SidecarLink | None = 
         try:
             yield
         finally:
+            await app.state.service.drain()
             await link.aclose()
             await redis.aclose()
 

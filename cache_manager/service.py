@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 import time
@@ -29,11 +30,48 @@ from ctxcache.settings import check_ttl
 log = logging.getLogger(__name__)
 
 
+TOTAL_FRESH_S = 2.0  # how long a tenant's known token total stands in for a Redis read
+
+
 class SessionService:
     def __init__(self, store: SessionStore, settings: ManagerSettings, link: BackgroundLink):
         self.store = store
         self.settings = settings
         self.link = link
+        # tenant -> (total context tokens, when learned): every index write returns it, so
+        # a busy tenant's quota pre-check costs no extra Redis read
+        self._totals: dict[str, tuple[int, float]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def _learn(self, tenant: str, total: int) -> None:
+        self._totals[tenant] = (total, time.monotonic())
+
+    def _known_total(self, tenant: str) -> int | None:
+        known = self._totals.get(tenant)
+        if known is None or time.monotonic() - known[1] > TOTAL_FRESH_S:
+            return None
+        return known[0]
+
+    def _index_later(self, info: SessionInfo) -> None:
+        """Record the turn in the tenant index after answering: the CAS append already made
+        it durable, and the index write is versioned, so order does not matter."""
+
+        async def run() -> None:
+            try:
+                self._learn(info.tenant, await self.store.record(info))
+            except Exception as exc:  # the next turn's record catches up
+                with bind_session(info.session_id):
+                    log.warning("tenant index update failed: %s", exc)
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def drain(self) -> None:
+        """Wait for background index writes and sidecar calls (tests, shutdown)."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        await self.link.drain()
 
     def check_ttl(self, ttl: int | None) -> int:
         s = self.settings
@@ -96,7 +134,8 @@ class SessionService:
         """Load a session for a turn; with `lock`, take the turn lock (409 if taken)."""
         self._check_id(session_id)
         lock = secrets.token_urlsafe(16) if req.lock else None
-        info, tokens, messages, (_, total) = await self.store.begin(
+        known = self._known_total(req.tenant) if req.lock else None
+        info, tokens, messages, usage = await self.store.begin(
             session_id,
             req.tenant,
             lock=lock,
@@ -104,13 +143,17 @@ class SessionService:
             tokens=req.tokens,
             messages=req.messages,
             touch=req.touch,
+            usage=req.lock and known is None,
         )
+        if usage is not None:
+            self._learn(req.tenant, usage[1])
+        total = usage[1] if usage is not None else (known or 0)
         if req.lock and total >= self.settings.quota_for(req.tenant).max_context_tokens:
             assert lock is not None
             await self.store.release(session_id, lock)
             raise QuotaExceeded("tenant context-token quota exhausted")
         if req.touch:
-            await self.store.record(info)
+            self._learn(info.tenant, await self.store.record(info))
             self.link.pin(info.sidecar, session_id, info.expires_at)
         # built from what the store returned: nothing to validate again
         return SessionState.model_construct(info=info, tokens=tokens, messages=messages, lock=lock)
@@ -127,7 +170,7 @@ class SessionService:
             worker=req.worker,
             sidecar=req.sidecar,
         )
-        await self.store.record(info)
+        self._index_later(info)
         with bind_session(session_id):
             log.debug("turn %d appended, %d tokens", info.turns, info.context_tokens)
         if moved_from:

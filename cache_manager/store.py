@@ -185,14 +185,19 @@ class SessionStore:
         tokens: bool,
         messages: bool,
         touch: bool,
-    ) -> tuple[SessionInfo, list[int], list[dict[str, Any]], tuple[int, int]]:
-        """Load (and lock) a session, and the tenant's usage, in one pipelined round trip."""
+        usage: bool = True,
+    ) -> tuple[SessionInfo, list[int], list[dict[str, Any]], tuple[int, int] | None]:
+        """Load (and lock) a session — and with `usage` the tenant's usage, pipelined in
+        the same round trip."""
         args = [tenant, lock or "", lock_ttl_ms, int(tokens), int(messages), int(touch)]
         async with redis_errors():
-            res, usage = await self._pipelined(
-                (self._begin, session_keys(session_id), args),
-                (self._tenant, tenant_keys(tenant), ["status"]),
-            )
+            if usage:
+                res, counts = await self._pipelined(
+                    (self._begin, session_keys(session_id), args),
+                    (self._tenant, tenant_keys(tenant), ["status"]),
+                )
+            else:
+                res, counts = await self._begin(keys=session_keys(session_id), args=args), None
         if res[0] == 0:
             raise SessionNotFound()
         if res[0] == -1:
@@ -200,7 +205,7 @@ class SessionStore:
         info = parse_info(session_id, _as_dict(res[1]))
         ids = unpack_tokens(res[2]) if tokens else []
         msgs = [orjson.loads(m) for m in res[3]] if messages else []
-        return info, ids, msgs, (int(usage[1]), int(usage[2]))
+        return info, ids, msgs, (int(counts[1]), int(counts[2])) if counts else None
 
     async def append(
         self,
@@ -292,8 +297,10 @@ class SessionStore:
             raise InvalidRequest("session_id already exists", param="session_id")
         return int(res[1])
 
-    async def record(self, info: SessionInfo, *, exact_expiry: bool = False) -> None:
-        """The tenant index and the live-session set learn the session's new state."""
+    async def record(self, info: SessionInfo, *, exact_expiry: bool = False) -> int:
+        """The tenant index and the live-session set learn the session's new state.
+
+        Returns the tenant's total context tokens."""
         args = [
             "record",
             info.session_id,
@@ -304,10 +311,11 @@ class SessionStore:
         ]
         exp_ms = info.expires_at * 1000
         async with redis_errors():
-            await self._pipelined(
+            res, _ = await self._pipelined(
                 (self._tenant, tenant_keys(info.tenant), args),
                 also=lambda pipe: pipe.zadd(LIVE_KEY, {info.session_id: exp_ms}),
             )
+        return int(res[1])
 
     async def unindex(self, tenant: str, session_id: str) -> None:
         async with redis_errors():

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 KEY = "bench-key"
+TURNS_PER_SESSION = 20
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -142,30 +143,34 @@ async def _run(args: argparse.Namespace) -> int:
                         kind = spec[0]
                         port = spec[1] if kind == "direct" else gw_port
                         body = spec[-1]
-                        sessions: dict[int, str] = {}
+                        # Each connection runs its own conversations, a fresh session every
+                        # TURNS_PER_SESSION turns (a chat is tens of turns, not thousands).
+                        slots: dict[int, list[int]] = {}  # conn -> [slot, turns so far]
                         sids: list[str] = []
                         if kind == "session":
-                            sids = [await new_session(model) for _ in range(conc)]
+                            need = conc * (n // (conc * TURNS_PER_SESSION) + 2)
+                            sids = await asyncio.gather(*(new_session(model) for _ in range(need)))
 
                         def make(
                             conn: Conn,
                             i: int,
                             kind: str = kind,
                             body: Any = body,
-                            sessions: dict[int, str] = sessions,
+                            slots: dict[int, list[int]] = slots,
                             sids: list[str] = sids,
+                            conc: int = conc,
                         ) -> bytes:
                             if kind == "direct":
                                 return conn.build("POST", "/v1/completions", body)
                             if kind == "gateway":
                                 return conn.build("POST", "/v1/completions", body, auth)
-                            key = id(conn)
-                            if key not in sessions:
-                                sessions[key] = sids[len(sessions)]
+                            slot = slots.setdefault(id(conn), [len(slots), 0])
+                            sid = sids[slot[0] + conc * (slot[1] // TURNS_PER_SESSION)]
+                            slot[1] += 1
                             return conn.build(
                                 "POST",
                                 "/v1/completions",
-                                {**body, "prompt": " and?", "session_id": sessions[key]},
+                                {**body, "prompt": " and?", "session_id": sid},
                                 auth,
                             )
 
