@@ -52,6 +52,7 @@ def create_app(settings: ManagerSettings, *, sidecar_link: SidecarLink | None = 
             await redis.aclose()
 
     app = FastAPI(title="ctxcache manager", lifespan=lifespan, default_response_class=JSONResponse)
+    app.state.token = settings.token
     install_error_handlers(app)
     app.include_router(router)
     app.include_router(tenants)

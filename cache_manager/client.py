@@ -18,6 +18,7 @@ from fastapi import FastAPI
 from pydantic import BaseModel
 from starlette.types import ASGIApp
 
+from cache_manager.fastpath import ManagerFastPath
 from cache_manager.protocol import (
     AppendTurn,
     BeginTurn,
@@ -62,8 +63,11 @@ class HttpTransport:
 
 
 class AsgiTransport:
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, *, token: str | None = None) -> None:
         self.app = app
+        auth = [(b"authorization", f"Bearer {token}".encode())] if token else []
+        self.plain = auth or None
+        self.json = [*_JSON_RAW, *auth]
 
     async def __call__(
         self, method: str, path: str, query: dict[str, Any] | None, body: bytes | None
@@ -74,7 +78,7 @@ class AsgiTransport:
             path,
             query=urlencode(query or {}).encode(),
             body=body or b"",
-            headers=_JSON_RAW if body is not None else None,
+            headers=self.json if body is not None else self.plain,
         )
 
     async def aclose(self) -> None:
@@ -105,7 +109,8 @@ class ManagerClient:
     async def in_process(cls, app: FastAPI) -> AsyncIterator[ManagerClient]:
         """Run the manager app's lifespan here and call it without a socket."""
         async with app.router.lifespan_context(app):
-            client = cls(AsgiTransport(app))
+            token = app.state.token  # the same check as for a remote caller
+            client = cls(AsgiTransport(ManagerFastPath(app, token=token), token=token))
             try:
                 yield client
             finally:

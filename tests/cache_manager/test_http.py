@@ -55,3 +55,25 @@ async def test_manager_process_speaks_the_envelope(manager_proc: ServiceProcess)
             await client.get(info.session_id, "b")
     finally:
         await client.aclose()
+
+
+async def test_turn_calls_check_the_token_and_body_too(manager_proc: ServiceProcess) -> None:
+    """get/begin/append are served by the fast path: the same auth and envelopes."""
+    sid = "ctx_" + "A" * 32
+    async with httpx.AsyncClient(base_url=manager_proc.url) as http:
+        for method, path, body in (
+            ("GET", f"/sessions/{sid}?tenant=a", None),
+            ("POST", f"/sessions/{sid}/begin", {"tenant": "a"}),
+            ("POST", f"/sessions/{sid}/append", {"tenant": "a"}),
+        ):
+            r = await http.request(method, path, json=body)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        auth = {"authorization": "Bearer s3cret"}
+        r = await http.post(f"/sessions/{sid}/begin", content=b"{bad", headers=auth)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request"
+        r = await http.post(f"/sessions/{sid}/append", json={"tenant": "a"}, headers=auth)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "expected_version"
+        r = await http.get(f"/sessions/{sid}", headers=auth)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tenant"
+        r = await http.post(f"/sessions/{sid}/begin", json={"tenant": "a"}, headers=auth)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "session_not_found"
