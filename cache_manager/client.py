@@ -23,6 +23,7 @@ from cache_manager.protocol import (
     AppendTurn,
     BeginTurn,
     CreateSession,
+    ManagerStats,
     ReleaseLock,
     SessionInfo,
     SessionList,
@@ -199,10 +200,9 @@ class ManagerClient:
         return await self._call("GET", f"/tenants/{tenant}/usage", TenantUsage)  # type: ignore[return-value]
 
     async def live_sessions(self) -> int:
-        status, payload = await self.transport("GET", "/stats", None, None)
-        if status >= 400:
-            raise error_from_envelope(status, orjson.loads(payload))
-        return int(orjson.loads(payload)["live_sessions"])
+        stats = await self._call("GET", "/stats", ManagerStats)
+        assert stats is not None
+        return stats.live_sessions
 
     async def health(self) -> bool:
         try:

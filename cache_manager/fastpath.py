@@ -20,7 +20,13 @@ from pydantic import BaseModel, ValidationError
 from starlette.types import Receive, Scope, Send
 
 from cache_manager.protocol import AppendTurn, BeginTurn
-from ctxcache.errors import CtxError, InvalidAPIKey, InvalidRequest, error_response
+from ctxcache.errors import (
+    CtxError,
+    InvalidAPIKey,
+    InvalidRequest,
+    error_response,
+    validation_detail,
+)
 
 log = logging.getLogger(__name__)
 PREFIX = "/sessions/"
@@ -113,6 +119,5 @@ def _parse(model: type[Any], body: bytes) -> Any:
     try:
         return model.model_validate_json(body)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        param = ".".join(str(p) for p in first.get("loc", ())) or None
-        raise InvalidRequest(f"{first.get('msg', 'invalid value')}", param=param) from None
+        message, param = validation_detail(exc.errors())
+        raise InvalidRequest(message, param=param) from None

@@ -102,3 +102,9 @@ class TenantUsage(StrictModel):
 class Deleted(StrictModel):
     session_id: str
     deleted: bool = True
+
+
+class ManagerStats(StrictModel):
+    """Counts across every tenant, for metrics (no tenant is named)."""
+
+    live_sessions: int

@@ -12,6 +12,7 @@ from cache_manager.protocol import (
     BeginTurn,
     CreateSession,
     Deleted,
+    ManagerStats,
     ReleaseLock,
     SessionInfo,
     SessionList,
@@ -85,10 +86,9 @@ tenants = APIRouter(prefix="/tenants")
 stats = APIRouter()
 
 
-@stats.get("/stats")
-async def get_stats(svc: ServiceDep) -> dict[str, int]:
-    """Counts across every tenant, for metrics (no tenant is named)."""
-    return {"live_sessions": await svc.live_sessions()}
+@stats.get("/stats", response_model=ManagerStats)
+async def get_stats(svc: ServiceDep) -> ManagerStats:
+    return ManagerStats(live_sessions=await svc.live_sessions())
 
 
 @tenants.get("/{tenant}/usage", response_model=TenantUsage)

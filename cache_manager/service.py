@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import secrets
 import time
@@ -22,7 +21,7 @@ from cache_manager.protocol import (
 )
 from cache_manager.settings import ManagerSettings
 from cache_manager.sidecar_link import BackgroundLink
-from cache_manager.store import SessionStore, new_session_id, valid_session_id
+from cache_manager.store import SessionStore, new_session_id, parse_info, valid_session_id
 from ctxcache.errors import InvalidRequest, QuotaExceeded, SessionNotFound
 from ctxcache.logs import bind_session
 from ctxcache.settings import check_ttl
@@ -41,7 +40,7 @@ class SessionService:
         # tenant -> (total context tokens, when learned): every index write returns it, so
         # a busy tenant's quota pre-check costs no extra Redis read
         self._totals: dict[str, tuple[int, float]] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
+        self.background = link.background
 
     def _learn(self, tenant: str, total: int) -> None:
         self._totals[tenant] = (total, time.monotonic())
@@ -56,22 +55,18 @@ class SessionService:
         """Record the turn in the tenant index after answering: the CAS append already made
         it durable, and the index write is versioned, so order does not matter."""
 
-        async def run() -> None:
-            try:
-                self._learn(info.tenant, await self.store.record(info))
-            except Exception as exc:  # the next turn's record catches up
-                with bind_session(info.session_id):
-                    log.warning("tenant index update failed: %s", exc)
+        async def record() -> None:
+            self._learn(info.tenant, await self.store.record(info))
 
-        task = asyncio.get_running_loop().create_task(run())
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self.background.spawn(
+            record(),
+            what="tenant index update (the next turn catches up)",
+            session_id=info.session_id,
+        )
 
     async def drain(self) -> None:
         """Wait for background index writes and sidecar calls (tests, shutdown)."""
-        while self._tasks:
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)
-        await self.link.drain()
+        await self.background.drain()
 
     def check_ttl(self, ttl: int | None) -> int:
         s = self.settings
@@ -124,7 +119,11 @@ class SessionService:
         with bind_session(session_id):
             log.info("created %s session, %d tokens, ttl %ds", req.kind, len(req.tokens), ttl)
         self.link.pin(req.sidecar, session_id, -(-exp_ms // 1000))
-        return await self.store.get(session_id, req.tenant)
+        # the record as written: no need to read it back
+        return parse_info(
+            session_id,
+            {k.encode(): v if isinstance(v, bytes) else str(v).encode() for k, v in fields.items()},
+        )
 
     async def get(self, session_id: str, tenant: str) -> SessionInfo:
         self._check_id(session_id)

@@ -10,13 +10,13 @@ session's old expiry and the sidecar drops the blocks itself.
 from __future__ import annotations
 
 import abc
-import asyncio
 import logging
 
 import httpx
 
 from ctxcache.lmcache_keys import session_key
-from ctxcache.logs import bind_session
+from ctxcache.tasks import BackgroundTasks
+from sidecar.control_client import SidecarControl
 
 log = logging.getLogger(__name__)
 
@@ -35,27 +35,20 @@ class SidecarLink(abc.ABC):
 
 
 class HttpSidecarLink(SidecarLink):
-    """The sidecar control API over HTTP: `PUT/DELETE /sessions/{session key}`."""
+    """The sidecar control API (`sidecar.control_client.SidecarControl`), one shared pool."""
 
-    def __init__(
-        self,
-        *,
-        timeout_s: float = 1.0,
-        token: str | None = None,
-        client: httpx.AsyncClient | None = None,
-    ) -> None:
-        headers = {"authorization": f"Bearer {token}"} if token else {}
-        self.client = client or httpx.AsyncClient(timeout=timeout_s, headers=headers)
+    def __init__(self, *, timeout_s: float = 1.0, token: str | None = None) -> None:
+        self.client = httpx.AsyncClient(timeout=timeout_s)
+        self.token = token
+
+    def _control(self, url: str) -> SidecarControl:
+        return SidecarControl(url, self.token, client=self.client)
 
     async def pin(self, url: str, session_id: str, expires_at: int) -> None:
-        r = await self.client.put(
-            f"{url.rstrip('/')}/sessions/{session_key(session_id)}", json={"expires_at": expires_at}
-        )
-        r.raise_for_status()
+        await self._control(url).pin(session_key(session_id), expires_at)
 
     async def drop(self, url: str, session_id: str) -> None:
-        r = await self.client.delete(f"{url.rstrip('/')}/sessions/{session_key(session_id)}")
-        r.raise_for_status()
+        await self._control(url).drop(session_key(session_id))
 
     async def aclose(self) -> None:
         await self.client.aclose()
@@ -72,41 +65,31 @@ class NullSidecarLink(SidecarLink):
 
 
 class BackgroundLink:
-    """Runs sidecar calls as background tasks, logs failures, and keeps task references."""
+    """Runs sidecar calls after answering; a failure is logged and retried on the next turn.
+
+    `background` is the manager's one set of after-the-answer work (also its index writes).
+    """
 
     def __init__(self, link: SidecarLink) -> None:
         self.link = link
-        self.tasks: set[asyncio.Task[None]] = set()
-        self.failures = 0
+        self.background = BackgroundTasks(log)
 
     def pin(self, url: str | None, session_id: str, expires_at: int) -> None:
         if url:
-            self._spawn("pin", url, session_id, self.link.pin(url, session_id, expires_at))
+            self.background.spawn(
+                self.link.pin(url, session_id, expires_at),
+                what=f"sidecar pin at {url} (retried on the next turn)",
+                session_id=session_id,
+            )
 
     def drop(self, url: str | None, session_id: str) -> None:
         if url:
-            self._spawn("drop", url, session_id, self.link.drop(url, session_id))
-
-    def _spawn(self, what: str, url: str, session_id: str, call: object) -> None:
-        async def run() -> None:
-            with bind_session(session_id):
-                try:
-                    await call  # type: ignore[misc]
-                except Exception as exc:  # a sidecar problem never fails the manager
-                    self.failures += 1
-                    log.warning(
-                        "sidecar %s at %s failed: %s (retried on the next turn)", what, url, exc
-                    )
-
-        task = asyncio.get_running_loop().create_task(run())
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
-
-    async def drain(self) -> None:
-        """Wait for the calls in flight (tests, shutdown)."""
-        while self.tasks:
-            await asyncio.gather(*list(self.tasks), return_exceptions=True)
+            self.background.spawn(
+                self.link.drop(url, session_id),
+                what=f"sidecar drop at {url} (the pin runs out by itself)",
+                session_id=session_id,
+            )
 
     async def aclose(self) -> None:
-        await self.drain()
+        await self.background.drain()
         await self.link.aclose()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import statistics
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -123,7 +122,3 @@ def bar_plot(
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def median(values: Sequence[float]) -> float:
-    return statistics.median(values) if values else float("nan")

@@ -9,6 +9,7 @@ with `error_from_envelope`, so a `SessionNotFound` raised in the manager surface
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 from fastapi import FastAPI, Request
@@ -166,8 +167,8 @@ def _from_http_exception(exc: StarletteHTTPException) -> CtxError:
     return CtxError(str(exc.detail))
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    errors = exc.errors()
+def validation_detail(errors: Sequence[Mapping[str, Any]]) -> tuple[str, str | None]:
+    """The first pydantic error as `(message, param)`, param dotted without the location."""
     if not errors:
         return "malformed request body", None
     first = errors[0]
@@ -190,7 +191,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def on_validation_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
-        message, param = _validation_message(exc)
+        message, param = validation_detail(exc.errors())
         cls: type[CtxError] = InvalidTTL if param == "ttl" else InvalidRequest
         return error_response(cls(message, param=param))
 

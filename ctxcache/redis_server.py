@@ -8,7 +8,6 @@ The binary is the `redis-server` on PATH if there is one, else the one bundled i
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import subprocess
 import time
@@ -121,7 +120,3 @@ class RedisServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def data_dir_for(root: str | os.PathLike[str]) -> Path:
-    return Path(root) / "redis"

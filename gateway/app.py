@@ -78,7 +78,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             await pool.start()
             stack.push_async_callback(pool.aclose)
             turns = TurnService(manager, pool, metrics, PromptBuilder())
-            stack.push_async_callback(turns.drain)
+            stack.push_async_callback(turns.background.drain)
             app.state.keys = KeyRing(settings.api_keys)
             app.state.manager = manager
             app.state.pool = pool
@@ -139,8 +139,7 @@ class MetricsMiddleware:
         finally:
             route = scope.get("route")
             label = getattr(route, "path", "other")
-            self.metrics.requests.labels(label, str(status)).inc()
-            self.metrics.latency.labels(label).observe(time.perf_counter() - t0)
+            self.metrics.observe(label, status, time.perf_counter() - t0)
 
 
 def _document_bodies(app: FastAPI) -> None:

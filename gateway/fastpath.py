@@ -71,8 +71,7 @@ class FastPath:
             status = exc.status
             await error_response(exc)(scope, receive, send)
         finally:
-            self.metrics.requests.labels(scope["path"], str(status)).inc()
-            self.metrics.latency.labels(scope["path"]).observe(time.perf_counter() - t0)
+            self.metrics.observe(scope["path"], status, time.perf_counter() - t0)
 
     async def _read(self, receive: Receive) -> bytes | None:
         chunks: list[bytes] = []

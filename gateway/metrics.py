@@ -78,6 +78,10 @@ class GatewayMetrics:
             "ctxcache_gateway_worker_healthy", "1 if healthy", ["worker"], registry=r
         )
 
+    def observe(self, route: str, status: int, seconds: float) -> None:
+        self.requests.labels(route, str(status)).inc()
+        self.latency.labels(route).observe(seconds)
+
     def tokens(self, usage: dict[str, Any]) -> None:
         self.prompt_tokens.inc(usage.get("prompt_tokens", 0))
         self.cached_tokens.inc((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))

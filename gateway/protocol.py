@@ -64,14 +64,6 @@ class ContextUpdate(OpenAIBaseModel):
     ttl: int
 
 
-class SessionRef(OpenAIBaseModel):
-    """What a session turn's response carries as `"session"`."""
-
-    session_id: str
-    context_tokens: int
-    expires_at: int
-
-
 class ContextObject(OpenAIBaseModel):
     session_id: str
     object: Literal["context"] = "context"

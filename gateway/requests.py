@@ -8,7 +8,7 @@ import orjson
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
-from ctxcache.errors import InvalidRequest
+from ctxcache.errors import InvalidRequest, validation_detail
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -24,11 +24,8 @@ async def read_json(request: Request, model: type[M]) -> tuple[bytes, dict[str, 
     try:
         parsed = model.model_validate(body)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        param = ".".join(str(p) for p in first.get("loc", ())) or None
-        raise InvalidRequest(
-            f"{first.get('msg', 'invalid value')} ({param})", param=param
-        ) from None
+        message, param = validation_detail(exc.errors())
+        raise InvalidRequest(message, param=param) from None
     return raw, body, parsed
 
 
@@ -42,3 +39,16 @@ def session_id_of(request: Request, body: dict[str, Any]) -> str | None:
     if sid is not None and not isinstance(sid, str):
         raise InvalidRequest("session_id must be a string", param="session_id")
     return sid
+
+
+def body_doc(model: type[BaseModel]) -> dict[str, Any]:
+    """`openapi_extra` naming the body schema of a route that reads its raw body itself
+    (the schema is added to the document by `gateway.app`)."""
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {
+                "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}
+            },
+        }
+    }

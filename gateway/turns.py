@@ -26,6 +26,7 @@ from ctxcache.errors import (
 )
 from ctxcache.lmcache_keys import session_key
 from ctxcache.logs import bind_session
+from ctxcache.tasks import BackgroundTasks
 from gateway.metrics import GatewayMetrics
 from gateway.pool import Worker, WorkerPool
 from gateway.prompts import PromptBuilder
@@ -93,7 +94,7 @@ class TurnService:
         self.pool = pool
         self.metrics = metrics
         self.prompts = prompts
-        self._background: set[asyncio.Task[Any]] = set()
+        self.background = BackgroundTasks(log)
 
     # -- planning ---------------------------------------------------------------------
     async def begin(self, tenant: str, session_id: str, kind: str, body: dict[str, Any]) -> Turn:
@@ -265,26 +266,13 @@ class TurnService:
             await asyncio.shield(task)
 
     def release(self, tenant: str, state: SessionState | None) -> asyncio.Task[None] | None:
-        """Give the turn lock back in the background."""
+        """Give the turn lock back in the background (it expires by itself if this fails)."""
         if state is None or state.lock is None:
             return None
-        sid, lock = state.info.session_id, state.lock
-
-        async def run() -> None:
-            try:
-                await self.manager.release(sid, tenant, lock)
-            except Exception as exc:  # the lock expires by itself anyway
-                with bind_session(sid):
-                    log.warning("could not release the turn lock: %s", exc)
-
-        task = asyncio.get_running_loop().create_task(run())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-        return task
-
-    async def drain(self) -> None:
-        while self._background:
-            await asyncio.gather(*list(self._background), return_exceptions=True)
+        sid = state.info.session_id
+        return self.background.spawn(
+            self.manager.release(sid, tenant, state.lock), what="turn lock release", session_id=sid
+        )
 
     async def stream(
         self,

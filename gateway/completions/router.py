@@ -9,7 +9,7 @@ from fastapi import APIRouter, Depends, Request, Response
 from gateway.auth import TenantDep
 from gateway.completions.service import CompletionService
 from gateway.protocol import ChatBody, CompletionBody
-from gateway.requests import read_json, session_id_of
+from gateway.requests import body_doc, read_json, session_id_of
 
 
 async def get_service(request: Request) -> CompletionService:
@@ -20,25 +20,13 @@ ServiceDep = Annotated[CompletionService, Depends(get_service)]
 router = APIRouter(prefix="/v1")
 
 
-def _doc(model: type) -> dict[str, object]:
-    """The body schema for the OpenAPI document (the route reads the raw body itself)."""
-    return {
-        "requestBody": {
-            "required": True,
-            "content": {
-                "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}
-            },
-        }
-    }
-
-
-@router.post("/completions", openapi_extra=_doc(CompletionBody))
+@router.post("/completions", openapi_extra=body_doc(CompletionBody))
 async def completions(request: Request, tenant: TenantDep, svc: ServiceDep) -> Response:
     raw, body, _ = await read_json(request, CompletionBody)
     return await svc.handle(tenant, "completion", raw, body, session_id_of(request, body))
 
 
-@router.post("/chat/completions", openapi_extra=_doc(ChatBody))
+@router.post("/chat/completions", openapi_extra=body_doc(ChatBody))
 async def chat_completions(request: Request, tenant: TenantDep, svc: ServiceDep) -> Response:
     raw, body, _ = await read_json(request, ChatBody)
     return await svc.handle(tenant, "chat", raw, body, session_id_of(request, body))

@@ -16,7 +16,7 @@ from gateway.protocol import (
     ContextObject,
     ContextUpdate,
 )
-from gateway.requests import read_json
+from gateway.requests import body_doc, read_json
 
 
 async def get_service(request: Request) -> ContextService:
@@ -27,17 +27,7 @@ ServiceDep = Annotated[ContextService, Depends(get_service)]
 router = APIRouter(prefix="/v1/context")
 
 
-@router.post(
-    "",
-    openapi_extra={
-        "requestBody": {
-            "required": True,
-            "content": {
-                "application/json": {"schema": {"$ref": "#/components/schemas/ContextCreate"}}
-            },
-        }
-    },
-)
+@router.post("", openapi_extra=body_doc(ContextCreate))
 async def create(request: Request, tenant: TenantDep, svc: ServiceDep) -> JSONResponse:
     _, body, req = await read_json(request, ContextCreate)
     out: dict[str, Any] = await svc.create(tenant, req, body)
