@@ -16,17 +16,22 @@ from typing import Any
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ops", type=int, default=3000, help="operations per measurement")
+    from ctxcache.benchutil import add_output_arguments
+
+    p.add_argument(
+        "--ops", type=int, default=None, help="operations per measurement (3000; 300 --quick)"
+    )
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     p.add_argument("--history", type=int, default=1000, help="tokens already in the session")
     p.add_argument("--new-tokens", type=int, default=150, help="tokens appended per turn")
-    p.add_argument("--out", type=Path, default=Path("bench-results/manager"))
-    p.add_argument("--plot", type=Path, default=None, help="PNG path (default: in --out)")
+    add_output_arguments(p, "manager")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (median kept)")
-    p.add_argument("--quick", action="store_true", help="a short run (ops=300)")
+    p.add_argument("--quick", action="store_true", help="a short run (ops=300 unless --ops)")
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.ops is None:
+        args.ops = 300 if args.quick else 3000
     return asyncio.run(_run(args))
 
 
@@ -44,15 +49,24 @@ async def _run(args: argparse.Namespace) -> int:
     from ctxcache.benchutil import (
         Result,
         bar_plot,
-        machine,
         markdown_table,
         measure,
+        plot_path,
+        run_meta,
         write_outputs,
     )
     from ctxcache.redis_server import RedisServer
 
     logging.getLogger().setLevel(logging.WARNING)
-    ops = 300 if args.quick else args.ops
+    ops = args.ops
+    meta = run_meta(
+        "manager",
+        history_tokens=args.history,
+        new_tokens=args.new_tokens,
+        ops=ops,
+        rounds=args.rounds,
+        concurrency=args.concurrency,
+    )
     history = list(range(args.history))
     new = list(range(args.new_tokens))
     results = []
@@ -148,27 +162,24 @@ async def _run(args: argparse.Namespace) -> int:
     table = markdown_table(
         ["operation", "concurrency", "ops/s", "p50 ms", "p99 ms", "vs raw GET"], rows
     )
-    data = {
-        "machine": machine(),
-        "history_tokens": args.history,
-        "new_tokens": args.new_tokens,
-        "results": [r.row() for r in results],
-    }
-    write_outputs(args.out, "manager", data, table)
+    paths = write_outputs(
+        args.out, "manager", {"meta": meta, "results": [r.row() for r in results]}, table
+    )
     labels = [r.name for r in results if r.concurrency == args.concurrency[0]]
     series = {
         f"concurrency {c}": [r.ops_per_s for r in results if r.concurrency == c]
         for c in args.concurrency
     }
+    paths.append(plot_path(args, "manager"))
     bar_plot(
-        args.plot or args.out / "manager.png",
+        paths[-1],
         "Context Cache Manager ops/s",
         labels,
         series,
         "operations / s",
     )
     print(table)
-    print(f"\nwrote {args.out}/manager.json, manager.md, manager.png")
+    print("\nwrote " + ", ".join(str(p) for p in paths))
     return 0
 
 

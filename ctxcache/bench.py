@@ -12,6 +12,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "worker": ("worker.bench", "TTFT with cached history vs full recompute"),
     "gateway": ("gateway.bench", "gateway overhead vs calling the worker directly"),
     "multiturn": ("ctxcache.bench_multiturn", "multi-turn chat replay, session vs full history"),
+    "load": ("ctxcache.bench_load", "concurrent sessions through the stack, then leak checks"),
 }
 
 

@@ -1,10 +1,23 @@
-"""Shared pieces of the benchmark commands: timing, percentiles, output files, plots."""
+"""Shared pieces of the benchmark commands: timing, percentiles, output files, plots.
+
+Every `ctxcache bench NAME` writes the same three files into `--out`
+(default `bench-results/NAME`):
+
+- `NAME.json`: `{"meta": {...}, "results": [...]}`; `meta` holds `benchmark`, `date`
+  (UTC), `command` (the exact command line), `machine` (see `machine()`) and the run's
+  parameters; `results` holds one object per table row;
+- `NAME.md`: one line naming the command, date and machine, then the Markdown table;
+- `NAME.png`: the plot (`--plot PATH` puts it elsewhere, e.g. under docs/img/).
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
+import shlex
+import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -73,13 +86,75 @@ async def measure(
     )
 
 
+def add_output_arguments(parser: argparse.ArgumentParser, name: str) -> None:
+    """`--out DIR` and `--plot PATH`, the same for every benchmark."""
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("bench-results") / name,
+        help=f"directory for {name}.json, {name}.md and {name}.png",
+    )
+    parser.add_argument(
+        "--plot", type=Path, default=None, help=f"PNG path (default: OUT/{name}.png)"
+    )
+
+
+def plot_path(args: argparse.Namespace, name: str) -> Path:
+    return Path(args.plot) if args.plot else Path(args.out) / f"{name}.png"
+
+
+def command_line(argv: Sequence[str] | None = None) -> str:
+    """The command that started this run, as `ctxcache bench NAME ...` (shell-quoted)."""
+    argv = list(sys.argv if argv is None else argv)
+    if "bench" in argv[1:]:
+        argv = ["ctxcache", *argv[argv.index("bench", 1) :]]
+    return shlex.join(argv)
+
+
+def utc_now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+
+
 def machine() -> dict[str, Any]:
-    return {
+    """What a reader needs to weigh the numbers: cores, CPU, OS, Python (and torch), load."""
+    info: dict[str, Any] = {
         "cpus": os.cpu_count(),
+        "arch": platform.machine(),
         "platform": platform.platform(),
         "python": platform.python_version(),
-        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "load_avg_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
     }
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        info["torch"] = torch.__version__
+        info["torch_threads"] = torch.get_num_threads()
+    return info
+
+
+def run_meta(name: str, **params: Any) -> dict[str, Any]:
+    """The `meta` block of a benchmark's JSON: name, date, exact command, machine, params."""
+    return {
+        "benchmark": name,
+        "date": utc_now(),
+        "command": command_line(),
+        "machine": machine(),
+        **params,
+    }
+
+
+def describe_machine(m: dict[str, Any]) -> str:
+    parts = [f"{m.get('cpus')} CPUs ({m.get('arch')})", str(m.get("platform"))]
+    parts.append(f"Python {m.get('python')}")
+    if "torch" in m:
+        parts.append(f"torch {m['torch']} ({m.get('torch_threads')} threads)")
+    if m.get("load_avg_1m") is not None:
+        parts.append(f"load average {m['load_avg_1m']} at the start")
+    return ", ".join(parts)
+
+
+def header(meta: dict[str, Any]) -> str:
+    """The line above every table: the exact command, the date and the machine."""
+    return f"`{meta['command']}` — {meta['date']}; {describe_machine(meta['machine'])}."
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
@@ -93,10 +168,17 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> 
     return "\n".join(out)
 
 
-def write_outputs(out_dir: Path, name: str, data: dict[str, Any], table: str) -> None:
+def write_outputs(out_dir: Path, name: str, data: dict[str, Any], table: str) -> list[Path]:
+    """`NAME.json` (data) and `NAME.md` (the header line from data["meta"], then table)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{name}.json").write_text(json.dumps(data, indent=2))
-    (out_dir / f"{name}.md").write_text(table + "\n")
+    paths = [out_dir / f"{name}.json", out_dir / f"{name}.md"]
+    paths[0].write_text(json.dumps(data, indent=2) + "\n")
+    meta = data.get("meta")
+    text = table.rstrip("\n") + "\n"
+    if isinstance(meta, dict) and {"command", "date", "machine"} <= meta.keys():
+        text = header(meta) + "\n\n" + text
+    paths[1].write_text(text)
+    return paths
 
 
 def bar_plot(

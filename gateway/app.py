@@ -27,6 +27,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.pool import WorkerPool
 from gateway.prompts import PromptBuilder
 from gateway.protocol import ChatBody, CompletionBody, ContextCreate
+from gateway.salt import CacheSalt
 from gateway.settings import GatewaySettings
 from gateway.system import router as system_router
 from gateway.turns import TurnService
@@ -77,7 +78,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             )
             await pool.start()
             stack.push_async_callback(pool.aclose)
-            turns = TurnService(manager, pool, metrics, PromptBuilder())
+            salt = CacheSalt(settings.tenant_cache_salt)
+            turns = TurnService(manager, pool, metrics, PromptBuilder(), salt)
             stack.push_async_callback(turns.background.drain)
             app.state.keys = KeyRing(settings.api_keys)
             app.state.manager = manager

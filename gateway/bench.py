@@ -19,26 +19,38 @@ KEY = "bench-key"
 TURNS_PER_SESSION = 20
 
 
+# (full run, --quick) defaults of the options --quick shortens
+QUICK = {"requests": (3000, 200), "model_requests": (200, 20), "rounds": (3, 1)}
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--requests", type=int, default=3000, help="requests per case and round")
+    from ctxcache.benchutil import add_output_arguments
+
+    p.add_argument("--requests", type=int, help="requests per case and round (3000; 200 --quick)")
     p.add_argument(
         "--model-requests",
         type=int,
-        default=200,
-        help="requests per case and round on the tiny model",
+        help="requests per case and round on the tiny model (200; 20 --quick)",
     )
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, help="interleaved rounds (3; 1 --quick)")
     p.add_argument("--no-model", action="store_true", help="only the fake backend")
-    p.add_argument("--model-dir", type=Path, default=Path(".ctxcache/models/tiny"))
-    p.add_argument("--out", type=Path, default=Path("bench-results/gateway"))
-    p.add_argument("--plot", type=Path, default=None)
-    p.add_argument("--quick", action="store_true", help="a short run")
+    p.add_argument(
+        "--model",
+        "--model-dir",
+        dest="model_dir",
+        type=Path,
+        default=Path(".ctxcache/models/tiny"),
+        help="model dir for the real worker (the `tiny` preset is built there if missing)",
+    )
+    add_output_arguments(p, "gateway")
+    p.add_argument("--quick", action="store_true", help="a short run (explicit options win)")
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.quick:
-        args.requests, args.model_requests, args.rounds = 200, 20, 1
+    for name, (full, quick) in QUICK.items():
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else full)
     return asyncio.run(_run(args))
 
 
@@ -46,12 +58,21 @@ async def _run(args: argparse.Namespace) -> int:
     import httpx
     from tqdm import tqdm
 
-    from ctxcache.benchutil import machine, markdown_table, percentile, write_outputs
+    from ctxcache.benchutil import markdown_table, percentile, plot_path, run_meta, write_outputs
     from ctxcache.loadgen import Conn, run
     from ctxcache.net import free_port, wait_http
     from ctxcache.redis_server import RedisServer
     from ctxcache.supervisor import Child, Supervisor, http_ready
 
+    meta = run_meta(
+        "gateway",
+        requests=args.requests,
+        model_requests=0 if args.no_model else args.model_requests,
+        rounds=args.rounds,
+        concurrency=args.concurrency,
+        model=None if args.no_model else str(args.model_dir),
+        turns_per_session=TURNS_PER_SESSION,
+    )
     with tempfile.TemporaryDirectory() as tmp, Supervisor(out=open("/dev/null", "w")) as sup:  # noqa: ASYNC230
         redis = RedisServer(Path(tmp) / "redis")
         redis.data_dir.mkdir(parents=True)
@@ -218,9 +239,11 @@ async def _run(args: argparse.Namespace) -> int:
     table = markdown_table(
         ["case", "concurrency", "req/s", "p50 ms", "p99 ms", "p50 overhead ms", "errors"], rows
     )
-    write_outputs(args.out, "gateway", {"machine": machine(), "results": data}, table)
-    _plot(args.plot or args.out / "gateway.png", data, args.concurrency)
+    paths = write_outputs(args.out, "gateway", {"meta": meta, "results": data}, table)
+    paths.append(plot_path(args, "gateway"))
+    _plot(paths[-1], data, args.concurrency)
     print(table)
+    print("\nwrote " + ", ".join(str(p) for p in paths))
     return 0
 
 

@@ -47,16 +47,20 @@ class FastPath:
         if body is None:  # over the limit
             await error_response(PayloadTooLarge())(scope, receive, send)
             return
-        parsed = _routable(body)
-        if parsed is None:  # a session turn, a stream, or something to validate in full
+        doc = _routable(body)
+        if doc is None:  # a session turn, a stream, or something to validate in full
             await self.app(scope, _replay(body, receive), send)
             return
         t0 = time.perf_counter()
         status = 500
         try:
-            self.state.keys.tenant_for(headers.get(b"authorization", b"").decode("latin-1"))
-            (status, payload), _ = await self.state.turns.failover(
-                parsed, lambda w: post_raw(w, scope["path"], body)
+            tenant = self.state.keys.tenant_for(
+                headers.get(b"authorization", b"").decode("latin-1")
+            )
+            turns = self.state.turns
+            out = orjson.dumps(doc) if turns.salt.apply(tenant, doc) else body
+            (status, payload), _ = await turns.failover(
+                doc["model"], lambda w: post_raw(w, scope["path"], out)
             )
             length = (b"content-length", str(len(payload)).encode())
             await send(
@@ -89,8 +93,8 @@ class FastPath:
                 return b"".join(chunks)
 
 
-def _routable(body: bytes) -> str | None:
-    """The model, if this body is a plain non-streaming request without a session."""
+def _routable(body: bytes) -> dict[str, Any] | None:
+    """The parsed body, if it is a plain non-streaming request with a model, no session."""
     try:
         doc = orjson.loads(body)
     except orjson.JSONDecodeError:
@@ -103,7 +107,7 @@ def _routable(body: bytes) -> str | None:
     ):
         return None
     model = doc.get("model")
-    return model if isinstance(model, str) and model else None
+    return doc if isinstance(model, str) and model else None
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

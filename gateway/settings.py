@@ -55,6 +55,11 @@ class GatewaySettings(BaseSettings):
         "loaded one before a session turn goes elsewhere",
     )
     max_inflight_per_worker: int = Field(64, ge=1, description="then a turn goes elsewhere")
+    tenant_cache_salt: bool = Field(
+        True,
+        description="add a per-tenant cache_salt to worker requests (vLLM >= 0.9 prefix-cache "
+        "isolation, docs/reliability.md); off for a worker that rejects the field",
+    )
     log_level: str = Field("INFO", description="DEBUG, INFO, WARNING, ...")
 
     @field_validator("workers", mode="before")

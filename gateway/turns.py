@@ -30,6 +30,7 @@ from ctxcache.tasks import BackgroundTasks
 from gateway.metrics import GatewayMetrics
 from gateway.pool import Worker, WorkerPool
 from gateway.prompts import PromptBuilder
+from gateway.salt import CacheSalt
 from gateway.shaping import (
     DONE,
     ChunkShaper,
@@ -89,8 +90,10 @@ class TurnService:
         pool: WorkerPool,
         metrics: GatewayMetrics,
         prompts: PromptBuilder,
+        salt: CacheSalt | None = None,
     ) -> None:
         self.manager = manager
+        self.salt = salt or CacheSalt()
         self.pool = pool
         self.metrics = metrics
         self.prompts = prompts
@@ -178,6 +181,7 @@ class TurnService:
             body["stream_options"] = {"include_usage": True}
         if turn.session_id is not None:
             body["kv_transfer_params"] = {"lmcache.tag.s": session_key(turn.session_id)}
+        self.salt.apply(turn.tenant, body)
         return body
 
     async def failover(

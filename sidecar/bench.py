@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import threading
 import time
 from collections.abc import Callable
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -29,8 +27,10 @@ TARGETS = ("ctxcache", "lmcache", "redis")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from ctxcache.benchutil import add_output_arguments
+
     a = parser.add_argument
-    a("--out", default="bench-results/sidecar", help="directory for JSON, Markdown and PNG")
+    add_output_arguments(parser, "sidecar")
     a("--quick", action="store_true", help="a short run (fewer operations)")
     a("--targets", default=",".join(TARGETS), help=f"comma list of {', '.join(TARGETS)}")
     a("--sizes", default=",".join(str(s) for s in SIZES), help="block sizes in bytes")
@@ -47,6 +47,7 @@ def main(args: argparse.Namespace) -> int:
 
     from tqdm import tqdm
 
+    from ctxcache.benchutil import plot_path, run_meta
     from ctxcache.logs import setup_logging
     from sidecar import bench_report
     from sidecar.bench_targets import make_targets
@@ -57,7 +58,17 @@ def main(args: argparse.Namespace) -> int:
     clients = [int(c) for c in args.clients.split(",")]
     budget = args.bytes_per_phase or ((256 << 20) if args.quick else (1 << 30))
     min_ops = 1
+    reps = 3 if args.quick else 7
     out = Path(args.out)
+    meta = run_meta(
+        "sidecar",
+        targets=targets,
+        sizes=sizes,
+        clients=clients,
+        bytes_per_phase=budget,
+        rounds=reps,
+        quick=args.quick,
+    )
     out.mkdir(parents=True, exist_ok=True)
     working_set = max(clients) * max(sizes) * 2
     servers = make_targets(targets, out, memory_bytes=max(2 << 30, 2 * working_set))
@@ -71,7 +82,6 @@ def main(args: argparse.Namespace) -> int:
         except Exception as exc:  # e.g. lmcache not installed: report it, run the rest
             logging.getLogger(__name__).error("could not start %s: %s", server.name, exc)
             server.stop()
-    reps = 3 if args.quick else 7
     bar = tqdm(total=len(sizes) * len(clients) * reps * len(started), unit="round")
     try:
         for size in sizes:
@@ -84,17 +94,10 @@ def main(args: argparse.Namespace) -> int:
         for server in started:
             server.stop()
     done = [t for t in targets if any(r.target == t for r in rows)]
-    meta = {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "cpus": os.cpu_count(),
-        "machine": platform.platform(),
-        "python": platform.python_version(),
-        "bytes_per_phase": budget,
-        "quick": args.quick,
-    }
-    table = bench_report.write(rows, done, out, meta)
-    print(table)
-    print(f"results in {out}/ (results.json, results.md, sidecar-bench.png)")
+    meta["targets"] = done
+    paths = bench_report.write(rows, done, out, meta, plot_path(args, "sidecar"))
+    print(paths[1].read_text())
+    print("wrote " + ", ".join(str(p) for p in paths))
     return 0
 
 

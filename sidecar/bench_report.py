@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,12 +76,19 @@ def plot(rows: list[Row], targets: list[str], path: Path) -> None:
     plt.close(fig)
 
 
-def write(rows: list[Row], targets: list[str], out: Path, meta: dict[str, object]) -> str:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(
-        json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=2)
+def write(
+    rows: list[Row], targets: list[str], out: Path, meta: dict[str, Any], png: Path | None = None
+) -> list[Path]:
+    """sidecar.json (`{"meta", "results"}`), sidecar.md and the plot (default sidecar.png)."""
+    from ctxcache.benchutil import write_outputs
+
+    paths = write_outputs(
+        out,
+        "sidecar",
+        {"meta": meta, "results": [asdict(r) for r in rows]},
+        markdown(rows, targets),
     )
-    table = markdown(rows, targets)
-    (out / "results.md").write_text(table)
-    plot(rows, targets, out / "sidecar-bench.png")
-    return table
+    paths.append(png or out / "sidecar.png")
+    paths[-1].parent.mkdir(parents=True, exist_ok=True)
+    plot(rows, targets, paths[-1])
+    return paths

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import queue
 import statistics
 import subprocess
@@ -21,7 +20,6 @@ import sys
 import tempfile
 import time
 import uuid
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +27,8 @@ CASES = ("full", "sidecar", "l1", "floor")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from ctxcache.benchutil import add_output_arguments
+
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ctxcache"
     parser.add_argument(
         "--model",
@@ -36,14 +36,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=cache / "models" / "small",
         help="model dir (the `small` preset is built there if missing)",
     )
-    parser.add_argument("--out", type=Path, default=Path("bench-results/worker"))
-    parser.add_argument("--contexts", type=int, nargs="+", default=[250, 500, 1000, 2000])
+    add_output_arguments(parser, "worker")
+    parser.add_argument(
+        "--contexts",
+        type=int,
+        nargs="+",
+        help="history sizes in tokens (250 500 1000 2000; 250 1000 --quick)",
+    )
     parser.add_argument("--new-tokens", type=int, default=100)
-    parser.add_argument("--reps", type=int, default=5, help="timed turns per case (median)")
+    parser.add_argument("--reps", type=int, help="timed turns per case, median (5; 1 --quick)")
     parser.add_argument("--chunk-size", type=int, default=256)
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     parser.add_argument("--sidecar", help="use this lm://HOST:PORT instead of starting one")
-    parser.add_argument("--quick", action="store_true", help="contexts 250 and 1000, 1 rep")
+    parser.add_argument(
+        "--quick", action="store_true", help="contexts 250 and 1000, 1 rep (explicit options win)"
+    )
     parser.add_argument(
         "--no-tail-blocks",
         action="store_true",
@@ -54,32 +61,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     import torch
 
+    from ctxcache.benchutil import plot_path, run_meta
     from ctxcache.logs import setup_logging
     from worker.bench_report import write_report
 
     setup_logging("bench", "WARNING")
-    if args.quick:
-        args.contexts, args.reps = [250, 1000], 1
+    if args.contexts is None:
+        args.contexts = [250, 1000] if args.quick else [250, 500, 1000, 2000]
+    if args.reps is None:
+        args.reps = 1 if args.quick else 5
     torch.set_num_threads(args.threads)
     if not (args.model / "config.json").exists():
         from worker.presets import create_model
 
         sys.stderr.write(f"building the small preset into {args.model} ...\n")
         create_model("small", args.model)
+    meta = run_meta(
+        "worker",
+        model=str(args.model),
+        contexts=args.contexts,
+        new_tokens=args.new_tokens,
+        chunk_size=args.chunk_size,
+        reps=args.reps,
+        tail_blocks=not args.no_tail_blocks,
+    )
     with _sidecar(args.sidecar) as url:
         rows = _run(args, url)
-    meta = {
-        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "command": "ctxcache bench worker " + " ".join(sys.argv[3:]),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch threads "
-        f"{args.threads}, Python {platform.python_version()}, torch {torch.__version__}",
-        "model": str(args.model),
-        "new_tokens": args.new_tokens,
-        "chunk_size": args.chunk_size,
-        "reps": args.reps,
-        "tail_blocks": not args.no_tail_blocks,
-    }
-    for path in write_report(args.out, meta, rows):
+    for path in write_report(args.out, meta, rows, plot_path(args, "worker")):
         sys.stdout.write(f"{path}\n")
     return 0
 
@@ -140,7 +148,7 @@ def _run(args: argparse.Namespace, sidecar_url: str) -> list[dict[str, Any]]:
 
     runner = ModelRunner(str(args.model), "float32")
     side = SidecarKV(kv_client_factory(sidecar_url, 2.0), runner.kv_shape)
-    keys = KeyMaker("small", TORCH_TO_KEY_NAME[runner.kv_shape.dtype], 0)
+    keys = KeyMaker(args.model.name, TORCH_TO_KEY_NAME[runner.kv_shape.dtype], 0)
     kv = KVManager(
         L1Cache(4 << 30), side, keys, args.chunk_size, tail_blocks=not args.no_tail_blocks
     )

@@ -15,11 +15,14 @@ LABELS = {
 
 
 def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    from ctxcache.benchutil import header
+
     lines = [
-        f"`{meta['command']}` — {meta['date']}, {meta['machine']}; median of "
-        f"{meta['reps']} turns; +{meta['new_tokens']} new tokens; chunk {meta['chunk_size']}. "
-        "Ratios: median over turns of each cached turn's TTFT / the floor measured right "
-        "before and after it.",
+        header(meta),
+        "",
+        f"Median of {meta['reps']} turns; +{meta['new_tokens']} new tokens; chunk "
+        f"{meta['chunk_size']}. Ratios: median over turns of each cached turn's TTFT / the "
+        "floor measured right before and after it.",
         "",
         "| context | full recompute | sidecar hit (cold L1) | L1 hit | floor | "
         "sidecar / floor | L1 / floor | cached (sidecar / L1) |",
@@ -63,10 +66,14 @@ def plot(path: Path, rows: list[dict[str, Any]]) -> None:
     plt.close(fig)
 
 
-def write_report(out: Path, meta: dict[str, Any], rows: list[dict[str, Any]]) -> list[Path]:
+def write_report(
+    out: Path, meta: dict[str, Any], rows: list[dict[str, Any]], png: Path | None = None
+) -> list[Path]:
+    """worker.json (`{"meta", "results"}`), worker.md and the plot (default worker.png)."""
     out.mkdir(parents=True, exist_ok=True)
-    paths = [out / "worker.json", out / "worker.md", out / "worker.png"]
-    paths[0].write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    paths = [out / "worker.json", out / "worker.md", png or out / "worker.png"]
+    paths[0].write_text(json.dumps({"meta": meta, "results": rows}, indent=2) + "\n")
     paths[1].write_text(markdown(meta, rows))
+    paths[2].parent.mkdir(parents=True, exist_ok=True)
     plot(paths[2], rows)
     return paths

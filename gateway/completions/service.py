@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
+import orjson
 from fastapi import Response
 from fastapi.responses import StreamingResponse
 
@@ -34,7 +35,7 @@ class CompletionService:
         self, tenant: str, kind: str, raw: bytes, body: dict[str, Any], session_id: str | None
     ) -> Response:
         if session_id is None:
-            return await self.passthrough(kind, raw, body)
+            return await self.passthrough(tenant, kind, raw, body)
         if kind == "chat":
             bad = [k for k in CHAT_ONLY_UNSUPPORTED if body.get(k) not in (None, False)]
             if bad:
@@ -76,9 +77,14 @@ class CompletionService:
             headers=SSE_HEADERS,
         )
 
-    async def passthrough(self, kind: str, raw: bytes, body: dict[str, Any]) -> Response:
-        """No session: the request goes as it is to the least-loaded healthy worker."""
+    async def passthrough(
+        self, tenant: str, kind: str, raw: bytes, body: dict[str, Any]
+    ) -> Response:
+        """No session: the request goes as it is (plus the tenant's `cache_salt`) to the
+        least-loaded healthy worker."""
         path = PATHS[kind]
+        if self.turns.salt.apply(tenant, body):
+            raw = orjson.dumps(body)
         if body.get("stream"):
             upstream, worker = await self.turns.failover(
                 body["model"], lambda w: open_stream(w, path, raw)

@@ -120,7 +120,7 @@ class Engine:
             return
         with bind_session(request.session):
             ids, params = request.prompt_ids, request.params
-            prefix = self.kv.lookup(ids, request.tags)
+            prefix = self.kv.lookup(ids, request.tags, request.cache_root)
             logits, cache = self.runner.prefill(ids, prefix.kv)
             request.cached_tokens = prefix.tokens
             request.first_token_time = time.monotonic()
@@ -217,7 +217,7 @@ class Engine:
     def _store(self, request: Request, ids: list[int], kv: torch.Tensor) -> None:
         prefix = request.prefix if isinstance(request.prefix, CachedPrefix) else CachedPrefix(None)
         with bind_session(request.session):
-            self.kv.store(ids, kv, request.tags, prefix, request.session)
+            self.kv.store(ids, kv, request.tags, prefix, request.session, request.cache_root)
 
 
 def _copy(cache: DynamicCache) -> DynamicCache:

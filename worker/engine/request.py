@@ -44,6 +44,7 @@ class Request:
     emit: Callable[[Event], None]
     tags: tuple[tuple[str, str], ...] = ()
     session: str = "-"
+    cache_root: int = 0  # the KV hash chain's root: salt_root(cache_salt), 0 without one
     capture_logits: bool = False
     arrival: float = field(default_factory=time.monotonic)
     cancelled: threading.Event = field(default_factory=threading.Event)

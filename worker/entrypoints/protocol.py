@@ -37,6 +37,7 @@ class SamplingFields(OpenAIBaseModel):
     logit_bias: dict[str, float] | None = None
     return_token_ids: bool = False
     kv_transfer_params: dict[str, Any] | None = None
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024)
     user: str | None = None
 
     @model_validator(mode="after")

@@ -19,6 +19,7 @@ from worker.engine.engine import Engine
 from worker.engine.request import Event, Request, SamplingParams
 from worker.engine.runner import ModelRunner
 from worker.entrypoints.protocol import SamplingFields
+from worker.kv.hashing import salt_root
 from worker.settings import WorkerSettings
 
 
@@ -111,6 +112,7 @@ class Generation:
             emit=lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev),
             tags=tags,
             session=dict(tags).get(SESSION_TAG, "-"),
+            cache_root=salt_root(body.cache_salt),
         )
         state.engine.submit(request)
         return cls(request, len(ids), queue)

@@ -25,11 +25,25 @@ def chain_hash(prev: int, ids: Sequence[int]) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
-def chunk_hashes(ids: Sequence[int], size: int, limit: int | None = None) -> list[int]:
+def salt_root(salt: str | None) -> int:
+    """The chain's root for a request's `cache_salt` (vLLM's field): ROOT_HASH without one.
+
+    Requests with different salts share no hash, so no cached prefix — what keeps one
+    tenant's prompts from being probed through another's cache hits.
+    """
+    if salt is None:
+        return ROOT_HASH
+    digest = hashlib.blake2b(salt.encode("utf-8", "surrogatepass"), digest_size=_HASH_BYTES)
+    return int.from_bytes(digest.digest(), "little")
+
+
+def chunk_hashes(
+    ids: Sequence[int], size: int, limit: int | None = None, root: int = ROOT_HASH
+) -> list[int]:
     """Hashes of the full `size`-token chunks of `ids[:limit]`, each chained on the last."""
     end = len(ids) if limit is None else min(limit, len(ids))
     out: list[int] = []
-    prev = ROOT_HASH
+    prev = root
     for start in range(0, end - size + 1, size):
         prev = chain_hash(prev, ids[start : start + size])
         out.append(prev)

@@ -55,15 +55,20 @@ class KVManager:
         log.warning("tags too long for LMCache's 150-character keys; not using the sidecar")
         return False
 
-    def lookup(self, ids: list[int], tags: tuple[tuple[str, str], ...]) -> CachedPrefix:
-        """The longest cached prefix of `ids`, capped at len(ids) - 1 (one token is computed)."""
+    def lookup(
+        self, ids: list[int], tags: tuple[tuple[str, str], ...], root: int = ROOT_HASH
+    ) -> CachedPrefix:
+        """The longest cached prefix of `ids`, capped at len(ids) - 1 (one token is computed).
+
+        `root` is the hash chain's root (`salt_root` of the request's `cache_salt`).
+        """
         usable = len(ids) - 1
-        pieces = self.l1.get_prefix(chunk_hashes(ids, BLOCK))
+        pieces = self.l1.get_prefix(chunk_hashes(ids, BLOCK, root=root))
         l1_tokens = len(pieces) * BLOCK
         got = l1_tokens
         found: set[int] = set()
         if self.sidecar is not None and got < usable and self._sidecar_ok(tags):
-            got = self._from_sidecar(ids, tags, got, usable, pieces, found)
+            got = self._from_sidecar(ids, tags, root, got, usable, pieces, found)
         if not pieces:
             return CachedPrefix(None)
         kv = torch.cat(pieces, dim=3) if len(pieces) > 1 else pieces[0]
@@ -80,6 +85,7 @@ class KVManager:
         self,
         ids: list[int],
         tags: tuple[tuple[str, str], ...],
+        root: int,
         got: int,
         usable: int,
         pieces: list[torch.Tensor],
@@ -87,7 +93,7 @@ class KVManager:
     ) -> int:
         assert self.sidecar is not None
         size = self.chunk_size
-        hashes = chunk_hashes(ids, size)
+        hashes = chunk_hashes(ids, size, root=root)
         c = got // size
         while c < len(hashes) and got < usable:
             block = self.sidecar.get(self.keys.key(hashes[c], tags), size)
@@ -101,7 +107,7 @@ class KVManager:
             return got
         # a tail block: the last partial chunk an earlier turn stored, at 16-token steps
         start = c * size
-        prev = hashes[c - 1] if c else ROOT_HASH
+        prev = hashes[c - 1] if c else root
         for length in range(min(size - BLOCK, (len(ids) - start) // BLOCK * BLOCK), 0, -BLOCK):
             if start + length <= got:
                 break
@@ -122,24 +128,25 @@ class KVManager:
         tags: tuple[tuple[str, str], ...],
         prefix: CachedPrefix,
         session: str,
+        root: int = ROOT_HASH,
     ) -> None:
         """Put the KV of `ids[:T]` (`kv` is `[2, L, H, T, D]`, owned) into L1 and the sidecar."""
         tokens = int(kv.shape[3])
-        for i, h in enumerate(chunk_hashes(ids, BLOCK, tokens)):
+        for i, h in enumerate(chunk_hashes(ids, BLOCK, tokens, root)):
             if h not in self.l1:
                 self.l1.put(h, kv[:, :, :, i * BLOCK : (i + 1) * BLOCK].clone())
         if self.sidecar is None or not self._sidecar_ok(tags):
             return
         size = self.chunk_size
         blocks: list[tuple[str, torch.Tensor]] = []
-        hashes = chunk_hashes(ids, size, tokens)
+        hashes = chunk_hashes(ids, size, tokens, root)
         for i, h in enumerate(hashes):
             if h not in prefix.sidecar_chunks:
                 blocks.append((self.keys.key(h, tags), kv[:, :, :, i * size : (i + 1) * size]))
         start = len(hashes) * size
         tail = (tokens - start) // BLOCK * BLOCK
         if self.tail_blocks and tail:
-            prev = hashes[-1] if hashes else ROOT_HASH
+            prev = hashes[-1] if hashes else root
             h = chain_hash(prev, ids[start : start + tail])
             blocks.append((self.keys.key(h, tags), kv[:, :, :, start : start + tail]))
         if blocks:

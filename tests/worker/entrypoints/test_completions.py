@@ -184,3 +184,26 @@ def test_bfloat16_worker_reuses_kv(tiny_model: Path) -> None:
         second = client.post("/v1/completions", json={**req, "prompt": [*ids, *out, 7]}).json()
         assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 80
         assert client.app.state.worker.runner.kv_shape.dtype == torch.bfloat16
+
+
+def test_cache_salt_keeps_prefix_caches_apart(client: TestClient) -> None:
+    """vLLM's `cache_salt`: a cached prefix is reused only by requests with the same salt."""
+    engine = client.app.state.worker.engine
+
+    def cached(ids: list[int], salt: str | None) -> int:
+        body = {"prompt": ids, "max_tokens": 1, **GREEDY}
+        if salt is not None:
+            body["cache_salt"] = salt
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        engine.wait_idle()
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    ids = list(range(300, 400))
+    assert cached(ids, "tenant-a") == 0
+    assert cached(ids, "tenant-a") == 96  # 6 blocks of 16, the last token is computed
+    assert cached(ids, "tenant-b") == 0
+    assert cached(ids, None) == 0
+    assert cached(ids, None) == 96
+    r = client.post("/v1/completions", json={"prompt": ids, "cache_salt": "", **GREEDY})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
