@@ -1,0 +1,79 @@
+"""`ctxcache bench multiturn` on the tiny model: a short replay through a stack it starts."""
+
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ctxcache.bench_multiturn import TARGET_CONTEXT, user_token_targets
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from worker.presets import create_model
+
+    return create_model("tiny", tmp_path_factory.mktemp("mt-model") / "tiny")
+
+
+def test_user_turns_follow_the_sharegpt_shape() -> None:
+    users = user_token_targets(8, 100)
+    context = TARGET_CONTEXT[0]
+    for k in range(1, 8):
+        context += 100 + users[k] + 10  # answer, new user message, template tokens
+        assert abs(context - TARGET_CONTEXT[k]) <= 2
+
+
+def test_short_replay_writes_the_documented_outputs(tiny: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [
+            *(sys.executable, "-m", "ctxcache.cli", "bench", "multiturn", "--quick"),
+            *("--model", str(tiny), "--modes", "session,full,full-apc", "--threads", "1"),
+            *("--out", str(out)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads((out / "multiturn.json").read_text())
+    assert {"benchmark", "date", "command", "machine", "modes"} <= data["meta"].keys()
+    assert data["meta"]["modes"] == ["session", "full", "full-apc", "floor"]
+    turns = data["turns"]
+    assert [t["turn"] for t in turns] == [1, 2, 3]
+    for t in turns:
+        for mode in ("session", "full", "full-apc", "floor"):
+            assert t[mode]["ttft_p50_ms"] > 0 and t[mode]["ttft_p90_ms"] >= t[mode]["ttft_p50_ms"]
+            assert t[mode]["prompt_tokens"] > 0
+        assert t["session"]["prompt_tokens"] == t["full"]["prompt_tokens"]
+        assert t["full"]["cached_ratio"] == 0  # a fresh cache_salt per request: no reuse
+        assert t["identical_outputs"] is True  # greedy answers do not depend on the mode
+        assert {"speedup_vs_full", "total_p50_ms", "request_bytes"} <= t["session"].keys()
+        assert "session_vs_floor" in t
+    # from turn 2 on, a session turn reuses (at least) the last turn's prompt, in 16-token
+    # blocks, and sends only the new message
+    for r in data["requests"]:
+        if r["mode"] == "session" and r["turn"] > 1:
+            (prev,) = [
+                q["prompt_tokens"]
+                for q in data["requests"]
+                if q["mode"] == "session"
+                and q["conversation"] == r["conversation"]
+                and q["turn"] == r["turn"] - 1
+            ]
+            assert r["cached_tokens"] >= prev // 16 * 16
+    assert turns[-1]["full"]["request_bytes"] > 1.5 * turns[-1]["session"]["request_bytes"]
+    summary = data["summary"]
+    assert summary["identical_outputs_every_turn"] is True
+    assert {"session_speedup_last_turn", "session_vs_floor_max"} <= summary.keys()
+    assert len(data["requests"]) == 2 * 3 * 4
+    assert "| turn |" in (out / "multiturn.md").read_text()
+    png = (out / "multiturn.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and png[12:16] == b"IHDR"
+    width, height = struct.unpack(">II", png[16:24])
+    assert width > 0 and height > 0
