@@ -43,7 +43,14 @@ def build_state(settings: WorkerSettings, runner: ModelRunner | None = None) -> 
     keys = KeyMaker(
         settings.served_name, TORCH_TO_KEY_NAME[runner.kv_shape.dtype], settings.worker_id
     )
-    kv = KVManager(l1, sidecar, keys, settings.chunk_size, tail_blocks=settings.sidecar_tail_blocks)
+    kv = KVManager(
+        l1,
+        sidecar,
+        keys,
+        settings.chunk_size,
+        tail_blocks=settings.sidecar_tail_blocks,
+        l1_tail_tokens=settings.l1_tail_tokens,
+    )
     engine = Engine(
         runner, kv, max_queue=settings.max_queue, max_batch=settings.max_batch, metrics=metrics
     )

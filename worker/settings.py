@@ -28,6 +28,12 @@ class WorkerSettings(BaseSettings):
     )
     chunk_size: int = Field(256, ge=16)
     l1_bytes: int = Field(1 << 30, ge=0, description="byte budget of the in-process KV L1")
+    l1_tail_tokens: bool = Field(
+        False,
+        description="the L1 also keeps a finished sequence's last partial block, so the "
+        "next turn reuses every token, not all but < 16 (cached_tokens then are not "
+        "multiples of 16, as in SGLang's token-level radix cache)",
+    )
     worker_id: int = 0
 
     max_queue: int = Field(64, ge=0, description="waiting requests before 503")

@@ -37,6 +37,13 @@ class L1Cache:
                 found.append(block)
         return found
 
+    def get(self, block_hash: int) -> torch.Tensor | None:
+        with self._lock:
+            block = self._blocks.get(block_hash)
+            if block is not None:
+                self._blocks.move_to_end(block_hash)
+            return block
+
     def put(self, block_hash: int, block: torch.Tensor) -> None:
         size = block.nbytes
         if size > self.budget:

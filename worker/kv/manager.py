@@ -4,6 +4,8 @@ Lookup order per request: L1 blocks (16 tokens) from the start, then sidecar chu
 (`chunk_size` tokens) from the first chunk the L1 does not cover, then (optionally) a
 sidecar tail block — the last partial chunk of an earlier turn, stored at 16-token
 granularity — so a cold session reuses all but < 16 tokens rather than all but < 256.
+With `l1_tail_tokens` the L1 also keeps a finished sequence's last partial block (< 16
+tokens), looked up right after the L1's full blocks: a hot session then reuses every token.
 """
 
 from __future__ import annotations
@@ -42,12 +44,14 @@ class KVManager:
         chunk_size: int,
         *,
         tail_blocks: bool = True,
+        l1_tail_tokens: bool = False,
     ) -> None:
         if chunk_size % BLOCK:
             raise ValueError(f"chunk size must be a multiple of {BLOCK}")
         self.l1, self.sidecar, self.keys = l1, sidecar, keys
         self.chunk_size = chunk_size
         self.tail_blocks = tail_blocks
+        self.l1_tail_tokens = l1_tail_tokens
 
     def _sidecar_ok(self, tags: tuple[tuple[str, str], ...]) -> bool:
         if self.keys.fits(tags):
@@ -63,11 +67,16 @@ class KVManager:
         `root` is the hash chain's root (`salt_root` of the request's `cache_salt`).
         """
         usable = len(ids) - 1
-        pieces = self.l1.get_prefix(chunk_hashes(ids, BLOCK, root=root))
-        l1_tokens = len(pieces) * BLOCK
-        got = l1_tokens
+        blocks = chunk_hashes(ids, BLOCK, root=root)
+        pieces = self.l1.get_prefix(blocks)
+        got = len(pieces) * BLOCK
+        if self.l1_tail_tokens and got < usable:
+            prev = blocks[got // BLOCK - 1] if got else root
+            got = self._l1_tail(ids, prev, got, usable, pieces)
+        l1_tokens = got
         found: set[int] = set()
-        if self.sidecar is not None and got < usable and self._sidecar_ok(tags):
+        after_tail = got % BLOCK != 0  # the L1 had the sequence's end: the sidecar has no more
+        if self.sidecar is not None and not after_tail and got < usable and self._sidecar_ok(tags):
             got = self._from_sidecar(ids, tags, root, got, usable, pieces, found)
         if not pieces:
             return CachedPrefix(None)
@@ -121,6 +130,18 @@ class KVManager:
             break
         return got
 
+    def _l1_tail(
+        self, ids: list[int], prev: int, got: int, usable: int, pieces: list[torch.Tensor]
+    ) -> int:
+        """The last partial block an earlier sequence left after `ids[:got]` (whose last
+        full block hashes to `prev`), if any: `l1_tail_tokens`."""
+        for length in range(min(BLOCK - 1, usable - got), 0, -1):
+            block = self.l1.get(chain_hash(prev, ids[got : got + length]))
+            if block is not None:
+                pieces.append(block)
+                return got + length
+        return got
+
     def store(
         self,
         ids: list[int],
@@ -132,9 +153,14 @@ class KVManager:
     ) -> None:
         """Put the KV of `ids[:T]` (`kv` is `[2, L, H, T, D]`, owned) into L1 and the sidecar."""
         tokens = int(kv.shape[3])
-        for i, h in enumerate(chunk_hashes(ids, BLOCK, tokens, root)):
+        blocks = chunk_hashes(ids, BLOCK, tokens, root)
+        for i, h in enumerate(blocks):
             if h not in self.l1:
                 self.l1.put(h, kv[:, :, :, i * BLOCK : (i + 1) * BLOCK].clone())
+        start = len(blocks) * BLOCK
+        if self.l1_tail_tokens and start < tokens:
+            h = chain_hash(blocks[-1] if blocks else root, ids[start:tokens])
+            self.l1.put(h, kv[:, :, :, start:tokens].clone())
         if self.sidecar is None or not self._sidecar_ok(tags):
             return
         size = self.chunk_size

@@ -13,7 +13,10 @@ from tests.worker.conftest import (
     generate,
     random_ids,
 )
-from worker.engine.runner import ModelRunner
+from worker.engine.runner import ModelRunner, kv_of_row
+from worker.kv.hashing import KeyMaker
+from worker.kv.l1 import L1Cache
+from worker.kv.manager import KVManager
 
 
 def test_tags_isolate_sessions_in_the_sidecar(
@@ -41,3 +44,23 @@ def test_tags_isolate_sessions_in_the_sidecar(
     engine.kv.l1.clear()
     again_a = generate(engine, [*ids, 7], tags=a)
     assert again_a.prefix.sidecar_tokens == (100 + 6 - 1) // 16 * 16
+
+
+def test_l1_tail_tokens_reuse_every_token_of_a_hot_sequence(runner: ModelRunner) -> None:
+    """With `l1_tail_tokens` a finished sequence's last partial block is kept too: the next
+    turn's prefix covers all of it, and the output matches a full recompute."""
+    kv = KVManager(L1Cache(1 << 30), None, KeyMaker("tiny", "float32", 0), 64, l1_tail_tokens=True)
+    ids = list(range(100, 137))  # 2 full blocks + 5 tokens
+    _, cache = runner.prefill(ids, None)
+    full = kv_of_row(cache, 0, 0)
+    kv.store(ids, full, (), kv.lookup(ids, ()), "-")
+    turn = [*ids, 7, 8, 9]
+    prefix = kv.lookup(turn, ())
+    assert prefix.tokens == prefix.l1_tokens == len(ids)
+    assert torch.equal(prefix.kv, full)
+    assert kv.lookup([*ids[:35], 1, 2, 3], ()).tokens == 32  # another tail: blocks only
+    salted = kv.lookup(turn, (), root=12345)
+    assert salted.tokens == 0
+    reused, _ = runner.prefill(turn, prefix.kv)
+    recomputed, _ = runner.prefill(turn, None)
+    assert torch.allclose(reused, recomputed, atol=1e-4)
