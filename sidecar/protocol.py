@@ -84,9 +84,13 @@ def pack_request(
 
 def unpack_request(buf: bytes | bytearray | memoryview) -> Request:
     command, length, fmt, dtype, location, s0, s1, s2, s3, key = REQUEST.unpack(buf)
+    return Request(command, length, fmt, dtype, location, (s0, s1, s2, s3), decode_key(key))
+
+
+def decode_key(raw: bytes) -> str:
+    """The key field of a request header as a string."""
     # LMCache pads with spaces (ljust); struct pads with NULs: accept both, like its .strip().
-    text = key.rstrip(b"\x00").decode("utf-8", errors="replace").strip()
-    return Request(command, length, fmt, dtype, location, (s0, s1, s2, s3), text)
+    return raw.rstrip(b"\x00").decode("utf-8", errors="replace").strip()
 
 
 def pack_reply(

@@ -6,6 +6,13 @@ import socket
 
 Buffer = bytes | bytearray | memoryview
 
+# A payload at least this large goes out in its own write, after the header. Gathered
+# behind a header of 36 or 186 bytes, every byte of it would sit that far off page
+# alignment in the kernel's socket buffers, and both copies (into the sender's buffers,
+# out to the receiver) run measurably slower: about twice the kernel time per GB for
+# 4 MiB GETs on loopback. LMCache's own server and connector send the two separately.
+SPLIT_BYTES = 64 << 10
+
 
 def recv_exact(sock: socket.socket, view: memoryview) -> bool:
     """Fill `view` from the socket; False if the peer closed first."""
@@ -19,7 +26,13 @@ def recv_exact(sock: socket.socket, view: memoryview) -> bool:
 
 
 def send_frames(sock: socket.socket, head: bytes, body: Buffer) -> None:
-    """Send header + payload with one gather write when it fits, never concatenating."""
+    """Send header + payload without concatenating: a small payload in one gather write,
+    a large one in a write of its own so that it starts page-aligned (see SPLIT_BYTES).
+    Needs TCP_NODELAY on the socket, so the header leaves at once as its own segment."""
+    if len(body) >= SPLIT_BYTES:
+        sock.sendall(head)
+        sock.sendall(body)
+        return
     total = len(head) + len(body)
     sent = sock.sendmsg([head, body])
     if sent >= total:

@@ -10,6 +10,7 @@ import threading
 from sidecar import protocol as p
 from sidecar.client import KVClient
 from sidecar.service import Sidecar
+from sidecar.wire import SPLIT_BYTES
 
 KEY = "m@1@0@abc@bfloat16@s%sess"
 
@@ -26,6 +27,33 @@ def test_put_get_exists_round_trip(client: KVClient) -> None:
     into = client.get_into(KEY, out)
     assert into is not None and bytes(into.data) == data and into.data.obj is out
     assert client.health()
+
+
+def test_payload_sizes_around_the_split_and_buffer_reuse(sidecar: Sidecar) -> None:
+    """Payloads just under, at and over the size where header and payload go out in separate
+    writes (both directions), read back byte for byte, on a raw socket too; the server's
+    PUT buffers are never zero-filled, so a shorter block stored after a longer one (heap
+    memory reused) must not show any of the older bytes."""
+    sizes = [0, 1, SPLIT_BYTES - 1, SPLIT_BYTES, SPLIT_BYTES + 1, 3 << 20, 5000]
+    blocks = {f"m@1@0@{i:x}@half": bytes([i + 1]) * n for i, n in enumerate(sizes)}
+    with KVClient("127.0.0.1", sidecar.port) as c:
+        for rounds in range(2):
+            for k, data in blocks.items():
+                c.put(k, data, fmt=1, dtype=2, shape=(len(data), rounds, 0, 0))
+            for k, data in blocks.items():
+                block = c.get(k)
+                assert block is not None and bytes(block.data) == data
+                assert block.shape == (len(data), rounds, 0, 0)
+    with socket.create_connection(("127.0.0.1", sidecar.port)) as s:
+        for k, data in blocks.items():
+            s.sendall(p.pack_request(p.Command.GET, k))
+            want = p.pack_reply(200, length=len(data), shape=(len(data), 1, 0, 0)) + data
+            got = bytearray()
+            while len(got) < len(want):
+                chunk = s.recv(len(want) - len(got))
+                assert chunk
+                got += chunk
+            assert got == want
 
 
 def test_miss_and_empty_payload(client: KVClient) -> None:
