@@ -38,7 +38,9 @@ class HttpSidecarLink(SidecarLink):
     """The sidecar control API (`sidecar.control_client.SidecarControl`), one shared pool."""
 
     def __init__(self, *, timeout_s: float = 1.0, token: str | None = None) -> None:
-        self.client = httpx.AsyncClient(timeout=timeout_s)
+        # calls run after answering, so a burst (hundreds of creates at once) waits for a
+        # pooled connection instead of failing: `timeout_s` bounds each call's own I/O only
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, pool=60.0))
         self.token = token
 
     def _control(self, url: str) -> SidecarControl:

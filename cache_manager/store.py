@@ -126,22 +126,24 @@ class SessionStore:
         """Several scripts in one round trip (EVALSHA; loaded on the rare NOSCRIPT).
 
         redis-py's own script-in-pipeline support sends SCRIPT EXISTS before every
-        pipeline, a second round trip; this does not.
+        pipeline, a second round trip; this does not. When Redis does not know a script
+        yet (first use, or after a restart), only the calls that failed on it run again:
+        the others already ran, and a create or a lock taken twice is not harmless.
         """
-        for attempt in range(2):
-            pipe = self.redis.pipeline(transaction=False)
-            for script, keys, args in calls:
-                pipe.evalsha(script.sha, len(keys), *keys, *args)
-            if also is not None:  # plain commands riding in the same round trip
-                also(pipe)
-            try:
-                return await pipe.execute()  # type: ignore[no-any-return]
-            except rexc.NoScriptError:
-                if attempt:
-                    raise
-                for script, _, _ in calls:
-                    await self.redis.script_load(script.script)
-        raise AssertionError("unreachable")
+        pipe = self.redis.pipeline(transaction=False)
+        for script, keys, args in calls:
+            pipe.evalsha(script.sha, len(keys), *keys, *args)
+        if also is not None:  # plain commands riding in the same round trip
+            also(pipe)
+        results: list[Any] = await pipe.execute(raise_on_error=False)
+        for i, (script, keys, args) in enumerate(calls):
+            if isinstance(results[i], rexc.NoScriptError):
+                await self.redis.script_load(script.script)
+                results[i] = await self.redis.evalsha(script.sha, len(keys), *keys, *args)
+        for r in results:
+            if isinstance(r, Exception):
+                raise r
+        return results
 
     async def ping(self) -> bool:
         async with redis_errors():
@@ -164,7 +166,7 @@ class SessionStore:
         async with redis_errors():
             (created, *_) = await self._pipelined(
                 (self._create, session_keys(session_id)[:3], args),
-                also=lambda pipe: pipe.zadd(LIVE_KEY, {session_id: expires_at_ms}, nx=True),
+                (self._live, [LIVE_KEY], ["add", session_id, expires_at_ms, 1]),
             )
         return bool(created)
 
@@ -313,7 +315,7 @@ class SessionStore:
         async with redis_errors():
             res, _ = await self._pipelined(
                 (self._tenant, tenant_keys(info.tenant), args),
-                also=lambda pipe: pipe.zadd(LIVE_KEY, {info.session_id: exp_ms}),
+                (self._live, [LIVE_KEY], ["add", info.session_id, exp_ms, 0]),
             )
         return int(res[1])
 

@@ -25,7 +25,7 @@ class BackgroundTasks:
                 try:
                     await work
                 except Exception as exc:  # background work never fails a request
-                    self.log.warning("%s failed: %s", what, exc)
+                    self.log.warning("%s failed: %s: %s", what, type(exc).__name__, exc)
 
         task = asyncio.get_running_loop().create_task(run())
         self._tasks.add(task)

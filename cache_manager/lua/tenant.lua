@@ -38,46 +38,64 @@ for _, id in ipairs(expired) do
   forget(id)
 end
 
-local op = ARGV[1]
-if op == 'status' then
-  return {1, redis.call('ZCARD', KEYS[1]), tonumber(redis.call('GET', KEYS[4]) or '0')}
-elseif op == 'remove' then
-  forget(ARGV[2])
-  return {1}
-elseif op == 'reserve' then
-  if redis.call('ZSCORE', KEYS[1], ARGV[2]) then
-    return {-3}
+-- every key of the index expires with the tenant's last live session (none live: deleted),
+-- so a tenant whose sessions are all gone leaves nothing behind in Redis
+local function tidy()
+  local last = redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')
+  for i = 1, 4 do
+    if last[2] then
+      redis.call('PEXPIREAT', KEYS[i], math.floor(tonumber(last[2])))
+    else
+      redis.call('DEL', KEYS[i])
+    end
   end
-  local live = redis.call('ZCARD', KEYS[1])
-  if live >= tonumber(ARGV[5]) then
-    return {-1, live}
-  end
-  local total = tonumber(redis.call('GET', KEYS[4]) or '0')
-  if total + tonumber(ARGV[4]) > tonumber(ARGV[6]) then
-    return {-2, total}
-  end
-  local exp = now + tonumber(ARGV[3]) * 1000
-  redis.call('ZADD', KEYS[1], exp, ARGV[2])
-  redis.call('ZADD', KEYS[2], now, ARGV[2])
-  redis.call('HSET', KEYS[3], ARGV[2], '1:' .. ARGV[4])
-  redis.call('INCRBY', KEYS[4], tonumber(ARGV[4]))
-  return {1, exp}
-elseif op == 'record' then
-  local id = ARGV[2]
-  local version, old = tokens_of(id)
-  local new_version = tonumber(ARGV[4])
-  if version == nil or new_version >= version then
-    redis.call('HSET', KEYS[3], id, new_version .. ':' .. ARGV[5])
-    redis.call('INCRBY', KEYS[4], tonumber(ARGV[5]) - (old or 0))
-  end
-  local exp = tonumber(ARGV[3])
-  local cur = redis.call('ZSCORE', KEYS[1], id)
-  if ARGV[6] == '1' or not cur or exp > tonumber(cur) then
-    redis.call('ZADD', KEYS[1], exp, id)
-  end
-  if not redis.call('ZSCORE', KEYS[2], id) then
-    redis.call('ZADD', KEYS[2], now, id)
-  end
-  return {1, tonumber(redis.call('GET', KEYS[4]) or '0')}
 end
-return redis.error_reply('unknown tenant op ' .. tostring(op))
+
+local function run(op)
+  if op == 'status' then
+    return {1, redis.call('ZCARD', KEYS[1]), tonumber(redis.call('GET', KEYS[4]) or '0')}
+  elseif op == 'remove' then
+    forget(ARGV[2])
+    return {1}
+  elseif op == 'reserve' then
+    if redis.call('ZSCORE', KEYS[1], ARGV[2]) then
+      return {-3}
+    end
+    local live = redis.call('ZCARD', KEYS[1])
+    if live >= tonumber(ARGV[5]) then
+      return {-1, live}
+    end
+    local total = tonumber(redis.call('GET', KEYS[4]) or '0')
+    if total + tonumber(ARGV[4]) > tonumber(ARGV[6]) then
+      return {-2, total}
+    end
+    local exp = now + tonumber(ARGV[3]) * 1000
+    redis.call('ZADD', KEYS[1], exp, ARGV[2])
+    redis.call('ZADD', KEYS[2], now, ARGV[2])
+    redis.call('HSET', KEYS[3], ARGV[2], '1:' .. ARGV[4])
+    redis.call('INCRBY', KEYS[4], tonumber(ARGV[4]))
+    return {1, exp}
+  elseif op == 'record' then
+    local id = ARGV[2]
+    local version, old = tokens_of(id)
+    local new_version = tonumber(ARGV[4])
+    if version == nil or new_version >= version then
+      redis.call('HSET', KEYS[3], id, new_version .. ':' .. ARGV[5])
+      redis.call('INCRBY', KEYS[4], tonumber(ARGV[5]) - (old or 0))
+    end
+    local exp = tonumber(ARGV[3])
+    local cur = redis.call('ZSCORE', KEYS[1], id)
+    if ARGV[6] == '1' or not cur or exp > tonumber(cur) then
+      redis.call('ZADD', KEYS[1], exp, id)
+    end
+    if not redis.call('ZSCORE', KEYS[2], id) then
+      redis.call('ZADD', KEYS[2], now, id)
+    end
+    return {1, tonumber(redis.call('GET', KEYS[4]) or '0')}
+  end
+  return redis.error_reply('unknown tenant op ' .. tostring(op))
+end
+
+local result = run(ARGV[1])
+tidy()
+return result
