@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 import time
@@ -22,7 +23,7 @@ from cache_manager.protocol import (
 from cache_manager.settings import ManagerSettings
 from cache_manager.sidecar_link import BackgroundLink
 from cache_manager.store import SessionStore, new_session_id, parse_info, valid_session_id
-from ctxcache.errors import InvalidRequest, QuotaExceeded, SessionNotFound
+from ctxcache.errors import InvalidRequest, QuotaExceeded, SessionNotFound, StoreUnavailable
 from ctxcache.logs import bind_session
 from ctxcache.settings import check_ttl
 
@@ -30,6 +31,7 @@ log = logging.getLogger(__name__)
 
 
 TOTAL_FRESH_S = 2.0  # how long a tenant's known token total stands in for a Redis read
+RELEASE_AFTER_STALL_S = 5.0  # how long a lock taken by a timed-out begin is looked for
 
 
 class SessionService:
@@ -134,16 +136,21 @@ class SessionService:
         self._check_id(session_id)
         lock = secrets.token_urlsafe(16) if req.lock else None
         known = self._known_total(req.tenant) if req.lock else None
-        info, tokens, messages, usage = await self.store.begin(
-            session_id,
-            req.tenant,
-            lock=lock,
-            lock_ttl_ms=self.settings.lock_ttl_ms,
-            tokens=req.tokens,
-            messages=req.messages,
-            touch=req.touch,
-            usage=req.lock and known is None,
-        )
+        try:
+            info, tokens, messages, usage = await self.store.begin(
+                session_id,
+                req.tenant,
+                lock=lock,
+                lock_ttl_ms=self.settings.lock_ttl_ms,
+                tokens=req.tokens,
+                messages=req.messages,
+                touch=req.touch,
+                usage=req.lock and known is None,
+            )
+        except StoreUnavailable:
+            if lock is not None:
+                self._release_later(session_id, lock)
+            raise
         if usage is not None:
             self._learn(req.tenant, usage[1])
         total = usage[1] if usage is not None else (known or 0)
@@ -156,6 +163,30 @@ class SessionService:
             self.link.pin(info.sidecar, session_id, info.expires_at)
         # built from what the store returned: nothing to validate again
         return SessionState.model_construct(info=info, tokens=tokens, messages=messages, lock=lock)
+
+    def _release_later(self, session_id: str, lock: str) -> None:
+        """A begin that timed out on a stalled Redis still takes the lock when Redis
+        resumes, for a caller who got a 503 and left: give our token back (release only
+        deletes a lock holding it) until that works, rather than leave the session
+        `session_busy` for the lock's whole TTL."""
+
+        async def release() -> None:
+            deadline = time.monotonic() + self.settings.lock_ttl_ms / 1000
+            answered_at: float | None = None
+            while time.monotonic() < deadline:
+                try:
+                    if await self.store.release(session_id, lock):
+                        return
+                    answered_at = answered_at or time.monotonic()
+                    if time.monotonic() - answered_at > RELEASE_AFTER_STALL_S:
+                        return  # the begin never ran: there is no lock to give back
+                except StoreUnavailable:
+                    pass
+                await asyncio.sleep(0.25)
+
+        self.background.spawn(
+            release(), what="turn lock release after a store error", session_id=session_id
+        )
 
     async def append(self, session_id: str, req: AppendTurn) -> SessionInfo:
         self._check_id(session_id)
