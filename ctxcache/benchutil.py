@@ -146,7 +146,8 @@ def describe_machine(m: dict[str, Any]) -> str:
     parts = [f"{m.get('cpus')} CPUs ({m.get('arch')})", str(m.get("platform"))]
     parts.append(f"Python {m.get('python')}")
     if "torch" in m:
-        parts.append(f"torch {m['torch']} ({m.get('torch_threads')} threads)")
+        n = m.get("torch_threads")
+        parts.append(f"torch {m['torch']} with {n} thread{'' if n == 1 else 's'}")
     if m.get("load_avg_1m") is not None:
         parts.append(f"load average {m['load_avg_1m']} at the start")
     return ", ".join(parts)

@@ -60,9 +60,7 @@ async def _run(args: argparse.Namespace) -> int:
 
     from ctxcache.benchutil import markdown_table, percentile, plot_path, run_meta, write_outputs
     from ctxcache.loadgen import Conn, run
-    from ctxcache.net import free_port, wait_http
-    from ctxcache.redis_server import RedisServer
-    from ctxcache.supervisor import Child, Supervisor, http_ready
+    from ctxcache.supervisor import Supervisor
 
     meta = run_meta(
         "gateway",
@@ -74,63 +72,8 @@ async def _run(args: argparse.Namespace) -> int:
         turns_per_session=TURNS_PER_SESSION,
     )
     with tempfile.TemporaryDirectory() as tmp, Supervisor(out=open("/dev/null", "w")) as sup:  # noqa: ASYNC230
-        redis = RedisServer(Path(tmp) / "redis")
-        redis.data_dir.mkdir(parents=True)
-        sup.start(Child("redis", redis.argv(), ready=redis.wait_ready))
-        fake_port, gw_port = free_port(), free_port()
-        sup.start(
-            Child(
-                "fake",
-                [sys.executable, "-m", "ctxcache.fake_worker", "--port", str(fake_port)],
-                ready=http_ready(f"http://127.0.0.1:{fake_port}/health"),
-            )
-        )
-        backends = {"fake": fake_port}
-        workers = [f"http://127.0.0.1:{fake_port}"]
-        if not args.no_model:
-            if not (args.model_dir / "config.json").exists():
-                from worker.presets.model import create_model
-
-                create_model("tiny", args.model_dir)
-            wport = free_port()
-            sup.start(
-                Child(
-                    "worker",
-                    [
-                        sys.executable,
-                        "-m",
-                        "ctxcache.cli",
-                        "worker",
-                        "--model",
-                        str(args.model_dir),
-                        "--model-name",
-                        "tiny",
-                        "--port",
-                        str(wport),
-                    ],
-                    ready=http_ready(f"http://127.0.0.1:{wport}/health"),
-                )
-            )
-            backends["tiny"] = wport
-            workers.append(f"http://127.0.0.1:{wport}")
-        argv = [
-            sys.executable,
-            "-m",
-            "ctxcache.cli",
-            "gateway",
-            "--port",
-            str(gw_port),
-            "--redis-url",
-            redis.url,
-            "--api-key",
-            f"{KEY}=bench",
-            "--log-level",
-            "WARNING",
-        ]
-        for w in workers:
-            argv += ["--worker", w]
-        sup.start(Child("gateway", argv, ready=http_ready(f"http://127.0.0.1:{gw_port}/ready")))
-        wait_http(f"http://127.0.0.1:{gw_port}/ready")
+        sys.stderr.write("starting redis, the backends and the gateway ...\n")
+        gw_port, backends = _start_stack(sup, Path(tmp), args)
 
         auth = {"Authorization": f"Bearer {KEY}"}
         cases: list[tuple[str, str, int, Any]] = []
@@ -245,6 +188,58 @@ async def _run(args: argparse.Namespace) -> int:
     print(table)
     print("\nwrote " + ", ".join(str(p) for p in paths))
     return 0
+
+
+def _start_stack(sup: Any, tmp: Path, args: argparse.Namespace) -> tuple[int, dict[str, int]]:
+    """Redis, the fake backend, the tiny worker (unless --no-model) and a gateway in front.
+
+    The worker, the slowest to start, starts first and comes up while the rest do; the
+    gateway is ready once its pool lists every backend's model. Returns (gateway port,
+    {model: backend port}).
+    """
+    import time
+
+    import httpx
+
+    from ctxcache.net import free_port
+    from ctxcache.redis_server import RedisServer
+    from ctxcache.supervisor import Child, http_ready
+
+    backends: dict[str, int] = {}
+    worker: Child | None = None
+    if not args.no_model:
+        if not (args.model_dir / "config.json").exists():
+            from worker.presets.model import create_model
+
+            create_model("tiny", args.model_dir)
+        backends["tiny"] = free_port()
+        cmd = ["worker", "--model", str(args.model_dir), "--model-name", "tiny"]
+        argv = [sys.executable, "-m", "ctxcache.cli", *cmd, "--port", str(backends["tiny"])]
+        worker = sup.start(Child("worker", argv))  # readiness checked below
+    redis = RedisServer(tmp / "redis")
+    redis.data_dir.mkdir(parents=True)
+    sup.start(Child("redis", redis.argv(), ready=redis.wait_ready))
+    backends["fake"] = free_port()
+    argv = [sys.executable, "-m", "ctxcache.fake_worker", "--port", str(backends["fake"])]
+    ready = http_ready(f"http://127.0.0.1:{backends['fake']}/health")
+    sup.start(Child("fake", argv, ready=ready))
+    gw_port = free_port()
+    argv = [sys.executable, "-m", "ctxcache.cli", "gateway", "--port", str(gw_port)]
+    argv += ["--redis-url", redis.url, "--api-key", f"{KEY}=bench", "--log-level", "WARNING"]
+    for port in backends.values():
+        argv += ["--worker", f"http://127.0.0.1:{port}"]
+    sup.start(Child("gateway", argv, ready=http_ready(f"http://127.0.0.1:{gw_port}/ready")))
+    deadline = time.monotonic() + 180
+    while True:
+        r = httpx.get(f"http://127.0.0.1:{gw_port}/v1/models", timeout=5)
+        if {m["id"] for m in r.json()["data"]} >= backends.keys():
+            break
+        if worker is not None and worker.proc is not None and worker.proc.poll() is not None:
+            raise RuntimeError(f"the worker exited with {worker.proc.returncode}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the gateway does not list {sorted(backends)} after 180 s")
+        time.sleep(0.2)
+    return gw_port, {"fake": backends["fake"], **backends}
 
 
 def _plot(path: Path, data: list[dict[str, Any]], concurrency: list[int]) -> None:
