@@ -124,7 +124,7 @@ def main(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     summary = _summary(rows, modes, replay.floor is not None)
-    data = {"meta": meta, "summary": summary, "turns": rows, "requests": replay.log}
+    data = {"meta": meta, "summary": summary, "results": rows, "requests": replay.log}
     paths = write_outputs(Path(args.out), NAME, data, _table(rows, modes, replay.floor is not None))
     png = plot_path(args, NAME)
     _plot(png, rows, modes, replay.floor is not None)

@@ -30,13 +30,14 @@ def wait_http(url: str, timeout: float = 30.0) -> None:
     """Poll `url` until it answers 2xx."""
     deadline = time.monotonic() + timeout
     last: str = "no answer"
-    while time.monotonic() < deadline:
-        try:
-            r = httpx.get(url, timeout=1.0)
-            if r.is_success:
-                return
-            last = f"HTTP {r.status_code}"
-        except httpx.HTTPError as exc:
-            last = type(exc).__name__
-        time.sleep(0.1)
+    with httpx.Client(timeout=1.0) as client:  # one client: not a new SSL context per poll
+        while time.monotonic() < deadline:
+            try:
+                r = client.get(url)
+                if r.is_success:
+                    return
+                last = f"HTTP {r.status_code}"
+            except httpx.HTTPError as exc:
+                last = type(exc).__name__
+            time.sleep(0.1)
     raise TimeoutError(f"{url} not healthy after {timeout}s ({last})")

@@ -1,4 +1,5 @@
-"""Fixtures shared by every test package: a real redis-server we start and own."""
+"""Fixtures shared by every test package: a real redis-server we start and own, the tiny
+model built once."""
 
 from __future__ import annotations
 
@@ -19,6 +20,14 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny preset (`ctxcache model create --preset tiny`), built once per run."""
+    from worker.presets import create_model
+
+    return create_model("tiny", tmp_path_factory.mktemp("models") / "tiny")
 
 
 @pytest.fixture

@@ -29,13 +29,6 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 RUN_TIMEOUT_S = 280  # the machine running CI may be small and shared: generous, never hit
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from worker.presets import create_model
-
-    return create_model("tiny", tmp_path_factory.mktemp("bench-models") / "tiny")
-
-
 def run_bench(name: str, out: Path, *args: str, png: Path | None = None) -> dict[str, Any]:
     """`ctxcache bench NAME --out OUT ARGS`; its outputs checked; the parsed JSON back."""
     argv = ["bench", name, "--out", str(out), *args]

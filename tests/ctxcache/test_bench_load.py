@@ -24,13 +24,6 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 ALLOWED = {"200", "409", "429", "503"}
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from worker.presets import create_model
-
-    return create_model("tiny", tmp_path_factory.mktemp("load-models") / "tiny")
-
-
 def run_load(out: Path, *args: str) -> dict[str, Any]:
     argv = ["bench", "load", "--out", str(out), "--expire-ttl", "1", "--deadline", "60", *args]
     proc = subprocess.run(

@@ -8,16 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from ctxcache.bench_multiturn import TARGET_CONTEXT, user_token_targets
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from worker.presets import create_model
-
-    return create_model("tiny", tmp_path_factory.mktemp("mt-model") / "tiny")
 
 
 def test_user_turns_follow_the_sharegpt_shape() -> None:
@@ -28,12 +19,12 @@ def test_user_turns_follow_the_sharegpt_shape() -> None:
         assert abs(context - TARGET_CONTEXT[k]) <= 2
 
 
-def test_short_replay_writes_the_documented_outputs(tiny: Path, tmp_path: Path) -> None:
+def test_short_replay_writes_the_documented_outputs(tiny_model: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     proc = subprocess.run(
         [
             *(sys.executable, "-m", "ctxcache.cli", "bench", "multiturn", "--quick"),
-            *("--model", str(tiny), "--modes", "session,full,full-apc", "--threads", "1"),
+            *("--model", str(tiny_model), "--modes", "session,full,full-apc", "--threads", "1"),
             *("--out", str(out)),
         ],
         capture_output=True,
@@ -44,7 +35,7 @@ def test_short_replay_writes_the_documented_outputs(tiny: Path, tmp_path: Path) 
     data = json.loads((out / "multiturn.json").read_text())
     assert {"benchmark", "date", "command", "machine", "modes"} <= data["meta"].keys()
     assert data["meta"]["modes"] == ["session", "full", "full-apc", "floor"]
-    turns = data["turns"]
+    turns = data["results"]  # one row per turn
     assert [t["turn"] for t in turns] == [1, 2, 3]
     for t in turns:
         for mode in ("session", "full", "full-apc", "floor"):

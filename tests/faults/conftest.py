@@ -35,16 +35,6 @@ SIDECAR_TIMEOUT_S = 0.5  # the workers' per-call sidecar timeout
 REDIS_TIMEOUT_S = 1.0  # the in-process manager's Redis socket timeout
 
 
-def tiny_model(factory: pytest.TempPathFactory) -> Path:
-    """The tiny preset, built once per run under the base temp dir (shared by packages)."""
-    from worker.presets import create_model
-
-    path = factory.getbasetemp() / "faults-models" / "tiny"
-    if not (path / "config.json").exists():
-        create_model("tiny", path)
-    return path
-
-
 @dataclass
 class FaultStack:
     root: Path
@@ -194,11 +184,9 @@ def stopped(proc: ServiceProcess | RedisServer) -> Iterator[None]:
 
 
 @pytest.fixture(scope="package")
-def fstack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultStack]:
+def fstack(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[FaultStack]:
     root = tmp_path_factory.mktemp("faults")
-    s = FaultStack(
-        root=root, model_dir=tiny_model(tmp_path_factory), redis=RedisServer(root / "redis")
-    )
+    s = FaultStack(root=root, model_dir=tiny_model, redis=RedisServer(root / "redis"))
     s.redis.start()
     try:
         yield s.start()

@@ -83,18 +83,11 @@ class Stack:
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from worker.presets import create_model
-
-    return create_model("tiny", tmp_path_factory.mktemp("gw-models") / "tiny")
-
-
-@pytest.fixture(scope="session")
 def stack(
-    tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer, tiny_model_dir: Path
+    tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer, tiny_model: Path
 ) -> Iterator[Stack]:
     root = tmp_path_factory.mktemp("stack")
-    s = Stack(root=root, redis=redis_server, model_dir=tiny_model_dir)
+    s = Stack(root=root, redis=redis_server, model_dir=tiny_model)
     try:
         s.start_sidecar()
         procs = [s.worker_proc(i) for i in range(2)]

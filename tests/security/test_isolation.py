@@ -24,7 +24,6 @@ from ctxcache.lmcache_keys import parse_key, session_key
 from ctxcache.net import free_port
 from ctxcache.redis_server import RedisServer
 from sidecar.client import KVClient
-from tests.faults.conftest import tiny_model
 from tests.utils import ServiceProcess
 
 KEY_A, KEY_B = "sk-tenant-a-" + os.urandom(8).hex(), "sk-tenant-b-" + os.urandom(8).hex()
@@ -69,9 +68,9 @@ class SecureStack:
 
 
 @pytest.fixture(scope="module")
-def secure(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureStack]:
+def secure(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[SecureStack]:
     root = tmp_path_factory.mktemp("secure")
-    model = tiny_model(tmp_path_factory)
+    model = tiny_model
     s = SecureStack(root=root, redis=RedisServer(root / "redis"))
     s.redis.start()
     try:

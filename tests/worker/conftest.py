@@ -19,15 +19,9 @@ from worker.kv.hashing import KeyMaker
 from worker.kv.l1 import L1Cache
 from worker.kv.manager import CachedPrefix, KVManager
 from worker.kv.sidecar import SidecarKV, kv_client_factory
-from worker.presets import create_model
 
 CHUNK = 32  # small chunks keep the tests fast; the logic is the same at 256
 TOL = 1e-4
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return create_model("tiny", tmp_path_factory.mktemp("models") / "tiny")
 
 
 @pytest.fixture(scope="session")
