@@ -156,10 +156,12 @@ def error_response(exc: CtxError) -> JSONResponse:
 
 
 def _from_http_exception(exc: StarletteHTTPException) -> CtxError:
+    if isinstance(exc.__cause__, CtxError):  # e.g. FastAPI's "error parsing the body" over
+        return exc.__cause__  # our body limit's 413
     if exc.status_code == 404:
         return NotFound(str(exc.detail) if exc.detail != "Not Found" else None)
     if exc.status_code == 405:
-        return MethodNotAllowed()
+        return MethodNotAllowed(headers=dict(exc.headers or {}))  # Allow: the methods
     if exc.status_code == 413:
         return PayloadTooLarge()
     if 400 <= exc.status_code < 500:
@@ -172,10 +174,19 @@ def validation_detail(errors: Sequence[Mapping[str, Any]]) -> tuple[str, str | N
     if not errors:
         return "malformed request body", None
     first = errors[0]
+    if first.get("type") == "json_invalid":
+        return "the request body is not valid JSON", None
     loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path")]
     param = ".".join(loc) or None
     where = f" ({param})" if param else ""
     return f"{first.get('msg', 'invalid value')}{where}", param
+
+
+def validation_error(errors: Sequence[Mapping[str, Any]]) -> CtxError:
+    """The one mapping of a body that fails validation: a bad `ttl` is `invalid_ttl`."""
+    message, param = validation_detail(errors)
+    cls: type[CtxError] = InvalidTTL if param == "ttl" else InvalidRequest
+    return cls(message, param=param)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -191,9 +202,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def on_validation_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
-        message, param = validation_detail(exc.errors())
-        cls: type[CtxError] = InvalidTTL if param == "ttl" else InvalidRequest
-        return error_response(cls(message, param=param))
+        return error_response(validation_error(exc.errors()))
 
     async def on_crash(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)

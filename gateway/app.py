@@ -17,6 +17,7 @@ from cache_manager.settings import ManagerSettings
 from ctxcache.body_limit import BodyLimitMiddleware
 from ctxcache.errors import install_error_handlers
 from ctxcache.responses import JSONResponse
+from ctxcache.schema import ErrorResponse
 from gateway.auth import KeyRing
 from gateway.completions.router import router as completions_router
 from gateway.completions.service import CompletionService
@@ -144,8 +145,15 @@ class MetricsMiddleware:
             self.metrics.observe(label, status, time.perf_counter() - t0)
 
 
+ERROR_DOC = {
+    "description": "Any error: the OpenAI envelope (a malformed body is 400, never 422)",
+    "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}},
+}
+
+
 def _document_bodies(app: FastAPI) -> None:
-    """Routes that read their raw body name its schema; put those schemas in the document."""
+    """Routes that read their raw body name its schema; put those schemas in the document.
+    Every operation's errors are the OpenAI envelope: FastAPI's 422 is never answered."""
     original = app.openapi
 
     def openapi() -> dict[str, Any]:
@@ -153,10 +161,16 @@ def _document_bodies(app: FastAPI) -> None:
             return app.openapi_schema
         schema = original()
         components = schema.setdefault("components", {}).setdefault("schemas", {})
-        for model in (CompletionBody, ChatBody, ContextCreate):
+        for model in (CompletionBody, ChatBody, ContextCreate, ErrorResponse):
             doc = model.model_json_schema(ref_template="#/components/schemas/{model}")
             components.update(doc.pop("$defs", {}))
             components[model.__name__] = doc
+        for name in ("HTTPValidationError", "ValidationError"):
+            components.pop(name, None)
+        for operations in schema["paths"].values():
+            for op in operations.values():
+                op["responses"].pop("422", None)
+                op["responses"]["default"] = ERROR_DOC
         app.openapi_schema = schema
         return schema
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+from collections.abc import Iterable
 from typing import Annotated
 
 from fastapi import Depends, Request
@@ -48,9 +49,15 @@ class KeyRing:
         return found
 
 
+def authorization(headers: Iterable[tuple[bytes, bytes]]) -> str | None:
+    """The request's one Authorization header; repeated, it names no key (which one?)."""
+    found = [value for name, value in headers if name == b"authorization"]
+    return found[0].decode("latin-1") if len(found) == 1 else None
+
+
 async def get_tenant(request: Request) -> str:
     ring: KeyRing = request.app.state.keys
-    return ring.tenant_for(request.headers.get("authorization"))
+    return ring.tenant_for(authorization(request.scope["headers"]))
 
 
 TenantDep = Annotated[str, Depends(get_tenant)]

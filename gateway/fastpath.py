@@ -19,6 +19,7 @@ import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ctxcache.errors import CtxError, InvalidRequest, PayloadTooLarge, error_response
+from gateway.auth import authorization
 from gateway.metrics import GatewayMetrics
 from gateway.upstream import post_raw
 
@@ -54,9 +55,7 @@ class FastPath:
         t0 = time.perf_counter()
         status = 500
         try:
-            tenant = self.state.keys.tenant_for(
-                headers.get(b"authorization", b"").decode("latin-1")
-            )
+            tenant = self.state.keys.tenant_for(authorization(scope["headers"]))
             turns = self.state.turns
             out = orjson.dumps(doc) if turns.salt.apply(tenant, doc) else body
             (status, payload), _ = await turns.failover(

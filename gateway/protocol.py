@@ -15,9 +15,14 @@ class ChatMessage(OpenAIBaseModel):
     name: str | None = None
 
 
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool = False
+
+
+# Booleans and ttl are strict: the services read the raw body, where "false" is truthy.
 class SessionFields(OpenAIBaseModel):
     session_id: str | None = Field(None, max_length=256)
-    session_append: bool = True
+    session_append: bool = Field(True, strict=True)
 
 
 class CompletionBody(SessionFields):
@@ -25,7 +30,8 @@ class CompletionBody(SessionFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(None, ge=0)
     n: int = Field(1, ge=1, le=128)
-    stream: bool = False
+    stream: bool = Field(False, strict=True)
+    stream_options: StreamOptions | None = None
 
 
 class ChatBody(SessionFields):
@@ -34,7 +40,8 @@ class ChatBody(SessionFields):
     max_tokens: int | None = Field(None, ge=0)
     max_completion_tokens: int | None = Field(None, ge=0)
     n: int = Field(1, ge=1, le=128)
-    stream: bool = False
+    stream: bool = Field(False, strict=True)
+    stream_options: StreamOptions | None = None
 
 
 Metadata = dict[str, str]
@@ -44,8 +51,9 @@ class ContextCreate(OpenAIBaseModel):
     model: str = Field(min_length=1, max_length=256)
     prompt: str | list[int] | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
-    ttl: int | None = None
+    ttl: int | None = Field(None, strict=True)
     max_tokens: int = Field(0, ge=0, description="0: prefill only (choices: [])")
+    n: int = Field(1, ge=1, le=1, description="a session holds one conversation")
     metadata: Metadata | None = None
     stream: Literal[False] = False
 
@@ -61,7 +69,7 @@ class ContextCreate(OpenAIBaseModel):
 
 
 class ContextUpdate(OpenAIBaseModel):
-    ttl: int
+    ttl: int = Field(strict=True)
 
 
 class ContextObject(OpenAIBaseModel):

@@ -8,7 +8,7 @@ import orjson
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
-from ctxcache.errors import InvalidRequest, validation_detail
+from ctxcache.errors import InvalidRequest, validation_error
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -24,8 +24,7 @@ async def read_json(request: Request, model: type[M]) -> tuple[bytes, dict[str, 
     try:
         parsed = model.model_validate(body)
     except ValidationError as exc:
-        message, param = validation_detail(exc.errors())
-        raise InvalidRequest(message, param=param) from None
+        raise validation_error(exc.errors()) from None
     return raw, body, parsed
 
 

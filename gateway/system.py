@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
+from fastapi.responses import PlainTextResponse
 
 from ctxcache.errors import BackendUnavailable, CtxError, StoreUnavailable
 from ctxcache.responses import JSONResponse
@@ -42,7 +43,7 @@ async def ready(request: Request) -> dict[str, Any]:
     return {"status": "ready", "workers": len(healthy)}
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=PlainTextResponse)
 async def metrics(request: Request) -> Response:
     m = request.app.state.metrics
     with contextlib.suppress(CtxError):  # store down: the gauge keeps its last value

@@ -38,7 +38,7 @@ from gateway.shaping import (
     normalize_usage,
     sampling_fields,
 )
-from gateway.upstream import WorkerDown, open_stream, post_json
+from gateway.upstream import SSEStream, WorkerDown, open_stream, post_json
 
 log = logging.getLogger(__name__)
 
@@ -278,9 +278,19 @@ class TurnService:
             self.manager.release(sid, tenant, state.lock), what="turn lock release", session_id=sid
         )
 
+    async def open_stream(self, turn: Turn) -> SSEStream:
+        """Start the worker's stream before answering: an error the worker answers (a bad
+        sampling field, say) still reaches the client as an error, not a broken 200."""
+        body = orjson.dumps(self._worker_body(turn, stream=True))
+        upstream: SSEStream = await self._with_failover(
+            turn, lambda w: open_stream(w, "/v1/completions", body)
+        )
+        return upstream
+
     async def stream(
         self,
         turn: Turn,
+        upstream: SSEStream,
         shaper: ChunkShaper,
         include_usage: bool,
         on_done: Callable[[Generation], Awaitable[dict[str, Any]]],
@@ -290,11 +300,7 @@ class TurnService:
         If the client goes away (or anything fails) before the commit, the turn is
         dropped: the lock is released and nothing is appended.
         """
-        body = orjson.dumps(self._worker_body(turn, stream=True))
         t0 = time.perf_counter()
-        upstream = await self._with_failover(
-            turn, lambda w: open_stream(w, "/v1/completions", body)
-        )
         assert turn.worker is not None
         committed = False
         try:

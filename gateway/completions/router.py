@@ -18,15 +18,17 @@ async def get_service(request: Request) -> CompletionService:
 
 ServiceDep = Annotated[CompletionService, Depends(get_service)]
 router = APIRouter(prefix="/v1")
+# `stream: true` answers server-sent events, each `data:` a chunk object, then `[DONE]`
+STREAMS = {200: {"content": {"text/event-stream": {}}}}
 
 
-@router.post("/completions", openapi_extra=body_doc(CompletionBody))
+@router.post("/completions", openapi_extra=body_doc(CompletionBody), responses=STREAMS)
 async def completions(request: Request, tenant: TenantDep, svc: ServiceDep) -> Response:
     raw, body, _ = await read_json(request, CompletionBody)
     return await svc.handle(tenant, "completion", raw, body, session_id_of(request, body))
 
 
-@router.post("/chat/completions", openapi_extra=body_doc(ChatBody))
+@router.post("/chat/completions", openapi_extra=body_doc(ChatBody), responses=STREAMS)
 async def chat_completions(request: Request, tenant: TenantDep, svc: ServiceDep) -> Response:
     raw, body, _ = await read_json(request, ChatBody)
     return await svc.handle(tenant, "chat", raw, body, session_id_of(request, body))

@@ -41,9 +41,9 @@ class CompletionService:
             if bad:
                 raise InvalidRequest(f"{bad[0]} is not supported on a session turn", param=bad[0])
         turn = await self.turns.begin(tenant, session_id, kind, body)
-        if body.get("stream"):
-            return self._stream(turn, body)
         try:
+            if body.get("stream"):  # from here on, the stream releases the lock
+                return await self._stream(turn, body)
             gen = await self.turns.generate(turn)
             info = await self.turns.commit(turn, gen)
         except BaseException:
@@ -64,15 +64,16 @@ class CompletionService:
         out["session"] = session
         return out
 
-    def _stream(self, turn: Turn, body: dict[str, Any]) -> StreamingResponse:
+    async def _stream(self, turn: Turn, body: dict[str, Any]) -> StreamingResponse:
         shaper = ChunkShaper(turn.kind, turn.model, bool(body.get("return_token_ids")))
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
 
         async def on_done(gen: Generation) -> dict[str, Any]:
             return session_ref(await self.turns.commit(turn, gen))
 
+        upstream = await self.turns.open_stream(turn)
         return StreamingResponse(
-            self.turns.stream(turn, shaper, include_usage, on_done),
+            self.turns.stream(turn, upstream, shaper, include_usage, on_done),
             media_type="text/event-stream",
             headers=SSE_HEADERS,
         )

@@ -70,6 +70,7 @@ class ContextService:
         (prompt, window), worker = await self.turns.failover(req.model, build)
         session_id = new_session_id()
         sampling = {k: v for k, v in sampling_fields(body).items() if k not in CREATE_ONLY}
+        sampling["max_tokens"] = req.max_tokens  # the worker's own default is not ours (0)
         turn = Turn(
             kind=kind,
             model=req.model,

@@ -94,7 +94,7 @@ def test_bad_requests_are_400_envelopes_never_422(stack: Stack) -> None:
         envelope(
             a.post("/v1/context", json={"model": "tiny", "prompt": "x", "ttl": "soon"}),
             400,
-            "invalid_request",
+            "invalid_ttl",
         )
         envelope(a.patch(f"/v1/context/{sid}", json={"ttl": 0}), 400, "invalid_ttl")
         envelope(a.post("/v1/completions", json={"model": "tiny"}), 400, "invalid_request")
