@@ -1,8 +1,11 @@
-"""Async client of the manager API: over HTTP, or in-process through the ASGI transport.
+"""Async client of the manager: over HTTP, or the same service called in-process.
 
-The gateway uses this one class whether the manager is a separate service (`base_url`)
-or runs inside the gateway process (`ManagerClient.in_process(app)`, as `ctxcache serve`
-does): the same requests, the same validation, one code path.
+The gateway uses one interface whether the manager is a separate service
+(`ManagerClient.over_http`) or runs inside the gateway process
+(`ManagerClient.in_process(app)`, as `ctxcache serve` does). In-process, the calls go
+straight to the app's `SessionService` — the object every HTTP route calls — with the same
+request models and the same errors: no JSON, no ASGI hop, no token (there is no network
+boundary to guard). That hop was a third of a session turn's manager cost (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -10,15 +13,12 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any, Protocol, TypeVar
-from urllib.parse import urlencode
 
 import httpx
 import orjson
 from fastapi import FastAPI
 from pydantic import BaseModel
-from starlette.types import ASGIApp
 
-from cache_manager.fastpath import ManagerFastPath
 from cache_manager.protocol import (
     AppendTurn,
     BeginTurn,
@@ -31,8 +31,8 @@ from cache_manager.protocol import (
     TenantUsage,
     UpdateSession,
 )
+from cache_manager.service import SessionService
 from cache_manager.store import valid_session_id
-from ctxcache.asgi_transport import asgi_call
 from ctxcache.errors import SessionNotFound, StoreUnavailable, error_from_envelope
 
 M = TypeVar("M", bound=BaseModel)
@@ -63,31 +63,7 @@ class HttpTransport:
         await self.http.aclose()
 
 
-class AsgiTransport:
-    def __init__(self, app: ASGIApp, *, token: str | None = None) -> None:
-        self.app = app
-        auth = [(b"authorization", f"Bearer {token}".encode())] if token else []
-        self.plain = auth or None
-        self.json = [*_JSON_RAW, *auth]
-
-    async def __call__(
-        self, method: str, path: str, query: dict[str, Any] | None, body: bytes | None
-    ) -> tuple[int, bytes]:
-        return await asgi_call(
-            self.app,
-            method,
-            path,
-            query=urlencode(query or {}).encode(),
-            body=body or b"",
-            headers=self.json if body is not None else self.plain,
-        )
-
-    async def aclose(self) -> None:
-        return None
-
-
 _JSON = {"content-type": "application/json"}
-_JSON_RAW = [(b"content-type", b"application/json")]
 
 
 class ManagerClient:
@@ -105,17 +81,12 @@ class ManagerClient:
         )
         return cls(HttpTransport(http))
 
-    @classmethod
+    @staticmethod
     @asynccontextmanager
-    async def in_process(cls, app: FastAPI) -> AsyncIterator[ManagerClient]:
-        """Run the manager app's lifespan here and call it without a socket."""
+    async def in_process(app: FastAPI) -> AsyncIterator[ManagerClient]:
+        """Run the manager app's lifespan here and call its service directly."""
         async with app.router.lifespan_context(app):
-            token = app.state.token  # the same check as for a remote caller
-            client = cls(AsgiTransport(ManagerFastPath(app, token=token), token=token))
-            try:
-                yield client
-            finally:
-                await client.aclose()
+            yield LocalManager(app.state.service)
 
     async def aclose(self) -> None:
         await self.transport.aclose()
@@ -210,3 +181,49 @@ class ManagerClient:
         except StoreUnavailable:
             return False
         return True
+
+
+class LocalManager(ManagerClient):
+    """The manager inside this process: `ManagerClient`'s calls on the service itself."""
+
+    def __init__(self, service: SessionService) -> None:
+        self.service = service
+
+    async def aclose(self) -> None:
+        return None
+
+    async def create(self, req: CreateSession) -> SessionInfo:
+        return await self.service.create(req)
+
+    async def get(self, session_id: str, tenant: str) -> SessionInfo:
+        return await self.service.get(session_id, tenant)
+
+    async def list(self, tenant: str, *, limit: int = 20, after: str | None = None) -> SessionList:
+        return await self.service.list(tenant, limit, after)
+
+    async def begin(self, session_id: str, req: BeginTurn) -> SessionState:
+        return await self.service.begin(session_id, req)
+
+    async def append(self, session_id: str, req: AppendTurn) -> SessionInfo:
+        return await self.service.append(session_id, req)
+
+    async def release(self, session_id: str, tenant: str, lock: str) -> None:
+        await self.service.release(session_id, tenant, lock)
+
+    async def update(self, session_id: str, req: UpdateSession) -> SessionInfo:
+        return await self.service.update(session_id, req)
+
+    async def delete(self, session_id: str, tenant: str) -> None:
+        await self.service.delete(session_id, tenant)
+
+    async def usage(self, tenant: str) -> TenantUsage:
+        return await self.service.usage(tenant)
+
+    async def live_sessions(self) -> int:
+        return await self.service.live_sessions()
+
+    async def health(self) -> bool:
+        try:
+            return await self.service.store.ping()
+        except StoreUnavailable:
+            return False

@@ -1,17 +1,22 @@
-"""The hot path of a request without a session: bytes in, bytes out, no framework.
+"""The hot paths, `/v1/completions` and `/v1/chat/completions`, without the framework.
 
-A `/v1/completions` or `/v1/chat/completions` request with no `session_id` (body or
-header) and no `stream` is only routed: check the key, pick the least-loaded worker for
-its model, pass the body through, pass the answer back. This ASGI layer does exactly that
-with the same pieces the FastAPI routes use (`KeyRing`, `WorkerPool`, `post_raw` with its
-failover, the error envelope) and hands everything else — sessions, streaming, any body
-it cannot route at a glance — to the FastAPI app, body included, untouched. FastAPI's
-per-request machinery (routing, dependency solving, validation, exception and telemetry
-middleware) was most of the gateway's cost on this path (docs/benchmarks.md).
+FastAPI's per-request machinery (routing, dependency solving, exception and telemetry
+middleware) was most of the gateway's own cost on these two routes (docs/benchmarks.md),
+so this ASGI layer in front of the app answers them itself, with the same pieces the
+FastAPI routes use (`KeyRing`, `CompletionService.answer`, the error envelope, metrics):
+
+* a request with no `session_id` (body or header) and no `stream` is only routed: check the
+  key, pick the least-loaded worker for its model, pass the body through (plus the tenant's
+  `cache_salt`), pass the answer back — bytes in, bytes out;
+* everything else — session turns, streams — is validated and answered by
+  `CompletionService.answer`, exactly as the FastAPI route would.
+
+Every other route goes to the FastAPI app.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -20,11 +25,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ctxcache.errors import CtxError, InvalidRequest, PayloadTooLarge, error_response
 from gateway.auth import authorization
+from gateway.completions.service import KINDS
 from gateway.metrics import GatewayMetrics
 from gateway.upstream import post_raw
 
 FAST_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 _JSON_HEADERS = [(b"content-type", b"application/json")]
+log = logging.getLogger(__name__)
 
 
 class FastPath:
@@ -40,37 +47,49 @@ class FastPath:
         if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in FAST_PATHS:
             await self.app(scope, receive, send)
             return
-        headers = dict(scope["headers"])
-        if b"x-session-id" in headers:
-            await self.app(scope, receive, send)
-            return
-        body = await self._read(receive)
-        if body is None:  # over the limit
-            await error_response(PayloadTooLarge())(scope, receive, send)
-            return
-        doc = _routable(body)
-        if doc is None:  # a session turn, a stream, or something to validate in full
-            await self.app(scope, _replay(body, receive), send)
-            return
         t0 = time.perf_counter()
         status = 500
+        started = False
+
+        async def send_tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
         try:
+            body = await self._read(receive)
+            if body is None:  # over the limit
+                raise PayloadTooLarge()
             tenant = self.state.keys.tenant_for(authorization(scope["headers"]))
+            session_header = _header(scope["headers"], b"x-session-id")
+            doc = None if session_header is not None else _routable(body)
+            if doc is None:  # a session turn, a stream, or a body to validate in full
+                response = await self.state.completions.answer(
+                    tenant, KINDS[scope["path"]], body, session_header
+                )
+                status = response.status_code
+                await response(scope, receive, send_tracked)
+                return
             turns = self.state.turns
             out = orjson.dumps(doc) if turns.salt.apply(tenant, doc) else body
             (status, payload), _ = await turns.failover(
                 doc["model"], lambda w: post_raw(w, scope["path"], out)
             )
             length = (b"content-length", str(len(payload)).encode())
-            await send(
+            await send_tracked(
                 {
                     "type": "http.response.start",
                     "status": status,
                     "headers": [*_JSON_HEADERS, length],
                 }
             )
-            await send({"type": "http.response.body", "body": payload})
-        except CtxError as exc:
+            await send_tracked({"type": "http.response.body", "body": payload})
+        except Exception as exc:
+            if not isinstance(exc, CtxError):
+                log.exception("unhandled error on POST %s", scope["path"])
+                exc = CtxError()
+            if started:  # an answer is under way: all that is left is to end it
+                raise
             status = exc.status
             await error_response(exc)(scope, receive, send)
         finally:
@@ -109,14 +128,9 @@ def _routable(body: bytes) -> dict[str, Any] | None:
     return doc if isinstance(model, str) and model else None
 
 
-def _replay(body: bytes, receive: Receive) -> Receive:
-    sent = False
-
-    async def replay() -> Message:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return replay
+def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> str | None:
+    """The first value of a header, as Starlette's `request.headers.get` reads it."""
+    for key, value in headers:
+        if key == name:
+            return value.decode("latin-1")
+    return None

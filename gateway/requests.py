@@ -15,6 +15,12 @@ M = TypeVar("M", bound=BaseModel)
 
 async def read_json(request: Request, model: type[M]) -> tuple[bytes, dict[str, Any], M]:
     raw = await request.body()
+    body, parsed = parse_json(raw, model)
+    return raw, body, parsed
+
+
+def parse_json(raw: bytes, model: type[M]) -> tuple[dict[str, Any], M]:
+    """A body as a dict and validated as `model`; `invalid_request` (or `invalid_ttl`)."""
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError:
@@ -25,13 +31,12 @@ async def read_json(request: Request, model: type[M]) -> tuple[bytes, dict[str, 
         parsed = model.model_validate(body)
     except ValidationError as exc:
         raise validation_error(exc.errors()) from None
-    return raw, body, parsed
+    return body, parsed
 
 
-def session_id_of(request: Request, body: dict[str, Any]) -> str | None:
+def session_id_of(body: dict[str, Any], in_header: str | None) -> str | None:
     """`session_id` in the body (the openai SDK's extra_body) or the X-Session-Id header."""
     in_body = body.get("session_id")
-    in_header = request.headers.get("x-session-id")
     if in_body is not None and in_header is not None and in_body != in_header:
         raise InvalidRequest("session_id in the body and X-Session-Id differ", param="session_id")
     sid = in_body if in_body is not None else in_header

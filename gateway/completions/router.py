@@ -9,7 +9,7 @@ from fastapi import APIRouter, Depends, Request, Response
 from gateway.auth import TenantDep
 from gateway.completions.service import CompletionService
 from gateway.protocol import ChatBody, CompletionBody
-from gateway.requests import body_doc, read_json, session_id_of
+from gateway.requests import body_doc
 
 
 async def get_service(request: Request) -> CompletionService:
@@ -24,11 +24,13 @@ STREAMS = {200: {"content": {"text/event-stream": {}}}}
 
 @router.post("/completions", openapi_extra=body_doc(CompletionBody), responses=STREAMS)
 async def completions(request: Request, tenant: TenantDep, svc: ServiceDep) -> Response:
-    raw, body, _ = await read_json(request, CompletionBody)
-    return await svc.handle(tenant, "completion", raw, body, session_id_of(request, body))
+    return await svc.answer(
+        tenant, "completion", await request.body(), request.headers.get("x-session-id")
+    )
 
 
 @router.post("/chat/completions", openapi_extra=body_doc(ChatBody), responses=STREAMS)
 async def chat_completions(request: Request, tenant: TenantDep, svc: ServiceDep) -> Response:
-    raw, body, _ = await read_json(request, ChatBody)
-    return await svc.handle(tenant, "chat", raw, body, session_id_of(request, body))
+    return await svc.answer(
+        tenant, "chat", await request.body(), request.headers.get("x-session-id")
+    )

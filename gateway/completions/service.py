@@ -8,10 +8,13 @@ from typing import Any
 import orjson
 from fastapi import Response
 from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
 
 from ctxcache.errors import InvalidRequest
 from ctxcache.responses import JSONResponse
 from gateway.pool import Worker, WorkerPool
+from gateway.protocol import ChatBody, CompletionBody
+from gateway.requests import parse_json, session_id_of
 from gateway.shaping import (
     CHAT_ONLY_UNSUPPORTED,
     ChunkShaper,
@@ -23,6 +26,8 @@ from gateway.turns import Generation, Turn, TurnService
 from gateway.upstream import SSEStream, open_stream, post_raw
 
 PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
+KINDS = {path: kind for kind, path in PATHS.items()}
+BODIES: dict[str, type[BaseModel]] = {"chat": ChatBody, "completion": CompletionBody}
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 
 
@@ -30,6 +35,15 @@ class CompletionService:
     def __init__(self, turns: TurnService, pool: WorkerPool) -> None:
         self.turns = turns
         self.pool = pool
+
+    async def answer(
+        self, tenant: str, kind: str, raw: bytes, session_header: str | None
+    ) -> Response:
+        """A completion request from its raw body: validated, then passed through to a
+        worker, or run as a session turn. (The FastAPI routes and `gateway.fastpath` both
+        answer through here.)"""
+        body, _ = parse_json(raw, BODIES[kind])
+        return await self.handle(tenant, kind, raw, body, session_id_of(body, session_header))
 
     async def handle(
         self, tenant: str, kind: str, raw: bytes, body: dict[str, Any], session_id: str | None

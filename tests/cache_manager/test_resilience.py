@@ -114,4 +114,4 @@ async def test_a_sidecar_that_is_down_never_fails_an_operation(
 
 async def manager_drain(manager) -> None:  # type: ignore[no-untyped-def]
     """Wait for the background sidecar calls of an in-process manager."""
-    await manager.transport.app.state.service.drain()
+    await manager.service.drain()

@@ -32,8 +32,8 @@ async def test_a_turn_is_three_round_trips(
     await manager.append(
         info.session_id, AppendTurn(tenant="t", expected_version=1, lock=state.lock, tokens=[1])
     )
-    await manager.transport.app.state.service.drain()  # the warm-up's background writes
-    manager.transport.app.state.service._totals.clear()  # measure the full begin first
+    await manager.service.drain()  # the warm-up's background writes
+    manager.service._totals.clear()  # measure the full begin first
     rt = RoundTrips(monkeypatch)
     state = await manager.begin(info.session_id, BeginTurn(tenant="t", messages=True))
     assert rt.count == 1  # record + tokens + lock (+ the tenant's usage), pipelined
@@ -41,7 +41,7 @@ async def test_a_turn_is_three_round_trips(
         info.session_id, AppendTurn(tenant="t", expected_version=2, lock=state.lock, tokens=[2, 3])
     )
     assert rt.count == 2  # on the response path: the CAS append (+ unlock + TTL)
-    await manager.transport.app.state.service.drain()
+    await manager.service.drain()
     assert rt.count == 3  # then, after answering, the tenant index record
     # the tenant's total is now known: the next turn's quota pre-check needs no extra read
     rt.count = 0
