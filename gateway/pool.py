@@ -15,10 +15,12 @@ import itertools
 import logging
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 import aiohttp
 
 from ctxcache.errors import BackendUnavailable, NotFound
+from gateway.http1 import Http1Pool
 from gateway.settings import WorkerEndpoint
 
 log = logging.getLogger(__name__)
@@ -35,6 +37,7 @@ class Worker:
     url: str
     sidecar: str | None
     http: aiohttp.ClientSession
+    fast: Http1Pool | None = None  # plain JSON calls (None: an https or path-prefixed URL)
     healthy: bool = False
     inflight: int = 0
     models: dict[str, int] = field(default_factory=dict)  # model id -> max_model_len
@@ -55,6 +58,7 @@ class WorkerPool:
         self._timeout = aiohttp.ClientTimeout(
             total=request_timeout_s, sock_connect=connect_timeout_s
         )
+        self.connect_timeout_s, self.request_timeout_s = connect_timeout_s, request_timeout_s
         self._connections = max_inflight * 2
         self.health_interval_s = health_interval_s
         self.imbalance_slack = imbalance_slack
@@ -69,6 +73,14 @@ class WorkerPool:
             w.http = aiohttp.ClientSession(
                 base_url=w.url, connector=connector, timeout=self._timeout, raise_for_status=False
             )
+            url = urlsplit(w.url)
+            if url.scheme == "http" and url.path in ("", "/") and url.hostname:
+                w.fast = Http1Pool(
+                    url.hostname,
+                    url.port or 80,
+                    connect_timeout_s=self.connect_timeout_s,
+                    request_timeout_s=self.request_timeout_s,
+                )
         await self.check_all()
         self._task = asyncio.get_running_loop().create_task(self._health_loop())
 
@@ -79,6 +91,8 @@ class WorkerPool:
                 await self._task
         for w in self.workers:
             await w.http.close()
+            if w.fast is not None:
+                await w.fast.aclose()
 
     async def _health_loop(self) -> None:
         while True:

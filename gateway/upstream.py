@@ -5,8 +5,9 @@ A worker that cannot be reached (connection refused, or closed before answering)
 worker that took too long is `backend_timeout`; an error the worker answered (its own
 OpenAI envelope, e.g. `context_length_exceeded`) is passed on as the same error.
 
-The client is aiohttp: under load httpx's connection pool scans every pooled connection
-on every request, which cost the gateway most of its CPU (see docs/benchmarks.md).
+Plain JSON calls go through `gateway.http1` (a small keep-alive HTTP/1.1 client); streams
+through aiohttp (under load httpx's connection pool scanned every pooled connection on
+every request, which cost the gateway most of its CPU: see docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import aiohttp
 import orjson
 
 from ctxcache.errors import BackendTimeout, BackendUnavailable, CtxError, error_from_envelope
+from gateway.http1 import ConnectionLost
 from gateway.pool import Worker
 
 _JSON = {"content-type": "application/json"}
@@ -35,6 +37,7 @@ async def mapped_errors(worker: Worker) -> AsyncIterator[None]:
     try:
         yield
     except (
+        ConnectionLost,
         aiohttp.ClientConnectorError,
         aiohttp.ServerDisconnectedError,
         aiohttp.ConnectionTimeoutError,
@@ -63,6 +66,9 @@ def _content(body: dict[str, Any] | bytes) -> bytes:
 
 async def post_raw(worker: Worker, path: str, body: dict[str, Any] | bytes) -> tuple[int, bytes]:
     """Pass-through: the worker's status and body, as they are."""
+    if worker.fast is not None:
+        async with mapped_errors(worker):
+            return await worker.fast.post(path, _content(body))
     async with (
         mapped_errors(worker),
         worker.http.post(path, data=_content(body), headers=_JSON) as r,
