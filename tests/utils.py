@@ -131,3 +131,23 @@ class SidecarProcess(ServiceProcess):
     @property
     def lm_url(self) -> str:
         return f"lm://127.0.0.1:{self.data_port}"
+
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def check_png(path: Path) -> None:
+    """A PNG a viewer opens: signature, an IHDR with a real size, and PIL decodes it."""
+    import struct
+
+    raw = path.read_bytes()
+    assert raw[:8] == PNG_SIGNATURE
+    length, kind = struct.unpack(">I4s", raw[8:16])
+    width, height = struct.unpack(">II", raw[16:24])
+    assert (length, kind) == (13, b"IHDR") and width > 100 and height > 100
+    from PIL import Image
+
+    with Image.open(path) as image:
+        assert image.format == "PNG" and image.size == (width, height)
+        image.load()  # decodes every pixel: a truncated file fails here
+        assert image.getextrema() != ((255, 255),) * len(image.getbands())  # not blank

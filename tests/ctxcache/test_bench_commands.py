@@ -16,7 +16,6 @@ import math
 import re
 import shlex
 import signal
-import struct
 import subprocess
 import sys
 from datetime import UTC, datetime
@@ -25,7 +24,8 @@ from typing import Any
 
 import pytest
 
-PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+from tests.utils import check_png
+
 RUN_TIMEOUT_S = 280  # the machine running CI may be small and shared: generous, never hit
 
 
@@ -69,21 +69,6 @@ def run_bench(name: str, out: Path, *args: str, png: Path | None = None) -> dict
 
     check_png(png or out / f"{name}.png")
     return data
-
-
-def check_png(path: Path) -> None:
-    """A PNG a viewer opens: signature, an IHDR with a real size, and PIL decodes it."""
-    raw = path.read_bytes()
-    assert raw[:8] == PNG_SIGNATURE
-    length, kind = struct.unpack(">I4s", raw[8:16])
-    width, height = struct.unpack(">II", raw[16:24])
-    assert (length, kind) == (13, b"IHDR") and width > 100 and height > 100
-    from PIL import Image
-
-    with Image.open(path) as image:
-        assert image.format == "PNG" and image.size == (width, height)
-        image.load()  # decodes every pixel: a truncated file fails here
-        assert image.getextrema() != ((255, 255),) * len(image.getbands())  # not blank
 
 
 def check_latencies(row: dict[str, Any]) -> None:

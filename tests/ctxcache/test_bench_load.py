@@ -10,7 +10,6 @@ half the sessions were deleted and half expired. The full-size run is in docs/re
 from __future__ import annotations
 
 import json
-import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -19,8 +18,8 @@ from typing import Any
 import pytest
 
 from ctxcache.bench_load import TurnResult, history_problems
+from tests.utils import check_png
 
-PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 ALLOWED = {"200", "409", "429", "503"}
 
 
@@ -50,18 +49,6 @@ def run_load(out: Path, *args: str) -> dict[str, Any]:
     assert "| pass |" in (out / "load.md").read_text()
     check_png(out / "load.png")
     return row
-
-
-def check_png(path: Path) -> None:
-    raw = path.read_bytes()
-    assert raw[:8] == PNG_SIGNATURE
-    length, kind = struct.unpack(">I4s", raw[8:16])
-    width, height = struct.unpack(">II", raw[16:24])
-    assert (length, kind) == (13, b"IHDR") and width > 100 and height > 100
-    from PIL import Image
-
-    with Image.open(path) as image:
-        image.load()  # a truncated file fails here
 
 
 @pytest.mark.timeout(300)

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-import struct
 import subprocess
 import sys
 from pathlib import Path
 
 from ctxcache.bench_multiturn import TARGET_CONTEXT, user_token_targets
+from tests.utils import check_png
 
 
 def test_user_turns_follow_the_sharegpt_shape() -> None:
@@ -64,7 +64,4 @@ def test_short_replay_writes_the_documented_outputs(tiny_model: Path, tmp_path: 
     assert {"session_speedup_last_turn", "session_vs_floor_max"} <= summary.keys()
     assert len(data["requests"]) == 2 * 3 * 4
     assert "| turn |" in (out / "multiturn.md").read_text()
-    png = (out / "multiturn.png").read_bytes()
-    assert png[:8] == b"\x89PNG\r\n\x1a\n" and png[12:16] == b"IHDR"
-    width, height = struct.unpack(">II", png[16:24])
-    assert width > 0 and height > 0
+    check_png(out / "multiturn.png")
