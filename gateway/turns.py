@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -294,7 +294,7 @@ class TurnService:
         shaper: ChunkShaper,
         include_usage: bool,
         on_done: Callable[[Generation], Awaitable[dict[str, Any]]],
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncGenerator[bytes, None]:
         """Stream the worker's tokens to the client; commit before the final usage chunk.
 
         If the client goes away (or anything fails) before the commit, the turn is

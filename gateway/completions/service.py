@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import orjson
 from fastapi import Response
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
+from starlette.types import Receive, Scope, Send
 
 from ctxcache.errors import InvalidRequest
 from ctxcache.responses import JSONResponse
@@ -29,6 +30,34 @@ PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 KINDS = {path: kind for kind, path in PATHS.items()}
 BODIES: dict[str, type[BaseModel]] = {"chat": ChatBody, "completion": CompletionBody}
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+
+
+class TurnStream(StreamingResponse):
+    """A session turn's SSE answer. The event generator releases the turn when it ends;
+    a client that leaves before the first byte means it never starts, and then nothing
+    would: `never_started` does it here."""
+
+    def __init__(
+        self, events: AsyncGenerator[bytes, None], never_started: Callable[[], Awaitable[None]]
+    ) -> None:
+        self.events, self.never_started = events, never_started
+        self.started = False
+        super().__init__(self._body(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+    async def _body(self) -> AsyncGenerator[bytes, None]:
+        self.started = True
+        try:
+            async for chunk in self.events:
+                yield chunk
+        finally:
+            await self.events.aclose()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if not self.started:
+                await self.never_started()
 
 
 class CompletionService:
@@ -86,11 +115,13 @@ class CompletionService:
             return session_ref(await self.turns.commit(turn, gen))
 
         upstream = await self.turns.open_stream(turn)
-        return StreamingResponse(
-            self.turns.stream(turn, upstream, shaper, include_usage, on_done),
-            media_type="text/event-stream",
-            headers=SSE_HEADERS,
-        )
+
+        async def never_started() -> None:
+            await self.turns.release_now(turn.tenant, turn.state)
+            await upstream.aclose()
+
+        events = self.turns.stream(turn, upstream, shaper, include_usage, on_done)
+        return TurnStream(events, never_started)
 
     async def passthrough(
         self, tenant: str, kind: str, raw: bytes, body: dict[str, Any]

@@ -1,0 +1,48 @@
+"""A streamed session turn whose client leaves before the first byte still gives the turn back.
+
+(The end-to-end case — a client leaving mid-stream — runs against real processes in
+test_errors_e2e.py; the moment before the first byte is too short to hit from outside.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncGenerator
+
+from starlette.types import Message
+
+from gateway.completions.service import TurnStream
+
+
+async def test_a_client_gone_before_the_first_byte_releases_the_turn() -> None:
+    released: list[str] = []
+
+    async def events() -> AsyncGenerator[bytes, None]:
+        try:
+            yield b"data: {}\n\n"
+        finally:
+            released.append("by the stream")
+
+    async def never_started() -> None:
+        released.append("by the response")
+
+    async def receive() -> Message:
+        return {"type": "http.disconnect"}
+
+    async def send(message: Message) -> None:
+        raise OSError("the client is gone")
+
+    scope = {"type": "http", "asgi": {"spec_version": "2.4"}}
+    with contextlib.suppress(Exception):  # Starlette reports the disconnect; what matters: -
+        await TurnStream(events(), never_started)(scope, receive, send)
+    assert released == ["by the response"]
+
+    # a stream that ran releases through its own `finally`, and only there
+    released.clear()
+    sent: list[Message] = []
+
+    async def record(message: Message) -> None:
+        sent.append(message)
+
+    await TurnStream(events(), never_started)(scope, receive, record)
+    assert released == ["by the stream"] and sent[0]["type"] == "http.response.start"
