@@ -9,8 +9,10 @@ from contextlib import asynccontextmanager
 
 import redis.asyncio as aioredis
 from fastapi import FastAPI, Request, Response
+from redis import __version__ as redis_version
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.driver_info import DriverInfo
 from redis.exceptions import ConnectionError, TimeoutError
 
 from cache_manager.router import router, stats, tenants
@@ -37,6 +39,9 @@ def create_app(settings: ManagerSettings, *, sidecar_link: SidecarLink | None = 
             retry_on_error=[ConnectionError, TimeoutError],
             health_check_interval=30,
             max_connections=256,
+            # given once: otherwise every new pooled connection looks the version up in the
+            # package metadata (~0.6 ms each, most of a 200-session burst's connection cost)
+            driver_info=DriverInfo(lib_version=redis_version),
         )
         link = BackgroundLink(
             sidecar_link
