@@ -2,8 +2,8 @@
 
 Everything runs against a redis-server the benchmark starts itself, in one run:
 raw redis-py GET/SET (the ceiling for one round trip), then session get / create / turn
-through the manager's in-process client (ASGI transport, the `ctxcache serve` path) and
-through the service layer directly (to show what the HTTP layer costs).
+through the manager's in-process client (`LocalManager`, the `ctxcache serve` path) and
+through the service layer directly (the client's own cost: now nearly none).
 """
 
 from __future__ import annotations
