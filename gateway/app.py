@@ -59,7 +59,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                     settings.manager_url, token=settings.manager_token
                 )
                 stack.push_async_callback(manager.aclose)
-            else:  # the manager runs in this process: same client, ASGI transport
+            else:  # the manager runs in this process: its service, called directly
                 manager_app = create_manager_app(
                     ManagerSettings(
                         redis_url=settings.redis_url,
