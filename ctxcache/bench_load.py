@@ -54,7 +54,7 @@ SIZES = {"fake": ((200, 5), (40, 3)), "tiny": ((20, 5), (4, 2))}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from ctxcache.benchutil import add_output_arguments
+    from ctxcache.benchutil import add_output_arguments, add_tiny_model_argument
 
     p.add_argument("--backend", choices=("fake", "tiny"), default="fake")
     p.add_argument("--sessions", type=int, help="sessions (fake 200, tiny 20; --quick 40, 4)")
@@ -68,14 +68,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--expire-ttl", type=int, default=2, help="ttl of the sessions left to expire")
     p.add_argument("--deadline", type=float, default=120.0, help="seconds to return to baseline")
     p.add_argument("--max-rss-growth-mib", type=float, default=256.0, help="of the gateway")
-    p.add_argument(
-        "--model",
-        "--model-dir",
-        dest="model_dir",
-        type=Path,
-        default=Path(".ctxcache/models/tiny"),
-        help="model dir of the tiny workers (the `tiny` preset is built there if missing)",
-    )
+    add_tiny_model_argument(p, "of the tiny workers")
     add_output_arguments(p, "load")
     p.add_argument("--quick", action="store_true", help="a short run (explicit options win)")
     p.add_argument("--gateway", default=None, help="load a running gateway, start no stack")

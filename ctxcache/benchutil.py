@@ -86,6 +86,18 @@ async def measure(
     )
 
 
+def add_tiny_model_argument(parser: argparse.ArgumentParser, used_by: str) -> None:
+    """`--model DIR` (alias `--model-dir`): the tiny preset, built there if missing."""
+    parser.add_argument(
+        "--model",
+        "--model-dir",
+        dest="model_dir",
+        type=Path,
+        default=Path(".ctxcache/models/tiny"),
+        help=f"model dir {used_by} (the `tiny` preset is built there if missing)",
+    )
+
+
 def add_output_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     """`--out DIR` and `--plot PATH`, the same for every benchmark."""
     parser.add_argument(

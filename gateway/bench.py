@@ -24,7 +24,7 @@ QUICK = {"requests": (3000, 200), "model_requests": (200, 20), "rounds": (3, 1)}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from ctxcache.benchutil import add_output_arguments
+    from ctxcache.benchutil import add_output_arguments, add_tiny_model_argument
 
     p.add_argument("--requests", type=int, help="requests per case and round (3000; 200 --quick)")
     p.add_argument(
@@ -35,14 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
     p.add_argument("--rounds", type=int, help="interleaved rounds (3; 1 --quick)")
     p.add_argument("--no-model", action="store_true", help="only the fake backend")
-    p.add_argument(
-        "--model",
-        "--model-dir",
-        dest="model_dir",
-        type=Path,
-        default=Path(".ctxcache/models/tiny"),
-        help="model dir for the real worker (the `tiny` preset is built there if missing)",
-    )
+    add_tiny_model_argument(p, "for the real worker")
     add_output_arguments(p, "gateway")
     p.add_argument("--quick", action="store_true", help="a short run (explicit options win)")
 

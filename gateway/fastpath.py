@@ -62,10 +62,11 @@ class FastPath:
                 raise PayloadTooLarge()
             tenant = self.state.keys.tenant_for(authorization(scope["headers"]))
             session_header = _header(scope["headers"], b"x-session-id")
-            doc = None if session_header is not None else _routable(body)
-            if doc is None:  # a session turn, a stream, or a body to validate in full
+            doc = _parse(body)
+            if doc is None or session_header is not None or not _routable(doc):
+                # a session turn, a stream, or a body to validate in full (parsed once)
                 response = await self.state.completions.answer(
-                    tenant, KINDS[scope["path"]], body, session_header
+                    tenant, KINDS[scope["path"]], body, session_header, parsed=doc
                 )
                 status = response.status_code
                 await response(scope, receive, send_tracked)
@@ -111,21 +112,21 @@ class FastPath:
                 return b"".join(chunks)
 
 
-def _routable(body: bytes) -> dict[str, Any] | None:
-    """The parsed body, if it is a plain non-streaming request with a model, no session."""
+def _parse(body: bytes) -> dict[str, Any] | None:
+    """The body as a JSON object, or None (the full validation then says what is wrong)."""
     try:
         doc = orjson.loads(body)
     except orjson.JSONDecodeError:
         return None
-    if (
-        not isinstance(doc, dict)
-        or doc.get("stream")
-        or "session_id" in doc
-        or "session_append" in doc
-    ):
-        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def _routable(doc: dict[str, Any]) -> bool:
+    """A plain non-streaming request with a model and no session: only routed."""
+    if doc.get("stream") or "session_id" in doc or "session_append" in doc:
+        return False
     model = doc.get("model")
-    return doc if isinstance(model, str) and model else None
+    return isinstance(model, str) and bool(model)
 
 
 def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> str | None:

@@ -19,19 +19,22 @@ async def read_json(request: Request, model: type[M]) -> tuple[bytes, dict[str, 
     return raw, body, parsed
 
 
-def parse_json(raw: bytes, model: type[M]) -> tuple[dict[str, Any], M]:
-    """A body as a dict and validated as `model`; `invalid_request` (or `invalid_ttl`)."""
+def parse_json(
+    raw: bytes, model: type[M], parsed: dict[str, Any] | None = None
+) -> tuple[dict[str, Any], M]:
+    """A body as a dict and validated as `model`; `invalid_request` (or `invalid_ttl`).
+    `parsed` is `raw` already decoded, when a caller has done that."""
     try:
-        body = orjson.loads(raw)
+        body = parsed if parsed is not None else orjson.loads(raw)
     except orjson.JSONDecodeError:
         raise InvalidRequest("the request body is not valid JSON") from None
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
     try:
-        parsed = model.model_validate(body)
+        validated = model.model_validate(body)
     except ValidationError as exc:
         raise validation_error(exc.errors()) from None
-    return body, parsed
+    return body, validated
 
 
 def session_id_of(body: dict[str, Any], in_header: str | None) -> str | None:

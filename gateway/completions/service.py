@@ -66,12 +66,18 @@ class CompletionService:
         self.pool = pool
 
     async def answer(
-        self, tenant: str, kind: str, raw: bytes, session_header: str | None
+        self,
+        tenant: str,
+        kind: str,
+        raw: bytes,
+        session_header: str | None,
+        *,
+        parsed: dict[str, Any] | None = None,
     ) -> Response:
-        """A completion request from its raw body: validated, then passed through to a
-        worker, or run as a session turn. (The FastAPI routes and `gateway.fastpath` both
-        answer through here.)"""
-        body, _ = parse_json(raw, BODIES[kind])
+        """A completion request from its raw body (`parsed`: the same, already decoded):
+        validated, then passed through to a worker, or run as a session turn. (The FastAPI
+        routes and `gateway.fastpath` both answer through here.)"""
+        body, _ = parse_json(raw, BODIES[kind], parsed)
         return await self.handle(tenant, kind, raw, body, session_id_of(body, session_header))
 
     async def handle(
