@@ -79,7 +79,9 @@ def parse_info(session_id: str, rec: dict[bytes, bytes]) -> SessionInfo:
     def i(key: str) -> int:
         return int(rec.get(key.encode(), b"0"))
 
-    return SessionInfo(
+    # built from our own record, whose fields have the types parse_info gives them:
+    # constructed without a second validation pass (a turn reads it twice)
+    return SessionInfo.model_construct(
         session_id=session_id,
         tenant=s("tenant"),
         model=s("model"),

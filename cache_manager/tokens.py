@@ -8,11 +8,20 @@ one by one. Either form (a JSON list or the base64 string) is accepted on input.
 from __future__ import annotations
 
 import base64
+import struct
 from collections.abc import Iterable
 from typing import Annotated, Any
 
 import numpy as np
 from pydantic import PlainSerializer, PlainValidator
+
+SMALL = 64  # below this many ids, plain Python checks and packs faster than numpy
+_UINT32_MAX = 0xFFFFFFFF
+
+
+def _small_ok(ids: list[int] | tuple[int, ...]) -> bool:
+    """The same check as `_array`'s for a short list: ints (not bools) in uint32 range."""
+    return all(type(i) is int and 0 <= i <= _UINT32_MAX for i in ids)
 
 
 def _array(ids: Iterable[int]) -> np.ndarray:
@@ -28,6 +37,8 @@ def _array(ids: Iterable[int]) -> np.ndarray:
 
 
 def pack_tokens(ids: Iterable[int]) -> bytes:
+    if isinstance(ids, list | tuple) and len(ids) < SMALL and _small_ok(ids):
+        return struct.pack(f"<{len(ids)}I", *ids)
     return _array(ids).astype("<u4").tobytes()
 
 
@@ -45,6 +56,8 @@ def _validate(value: Any) -> list[int]:
             raise ValueError("token ids: not a whole number of uint32")
         return unpack_tokens(raw)
     if isinstance(value, list):
+        if len(value) < SMALL and _small_ok(value):
+            return value
         try:
             _array(value)  # vectorised type and range check
         except (ValueError, OverflowError, TypeError):

@@ -20,6 +20,7 @@ import orjson
 from cache_manager.client import ManagerClient
 from cache_manager.protocol import AppendTurn, BeginTurn, SessionInfo, SessionState
 from ctxcache.errors import (
+    BackendUnavailable,
     ContextLengthExceeded,
     InvalidRequest,
     SessionModelMismatch,
@@ -28,7 +29,7 @@ from ctxcache.lmcache_keys import session_key
 from ctxcache.logs import bind_session
 from ctxcache.tasks import BackgroundTasks
 from gateway.metrics import GatewayMetrics
-from gateway.pool import Worker, WorkerPool
+from gateway.pool import ModelNotFound, Worker, WorkerPool
 from gateway.prompts import PromptBuilder
 from gateway.salt import CacheSalt
 from gateway.shaping import (
@@ -83,6 +84,25 @@ def check_turn_body(kind: str, body: dict[str, Any]) -> None:
             raise InvalidRequest("a session turn takes one prompt, not a batch", param="prompt")
 
 
+def _consume_exception(task: asyncio.Task[Any]) -> None:
+    """An early tokenize whose result nobody reads (the begin failed) logs no warning."""
+    if not task.cancelled():
+        task.exception()
+
+
+async def _result_or_none(task: asyncio.Task[Any] | None) -> Any:
+    if task is None:
+        return None
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        if task.cancelled():
+            return None
+        raise  # this request is being cancelled
+    except Exception:
+        return None
+
+
 class TurnService:
     def __init__(
         self,
@@ -104,20 +124,64 @@ class TurnService:
         """Load (and lock, unless `session_append` is false) the session; plan the turn."""
         check_turn_body(kind, body)  # before the lock: a bad body never blocks the session
         append = body.get("session_append", True) is not False
-        state = await self.manager.begin(
-            session_id,
-            BeginTurn(
-                tenant=tenant, lock=append, tokens=True, messages=kind == "chat", touch=not append
-            ),
-        )
+        early = self._tokenize_early(kind, body)
         try:
-            return await self._plan(tenant, session_id, kind, body, state)
-        except BaseException:
-            await self.release_now(tenant, state)
-            raise
+            state = await self.manager.begin(
+                session_id,
+                BeginTurn(
+                    tenant=tenant,
+                    lock=append,
+                    tokens=True,
+                    messages=kind == "chat",
+                    touch=not append,
+                ),
+            )
+            try:
+                return await self._plan(tenant, session_id, kind, body, state, early)
+            except BaseException:
+                await self.release_now(tenant, state)
+                raise
+        finally:
+            if early is not None and not early.done():
+                early.cancel()
+
+    def _tokenize_early(
+        self, kind: str, body: dict[str, Any]
+    ) -> asyncio.Task[tuple[list[int], int]] | None:
+        """A completion turn's new text does not depend on the session, so its `/tokenize`
+        runs while the manager loads and locks the session: one round trip off every
+        turn's latency. Any worker serving the model tokenizes alike. If this early call
+        fails for any reason, `_plan` tokenizes again the usual way (errors then come in
+        the usual order: an unknown session before an unknown model, and so on)."""
+        prompt = body.get("prompt")
+        if kind != "completion" or not isinstance(prompt, str):
+            return None
+        model = body["model"]
+        try:
+            worker = self.pool.pick(model)
+        except (ModelNotFound, BackendUnavailable):
+            return None  # reported in order by `_plan`
+
+        async def tokenize() -> tuple[list[int], int]:
+            async with self.pool.lease(worker):
+                try:
+                    return await self.prompts.text(worker, model, prompt, special=False)
+                except WorkerDown as exc:
+                    self.pool.mark_down(worker, str(exc))
+                    raise
+
+        task = asyncio.get_running_loop().create_task(tokenize())
+        task.add_done_callback(_consume_exception)
+        return task
 
     async def _plan(
-        self, tenant: str, session_id: str, kind: str, body: dict[str, Any], state: SessionState
+        self,
+        tenant: str,
+        session_id: str,
+        kind: str,
+        body: dict[str, Any],
+        state: SessionState,
+        early: asyncio.Task[tuple[list[int], int]] | None = None,
     ) -> Turn:
         info = state.info
         model = body["model"]
@@ -140,7 +204,11 @@ class TurnService:
                 )
             return await self.prompts.text(worker, model, body["prompt"], special=False)
 
-        (new_tokens, window), worker = await self.failover(model, build, affinity=info.affinity)
+        tokenized = await _result_or_none(early)
+        if tokenized is not None:
+            (new_tokens, window), worker = tokenized, self.pool.pick(model, affinity=info.affinity)
+        else:
+            (new_tokens, window), worker = await self.failover(model, build, affinity=info.affinity)
         turn = Turn(
             kind=kind,
             model=model,

@@ -10,7 +10,7 @@ import redis
 from cache_manager.client import ManagerClient
 from cache_manager.protocol import AppendTurn, BeginTurn, CreateSession, UpdateSession
 from cache_manager.store import new_session_id, valid_session_id
-from cache_manager.tokens import pack_tokens, unpack_tokens
+from cache_manager.tokens import SMALL, pack_tokens, unpack_tokens
 from ctxcache.errors import (
     InvalidRequest,
     InvalidTTL,
@@ -43,6 +43,15 @@ def test_ids_are_unguessable_and_tokens_pack_compactly() -> None:
     assert len(pack_tokens(range(1000))) == 4000
     with pytest.raises(ValueError):
         pack_tokens([-1])
+    # short lists are checked and packed in plain Python, long ones with numpy: alike
+    for n in (SMALL - 1, SMALL, SMALL + 1):
+        ids = [2**32 - 1 - i for i in range(n)]
+        assert (
+            pack_tokens(ids) == pack_tokens(tuple(ids)) and unpack_tokens(pack_tokens(ids)) == ids
+        )
+        for bad in ([True] * n, [-1] * n, [2**32] * n, [0.0] * n):
+            with pytest.raises(ValueError):
+                pack_tokens(bad)
 
 
 async def test_create_get_begin_append_roundtrip(manager: ManagerClient, redis_url: str) -> None:
