@@ -6,10 +6,12 @@ import os
 import random
 import socket
 import threading
+from pathlib import Path
 
 from sidecar import protocol as p
 from sidecar.client import KVClient
 from sidecar.service import Sidecar
+from sidecar.settings import SidecarSettings
 from sidecar.wire import SPLIT_BYTES
 
 KEY = "m@1@0@abc@bfloat16@s%sess"
@@ -158,3 +160,48 @@ def test_bad_frames_close_only_that_connection(sidecar: Sidecar, client: KVClien
             assert s.recv(64) == b""  # closed, nothing stored, nothing answered
     assert client.health()
     assert client.list_keys() == []
+
+
+def test_disk_tier_through_the_data_port(tmp_path: Path) -> None:
+    """A memory tier of 1 MiB under 16 clients of 300 KB blocks: most PUTs spill and most
+    GETs read the disk, concurrently; every byte comes back right, and clients that leave
+    with a GET pending harm no one."""
+    settings = SidecarSettings(
+        port=0, memory_bytes=1 << 20, data_dir=tmp_path, disk_bytes=256 << 20
+    )
+    sc = Sidecar(settings).start()
+    errors: list[str] = []
+
+    def worker(n: int) -> None:
+        rng = random.Random(n)
+        mine: dict[str, bytes] = {}
+        try:
+            with KVClient("127.0.0.1", sc.port, timeout=30) as c:
+                for i in range(10):
+                    k = f"m@1@{n}@{i:x}@half"
+                    mine[k] = rng.randbytes(300_000)
+                    c.put(k, mine[k], fmt=1, dtype=2, shape=(300_000, 0, 0, 0))
+                for k in rng.sample(list(mine), len(mine)):
+                    block = c.get(k)
+                    if block is None or bytes(block.data) != mine[k]:
+                        errors.append(f"client {n}: wrong block for {k}")
+        except Exception as exc:
+            errors.append(f"client {n}: {exc!r}")
+
+    try:
+        threads = [threading.Thread(target=worker, args=(n,)) for n in range(16)]
+        for t in threads:
+            t.start()
+        for _ in range(20):  # GETs whose clients are gone before the disk answers
+            with socket.create_connection(("127.0.0.1", sc.port)) as s:
+                s.sendall(p.pack_request(p.Command.GET, "m@1@0@0@half"))
+        for t in threads:
+            t.join(timeout=120)
+        assert not errors, errors[:5]
+        stats = sc.store.stats()
+        assert stats["disk_blocks"] >= 100 and stats["memory_bytes_used"] <= 1 << 20
+        assert sc.metrics.spills._value.get() > 0
+        with KVClient("127.0.0.1", sc.port) as c:
+            assert c.health()
+    finally:
+        sc.stop()
