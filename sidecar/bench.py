@@ -153,6 +153,7 @@ def _run_case(
                 gbps=round(gbps, 3),
                 p50_ms=round(_pct(lat, 0.50) * 1e3, 3),
                 p99_ms=round(_pct(lat, 0.99) * 1e3, 3),
+                round_gbps=tuple(round(x, 3) for x in rates),
             )
         )
     return rows

@@ -18,6 +18,20 @@ class Row:
     gbps: float  # 1e9 payload bytes per second, median over the rounds
     p50_ms: float
     p99_ms: float
+    round_gbps: tuple[float, ...] = ()  # each round's GB/s, in round order
+
+
+OURS = "ctxcache"
+
+
+def paired(ours: Row, ref: Row) -> tuple[float, int, int]:
+    """Ours vs a reference, round by round (both ran in the same round, back to back, so
+    a disturbance of the shared machine falls on both): the median ratio, and in how many
+    of the rounds ours was faster."""
+    ratios = sorted(a / b for a, b in zip(ours.round_gbps, ref.round_gbps, strict=True) if b)
+    if not ratios:
+        return float("nan"), 0, 0
+    return ratios[len(ratios) // 2], sum(r > 1 for r in ratios), len(ratios)
 
 
 def human(size: int) -> str:
@@ -26,7 +40,9 @@ def human(size: int) -> str:
 
 def markdown(rows: list[Row], targets: list[str]) -> str:
     by = {(r.target, r.op, r.size, r.clients): r for r in rows}
+    refs = [t for t in targets if t != OURS] if OURS in targets else []
     head = ["op", "block", "clients"] + [f"{t} GB/s (p50 / p99 ms)" for t in targets]
+    head += [f"{OURS} ÷ {t}, paired (rounds ahead)" for t in refs]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     cases = sorted({(r.op, r.size, r.clients) for r in rows}, key=lambda c: (c[0] != "get", *c[1:]))
     for op, size, clients in cases:
@@ -42,6 +58,13 @@ def markdown(rows: list[Row], targets: list[str]) -> str:
                 continue
             gb = f"**{r.gbps:.2f}**" if r.gbps == best else f"{r.gbps:.2f}"
             cells.append(f"{gb} ({r.p50_ms:.2f} / {r.p99_ms:.2f})")
+        for t in refs:
+            ours, ref = by.get((OURS, op, size, clients)), by.get((t, op, size, clients))
+            if ours is None or ref is None or not ours.round_gbps:
+                cells.append("n/a")
+                continue
+            ratio, ahead, rounds = paired(ours, ref)
+            cells.append(f"{ratio:.2f} ({ahead}/{rounds})")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

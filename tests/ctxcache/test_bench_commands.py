@@ -163,10 +163,14 @@ def test_bench_sidecar(tmp_path: Path) -> None:
         for c in (1, 3)
     }
     for r in rows:
-        assert r["gbps"] > 0 and r["rounds"] == 3
+        assert r["gbps"] > 0 and r["rounds"] == 3 and len(r["round_gbps"]) == 3
+        assert r["gbps"] == sorted(r["round_gbps"])[1]  # the median round
         check_latencies(r)
     table = (out / "sidecar.md").read_text()
     assert "| GET | 64 KiB | 3 |" in table and "ctxcache GB/s" in table
+    # ours against each reference round by round: the median ratio, rounds ahead of 3
+    assert "ctxcache ÷ redis, paired (rounds ahead)" in table
+    assert re.search(r"\| GET \| 64 KiB \| 3 \|.* \| \d+\.\d\d \([0-3]/3\) \|\n", table)
 
 
 def test_benchmarks_doc_names_command_machine_date_and_plot() -> None:
