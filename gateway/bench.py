@@ -81,13 +81,17 @@ async def _run(args: argparse.Namespace) -> int:
             cases.append((f"{model}: direct to the worker", model, n, ("direct", port, body)))
             cases.append((f"{model}: gateway, no session", model, n, ("gateway", body)))
             cases.append((f"{model}: gateway, session turn", model, n, ("session", body)))
+            cases.append((f"{model}: gateway, chat session turn", model, n, ("chat", body)))
 
-        async def new_session(model: str) -> str:
+        async def new_session(model: str, kind: str) -> str:
+            context = "A context of some length. " * 20
+            start: dict[str, Any] = (
+                {"messages": [{"role": "system", "content": context}]}
+                if kind == "chat"
+                else {"prompt": context}
+            )
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{gw_port}", headers=auth) as c:
-                r = await c.post(
-                    "/v1/context",
-                    json={"model": model, "prompt": "A context of some length. " * 20},
-                )
+                r = await c.post("/v1/context", json={"model": model, **start})
                 r.raise_for_status()
                 return str(r.json()["session_id"])
 
@@ -104,9 +108,11 @@ async def _run(args: argparse.Namespace) -> int:
                         # TURNS_PER_SESSION turns (a chat is tens of turns, not thousands).
                         slots: dict[int, list[int]] = {}  # conn -> [slot, turns so far]
                         sids: list[str] = []
-                        if kind == "session":
+                        if kind in ("session", "chat"):
                             need = conc * (n // (conc * TURNS_PER_SESSION) + 2)
-                            sids = await asyncio.gather(*(new_session(model) for _ in range(need)))
+                            sids = await asyncio.gather(
+                                *(new_session(model, kind) for _ in range(need))
+                            )
 
                         def make(
                             conn: Conn,
@@ -124,12 +130,7 @@ async def _run(args: argparse.Namespace) -> int:
                             slot = slots.setdefault(id(conn), [len(slots), 0])
                             sid = sids[slot[0] + conc * (slot[1] // TURNS_PER_SESSION)]
                             slot[1] += 1
-                            return conn.build(
-                                "POST",
-                                "/v1/completions",
-                                {**body, "prompt": " and?", "session_id": sid},
-                                auth,
-                            )
+                            return conn.build(*_session_turn(kind, body, sid), auth)
 
                         result = await run(
                             "127.0.0.1",
@@ -181,6 +182,15 @@ async def _run(args: argparse.Namespace) -> int:
     print(table)
     print("\nwrote " + ", ".join(str(p) for p in paths))
     return 0
+
+
+def _session_turn(kind: str, body: dict[str, Any], sid: str) -> tuple[str, str, dict[str, Any]]:
+    """(method, path, body) of a session turn: a new prompt, or a new user message."""
+    if kind == "chat":
+        turn = {k: v for k, v in body.items() if k != "prompt"}
+        turn["messages"] = [{"role": "user", "content": "And?"}]
+        return "POST", "/v1/chat/completions", {**turn, "session_id": sid}
+    return "POST", "/v1/completions", {**body, "prompt": " and?", "session_id": sid}
 
 
 def _start_stack(sup: Any, tmp: Path, args: argparse.Namespace) -> tuple[int, dict[str, int]]:

@@ -22,9 +22,13 @@ from ctxcache.errors import InvalidRequest
 from gateway.pool import Worker
 from gateway.upstream import post_json
 
+ChatRenders = tuple[list[int], int, list[int]]  # full ids, window, ids of the history alone
+
 
 def common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
+    if a[:n] == b[:n]:  # the usual case, compared in C
+        return n
     i = 0
     while i < n and a[i] == b[i]:
         i += 1
@@ -66,10 +70,28 @@ class PromptBuilder:
         new: list[dict[str, Any]],
     ) -> tuple[list[int], int]:
         """The ids to put after `stored` so the prompt is the whole conversation's."""
+        renders = await self.chat_renders(worker, model, previous, new)
+        return await self.delta(worker, model, stored, renders)
+
+    async def chat_renders(
+        self,
+        worker: Worker,
+        model: str,
+        previous: list[dict[str, Any]],
+        new: list[dict[str, Any]],
+    ) -> ChatRenders:
+        """The two renderings `delta` subtracts: (previous + new, with the generation
+        prompt), the window, and previous alone, closed."""
         (full, window), (before, _) = await asyncio.gather(
             self.chat(worker, model, previous + new, generation_prompt=True),
             self.chat(worker, model, previous, generation_prompt=False),
         )
+        return full, window, before
+
+    async def delta(
+        self, worker: Worker, model: str, stored: list[int], renders: ChatRenders
+    ) -> tuple[list[int], int]:
+        full, window, before = renders
         # Templates that rewrite earlier turns (not append-only) keep what still matches.
         new_part = full[common_prefix(full, before) :]
         if stored == before:  # the stored ids already end with a closed turn

@@ -31,6 +31,7 @@ from ctxcache.tasks import BackgroundTasks
 from gateway.metrics import GatewayMetrics
 from gateway.pool import ModelNotFound, Worker, WorkerPool
 from gateway.prompts import PromptBuilder
+from gateway.recent import RecentHistories
 from gateway.salt import CacheSalt
 from gateway.shaping import (
     DONE,
@@ -103,6 +104,14 @@ async def _result_or_none(task: asyncio.Task[Any] | None) -> Any:
         return None
 
 
+@dataclass
+class Early:
+    """Tokenize calls started before the session was loaded (`TurnService._start_early`)."""
+
+    task: asyncio.Task[Any]
+    version: int | None  # the session version a chat rendering is for; None: any
+
+
 class TurnService:
     def __init__(
         self,
@@ -117,6 +126,7 @@ class TurnService:
         self.pool = pool
         self.metrics = metrics
         self.prompts = prompts
+        self.recent = RecentHistories()
         self.background = BackgroundTasks(log)
 
     # -- planning ---------------------------------------------------------------------
@@ -124,7 +134,7 @@ class TurnService:
         """Load (and lock, unless `session_append` is false) the session; plan the turn."""
         check_turn_body(kind, body)  # before the lock: a bad body never blocks the session
         append = body.get("session_append", True) is not False
-        early = self._tokenize_early(kind, body)
+        early = self._start_early(kind, session_id, body)
         try:
             state = await self.manager.begin(
                 session_id,
@@ -142,37 +152,49 @@ class TurnService:
                 await self.release_now(tenant, state)
                 raise
         finally:
-            if early is not None and not early.done():
-                early.cancel()
+            if early is not None and not early.task.done():
+                early.task.cancel()
 
-    def _tokenize_early(
-        self, kind: str, body: dict[str, Any]
-    ) -> asyncio.Task[tuple[list[int], int]] | None:
-        """A completion turn's new text does not depend on the session, so its `/tokenize`
-        runs while the manager loads and locks the session: one round trip off every
-        turn's latency. Any worker serving the model tokenizes alike. If this early call
-        fails for any reason, `_plan` tokenizes again the usual way (errors then come in
-        the usual order: an unknown session before an unknown model, and so on)."""
-        prompt = body.get("prompt")
-        if kind != "completion" or not isinstance(prompt, str):
-            return None
+    def _start_early(self, kind: str, session_id: str, body: dict[str, Any]) -> Early | None:
+        """Start the turn's `/tokenize` calls while the manager loads and locks the
+        session: one round trip off the turn's latency. A completion turn's new text does
+        not depend on the session. A chat turn renders from the history this gateway saw
+        at the end of the session's previous turn (`gateway.recent`), if it ran it. Any
+        worker serving the model tokenizes alike. If an early call fails, or the session
+        moved past the version it rendered, `_plan` tokenizes the usual way (errors then
+        come in the usual order: an unknown session before an unknown model, and so on)."""
         model = body["model"]
+        prompt = body.get("prompt")
+        version: int | None = None
+        if kind == "completion" and isinstance(prompt, str):
+
+            async def call(worker: Worker) -> Any:
+                return await self.prompts.text(worker, model, prompt, special=False)
+
+        elif kind == "chat" and (known := self.recent.get(session_id)) is not None:
+            version, previous = known
+
+            async def call(worker: Worker) -> Any:
+                return await self.prompts.chat_renders(worker, model, previous, body["messages"])
+
+        else:
+            return None
         try:
             worker = self.pool.pick(model)
         except (ModelNotFound, BackendUnavailable):
             return None  # reported in order by `_plan`
 
-        async def tokenize() -> tuple[list[int], int]:
+        async def run() -> Any:
             async with self.pool.lease(worker):
                 try:
-                    return await self.prompts.text(worker, model, prompt, special=False)
+                    return await call(worker)
                 except WorkerDown as exc:
                     self.pool.mark_down(worker, str(exc))
                     raise
 
-        task = asyncio.get_running_loop().create_task(tokenize())
+        task = asyncio.get_running_loop().create_task(run())
         task.add_done_callback(_consume_exception)
-        return task
+        return Early(task, version)
 
     async def _plan(
         self,
@@ -181,7 +203,7 @@ class TurnService:
         kind: str,
         body: dict[str, Any],
         state: SessionState,
-        early: asyncio.Task[tuple[list[int], int]] | None = None,
+        early: Early | None = None,
     ) -> Turn:
         info = state.info
         model = body["model"]
@@ -196,19 +218,21 @@ class TurnService:
                 f"this is a {info.kind} session: continue it on {other}", param="session_id"
             )
         new_msgs = body["messages"] if kind == "chat" else []
+        ready = None
+        if early is not None and early.version in (None, info.version):
+            ready = await _result_or_none(early.task)
 
         async def build(worker: Worker) -> tuple[list[int], int]:
             if kind == "chat":
-                return await self.prompts.chat_delta(
-                    worker, model, state.tokens, state.messages, new_msgs
+                renders = ready or await self.prompts.chat_renders(
+                    worker, model, state.messages, new_msgs
                 )
+                return await self.prompts.delta(worker, model, state.tokens, renders)
+            if ready is not None:
+                return ready  # type: ignore[no-any-return]
             return await self.prompts.text(worker, model, body["prompt"], special=False)
 
-        tokenized = await _result_or_none(early)
-        if tokenized is not None:
-            (new_tokens, window), worker = tokenized, self.pool.pick(model, affinity=info.affinity)
-        else:
-            (new_tokens, window), worker = await self.failover(model, build, affinity=info.affinity)
+        (new_tokens, window), worker = await self.failover(model, build, affinity=info.affinity)
         turn = Turn(
             kind=kind,
             model=model,
@@ -318,6 +342,10 @@ class TurnService:
                 sidecar=turn.worker.sidecar,
             ),
         )
+        if turn.kind == "chat" and not self.recent.advance(
+            turn.session_id, info.version, messages, after=state.info.version
+        ):
+            self.recent.put(turn.session_id, info.version, state.messages + messages)
         with bind_session(turn.session_id):
             log.info(
                 "turn %d: %d prompt tokens, %d cached, %d generated",

@@ -103,6 +103,8 @@ class ContextService:
             )
         )
         self.metrics.sessions_created.inc()
+        if kind == "chat":
+            self.turns.recent.put(session_id, info.version, messages)
         text = gen.text if generate else None
         if kind == "chat":
             out = chat_completion(req.model, text, gen.finish_reason, gen.usage)
@@ -131,4 +133,5 @@ class ContextService:
 
     async def delete(self, tenant: str, session_id: str) -> None:
         await self.manager.delete(session_id, tenant)
+        self.turns.recent.drop(session_id)
         self.metrics.sessions_deleted.inc()

@@ -109,7 +109,12 @@ def test_bench_gateway_fake_backend_and_tiny_worker(tmp_path: Path, tiny_model: 
     )
     assert not (tmp_path / "gateway" / "gateway.png").exists()
     rows = data["results"]
-    kinds = ("direct to the worker", "gateway, no session", "gateway, session turn")
+    kinds = (
+        "direct to the worker",
+        "gateway, no session",
+        "gateway, session turn",
+        "gateway, chat session turn",
+    )
     expected = {(f"{m}: {k}", c) for m in ("fake", "tiny") for k in kinds for c in (1, 2)}
     assert {(r["case"], r["concurrency"]) for r in rows} == expected
     for r in rows:

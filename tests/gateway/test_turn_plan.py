@@ -1,4 +1,4 @@
-"""Planning a completion turn: its `/tokenize` runs while the manager loads the session.
+"""Planning a turn: its `/tokenize` calls run while the manager loads the session.
 
 Unit tests at the manager and worker boundaries (a fake manager, a prompt builder that
 answers without HTTP); the same path runs end to end against real processes in
@@ -12,21 +12,30 @@ from typing import Any
 
 import pytest
 
-from cache_manager.protocol import BeginTurn, SessionInfo, SessionState
+from cache_manager.protocol import AppendTurn, BeginTurn, SessionInfo, SessionState
 from ctxcache.errors import SessionNotFound
 from gateway.metrics import GatewayMetrics
 from gateway.pool import Worker, WorkerPool
 from gateway.prompts import PromptBuilder
+from gateway.recent import RecentHistories
 from gateway.settings import WorkerEndpoint
-from gateway.turns import TurnService
+from gateway.turns import Generation, TurnService
 from gateway.upstream import WorkerDown
 
 SID = "ctx_" + "a" * 32
 HISTORY = [1, 2, 3]
 
 
+def render(messages: list[dict[str, Any]], *, gen: bool = False, cont: bool = False) -> list[int]:
+    """A toy chat template: `<role>content</>` per message, `<assistant>` to generate."""
+    text = "".join(f"<{m['role']}>{m['content']}</>" for m in messages)
+    if cont:
+        text = text[: -len("</>")]
+    return list((text + ("<assistant>" if gen else "")).encode())
+
+
 class Prompts(PromptBuilder):
-    """Tokenizes the text as its bytes; `down` workers fail as unreachable."""
+    """Tokenizes text as its bytes, messages with `render`; `down` workers are unreachable."""
 
     def __init__(self, down: set[str] = frozenset()) -> None:  # type: ignore[assignment]
         super().__init__()
@@ -40,6 +49,9 @@ class Prompts(PromptBuilder):
         await asyncio.sleep(0)
         if worker.id in self.down:
             raise WorkerDown(worker, "connection refused")
+        if "messages" in body:
+            gen, cont = body["add_generation_prompt"], body.get("continue_final_message", False)
+            return render(body["messages"], gen=gen, cont=cont), 4096
         return list(body["prompt"].encode()), 4096
 
 
@@ -47,30 +59,41 @@ class Manager:
     """`begin` answers only once a tokenize has started: a planner that tokenizes after
     the begin returns never gets there (the test times out)."""
 
-    def __init__(self, prompts: Prompts, *, missing: bool = False) -> None:
+    def __init__(
+        self, prompts: Prompts, *, missing: bool = False, kind: str = "completion", version: int = 1
+    ) -> None:
         self.prompts = prompts
         self.missing = missing
+        self.kind = kind
+        self.version = version
         self.released: list[str] = []
 
     async def begin(self, session_id: str, req: BeginTurn) -> SessionState:
         await self.prompts.called.wait()
         if self.missing:
             raise SessionNotFound()
+        chat = self.kind == "chat"
+        tokens = render(MESSAGES) if chat else HISTORY
         info = SessionInfo(
             session_id=session_id,
             tenant=req.tenant,
             model="m",
-            kind="completion",
+            kind=self.kind,  # type: ignore[arg-type]
             created=0,
             last_used=0,
             ttl=60,
             expires_at=60,
             turns=1,
-            version=1,
-            context_tokens=len(HISTORY),
+            version=self.version,
+            context_tokens=len(tokens),
             affinity="w1",
         )
-        return SessionState(info=info, tokens=HISTORY, lock="lock" if req.lock else None)
+        return SessionState(
+            info=info,
+            tokens=tokens,
+            messages=MESSAGES if chat else [],
+            lock="lock" if req.lock else None,
+        )
 
     async def release(self, session_id: str, tenant: str, lock: str) -> None:
         self.released.append(lock)
@@ -91,6 +114,8 @@ def service(prompts: Prompts, manager: Manager) -> TurnService:
 
 
 BODY = {"model": "m", "prompt": "hi", "max_tokens": 2}
+MESSAGES = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi!"}]
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "and?"}], "max_tokens": 2}
 
 
 async def test_tokenize_overlaps_the_session_load() -> None:
@@ -124,9 +149,61 @@ async def test_a_failed_begin_leaves_no_task_behind(caplog: pytest.LogCaptureFix
     assert sum(w.inflight for w in turns.pool.workers) == 0
 
 
-async def test_chat_and_token_prompts_are_not_tokenized_early() -> None:
+async def test_what_is_not_tokenized_early() -> None:
     prompts = Prompts()
     turns = service(prompts, Manager(prompts))
-    assert turns._tokenize_early("chat", {"model": "m", "messages": []}) is None
-    assert turns._tokenize_early("completion", {"model": "m", "prompt": [5, 6]}) is None
-    assert turns._tokenize_early("completion", {"model": "other", "prompt": "x"}) is None
+    assert turns._start_early("completion", SID, {"model": "m", "prompt": [5, 6]}) is None
+    assert turns._start_early("completion", SID, {"model": "other", "prompt": "x"}) is None
+    assert turns._start_early("chat", SID, CHAT) is None  # no history of it here
+
+
+@pytest.mark.parametrize("same_version", [True, False])
+async def test_a_chat_turn_renders_early_from_the_history_seen_last(same_version: bool) -> None:
+    prompts = Prompts()
+    turns = service(prompts, Manager(prompts, kind="chat", version=3))
+    turns.recent.put(SID, 3 if same_version else 2, MESSAGES)
+    turn = await asyncio.wait_for(turns.begin("t", SID, "chat", dict(CHAT)), 5)
+    # the whole conversation's rendering, whichever way it was made
+    assert turn.prompt == render([*MESSAGES, *CHAT["messages"]], gen=True)  # type: ignore[list-item]
+    # early: two renders while the session loads; a stale version renders twice more after
+    assert len(prompts.calls) == (2 if same_version else 4)
+    assert turn.worker is not None and turn.worker.id == "w1"
+
+
+async def test_a_committed_chat_turn_is_remembered_for_the_next() -> None:
+    prompts = Prompts()
+    manager = Manager(prompts, kind="chat", version=3)
+    turns = service(prompts, manager)
+    turns.recent.put(SID, 3, MESSAGES)
+    turn = await asyncio.wait_for(turns.begin("t", SID, "chat", dict(CHAT)), 5)
+    assert turn.state is not None
+
+    async def append(session_id: str, req: AppendTurn) -> SessionInfo:
+        assert turn.state is not None
+        return turn.state.info.model_copy(update={"version": req.expected_version + 1})
+
+    manager.append = append  # type: ignore[attr-defined]
+    await turns.commit(turn, Generation("fine.", [7, 8], "stop", {"prompt_tokens": 1}))
+    reply = {"role": "assistant", "content": "fine."}
+    assert turns.recent.get(SID) == (4, [*MESSAGES, *CHAT["messages"], reply])  # type: ignore[list-item]
+
+
+def test_recent_histories_are_bounded_and_forget_deleted_sessions() -> None:
+    recent = RecentHistories(max_sessions=2, max_chars=1000)
+    one = [{"role": "user", "content": "x" * 100}]
+    recent.put("a", 1, one)
+    recent.put("b", 1, one)
+    assert recent.get("a") == (1, one)  # now the most recent
+    recent.put("c", 1, one)  # over 2 sessions: the least recently used ("b") goes
+    assert recent.get("b") is None and len(recent) == 2
+    recent.put("a", 2, [{"role": "user", "content": "y" * 800}])  # replaces a's entry
+    assert recent.get("a") == (2, [{"role": "user", "content": "y" * 800}])
+    assert recent.get("c") is None  # 864 + 164 chars > 1000: "c" made room
+    recent.put("huge", 1, [{"role": "user", "content": "z" * 2000}])  # never kept
+    assert recent.get("huge") is None and recent.get("a") is not None
+    more = [{"role": "assistant", "content": "w"}]
+    assert not recent.advance("a", 3, more, after=1)  # "a" is at version 2
+    assert recent.advance("a", 3, more, after=2)
+    assert recent.get("a") == (3, [{"role": "user", "content": "y" * 800}, *more])
+    recent.drop("a")
+    assert recent.get("a") is None and len(recent) == 0
