@@ -7,8 +7,13 @@ loop straight in the block's own (never zero-filled) buffer, and a GET sends the
 payload itself: no per-request concatenation or intermediate copies. A large payload
 goes out in a write of its own after the header (`sidecar.wire.send_frames`): gathered
 behind the 36-byte header it would sit off page alignment in the kernel's buffers, which
-measured at about twice the kernel time per GB on loopback. Explicit socket buffer
-sizes vs kernel autotuning and memfd + `sendfile` came out within noise or worse.
+measured at about twice the kernel time per GB on loopback.
+
+Measured and not kept (docs/benchmarks.md has the numbers): explicit socket buffer sizes;
+memfd + `sendfile` (about half the GET throughput on loopback); huge pages for large
+blocks (slower PUTs); `MSG_WAITALL` or `SO_RCVLOWAT` on a PUT's payload; Nagle on during
+large sends; and epoll loops (two threads for all connections, bulk payloads handed to
+transfer threads): ~1.2x on 256 KiB PUTs from 16 clients, but 0.8x on 4 MiB ones.
 """
 
 from __future__ import annotations
