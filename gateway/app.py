@@ -28,6 +28,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.pool import WorkerPool
 from gateway.prompts import PromptBuilder
 from gateway.protocol import ChatBody, CompletionBody, ContextCreate
+from gateway.recent import RecentHistories
 from gateway.salt import CacheSalt
 from gateway.settings import GatewaySettings
 from gateway.system import router as system_router
@@ -80,7 +81,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             await pool.start()
             stack.push_async_callback(pool.aclose)
             salt = CacheSalt(settings.tenant_cache_salt)
-            turns = TurnService(manager, pool, metrics, PromptBuilder(), salt)
+            recent = RecentHistories(max_sessions=settings.recent_chat_sessions)
+            turns = TurnService(manager, pool, metrics, PromptBuilder(), salt, recent)
             stack.push_async_callback(turns.background.drain)
             app.state.keys = KeyRing(settings.api_keys)
             app.state.manager = manager

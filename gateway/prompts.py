@@ -61,18 +61,6 @@ class PromptBuilder:
             {"model": model, "messages": messages, "add_generation_prompt": generation_prompt},
         )
 
-    async def chat_delta(
-        self,
-        worker: Worker,
-        model: str,
-        stored: list[int],
-        previous: list[dict[str, Any]],
-        new: list[dict[str, Any]],
-    ) -> tuple[list[int], int]:
-        """The ids to put after `stored` so the prompt is the whole conversation's."""
-        renders = await self.chat_renders(worker, model, previous, new)
-        return await self.delta(worker, model, stored, renders)
-
     async def chat_renders(
         self,
         worker: Worker,
@@ -91,6 +79,7 @@ class PromptBuilder:
     async def delta(
         self, worker: Worker, model: str, stored: list[int], renders: ChatRenders
     ) -> tuple[list[int], int]:
+        """The ids to put after `stored` so the prompt is the whole conversation's."""
         full, window, before = renders
         # Templates that rewrite earlier turns (not append-only) keep what still matches.
         new_part = full[common_prefix(full, before) :]

@@ -8,14 +8,17 @@ loaded version is the same one (every append bumps it, so equal versions mean eq
 messages). Anything else — another gateway replica ran the last turn, the entry was
 evicted — costs nothing but the usual order of calls.
 
-Bounded by sessions and by characters of content; `drop` forgets a deleted session.
-Nothing here is ever served: it only feeds `/tokenize` calls for the same session.
+Bounded by sessions and by characters of content; an entry is forgotten when its session
+expires or is deleted through this gateway (`drop`). Nothing here is ever served: it only
+feeds `/tokenize` calls for the same session. `CTX_GATEWAY_RECENT_CHAT_SESSIONS=0` keeps
+nothing (every chat turn then tokenizes after the session is loaded).
 """
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
-from typing import Any
+from typing import Any, NamedTuple
 
 Messages = list[dict[str, Any]]
 
@@ -24,11 +27,18 @@ def _chars(messages: Messages) -> int:
     return sum(64 + len(str(m.get("content") or "")) for m in messages)
 
 
+class _Entry(NamedTuple):
+    version: int
+    messages: Messages
+    chars: int
+    expires_at: float  # the session's expiry, epoch seconds
+
+
 class RecentHistories:
     def __init__(self, *, max_sessions: int = 1024, max_chars: int = 32 << 20) -> None:
         self.max_sessions = max_sessions
         self.max_chars = max_chars
-        self._entries: OrderedDict[str, tuple[int, Messages, int]] = OrderedDict()
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()
         self._chars = 0
 
     def __len__(self) -> int:
@@ -39,35 +49,45 @@ class RecentHistories:
         entry = self._entries.get(session_id)
         if entry is None:
             return None
+        if entry.expires_at <= time.time():
+            self.drop(session_id)
+            return None
         self._entries.move_to_end(session_id)
-        return entry[0], entry[1]
+        return entry.version, entry.messages
 
-    def put(self, session_id: str, version: int, messages: Messages) -> None:
+    def put(self, session_id: str, version: int, messages: Messages, expires_at: float) -> None:
         self.drop(session_id)
-        self._store(session_id, version, messages, _chars(messages))
+        self._store(session_id, _Entry(version, messages, _chars(messages), expires_at))
 
-    def _store(self, session_id: str, version: int, messages: Messages, size: int) -> None:
-        if size > self.max_chars:
-            return
-        self._entries[session_id] = (version, messages, size)
-        self._chars += size
-        while len(self._entries) > self.max_sessions or self._chars > self.max_chars:
-            _, (_, _, evicted) = self._entries.popitem(last=False)
-            self._chars -= evicted
-
-    def advance(self, session_id: str, version: int, added: Messages, *, after: int) -> bool:
+    def advance(
+        self, session_id: str, version: int, added: Messages, expires_at: float, *, after: int
+    ) -> bool:
         """The session went from version `after` to `version` by appending `added`:
         remember the new history without measuring the old part again. False (nothing
         changed) if the entry is not at `after`."""
         entry = self._entries.get(session_id)
-        if entry is None or entry[0] != after:
+        if entry is None or entry.version != after:
             return False
-        _, previous, size = entry
         self.drop(session_id)
-        self._store(session_id, version, previous + added, size + _chars(added))
+        chars = entry.chars + _chars(added)
+        self._store(session_id, _Entry(version, entry.messages + added, chars, expires_at))
         return True
 
     def drop(self, session_id: str) -> None:
         entry = self._entries.pop(session_id, None)
         if entry is not None:
-            self._chars -= entry[2]
+            self._chars -= entry.chars
+
+    def _store(self, session_id: str, entry: _Entry) -> None:
+        if entry.chars > self.max_chars or self.max_sessions == 0:
+            return
+        self._entries[session_id] = entry
+        self._chars += entry.chars
+        now = time.time()
+        while self._entries and (
+            len(self._entries) > self.max_sessions
+            or self._chars > self.max_chars
+            or next(iter(self._entries.values())).expires_at <= now  # expired, oldest first
+        ):
+            _, evicted = self._entries.popitem(last=False)
+            self._chars -= evicted.chars

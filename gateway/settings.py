@@ -60,6 +60,11 @@ class GatewaySettings(BaseSettings):
         description="add a per-tenant cache_salt to worker requests (vLLM >= 0.9 prefix-cache "
         "isolation, docs/reliability.md); off for a worker that rejects the field",
     )
+    recent_chat_sessions: int = Field(
+        1024,
+        ge=0,
+        description="chat histories kept in memory to render a turn early; 0: none",
+    )
     log_level: str = Field("INFO", description="DEBUG, INFO, WARNING, ...")
 
     @field_validator("workers", mode="before")

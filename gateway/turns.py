@@ -120,13 +120,14 @@ class TurnService:
         metrics: GatewayMetrics,
         prompts: PromptBuilder,
         salt: CacheSalt | None = None,
+        recent: RecentHistories | None = None,
     ) -> None:
         self.manager = manager
         self.salt = salt or CacheSalt()
         self.pool = pool
         self.metrics = metrics
         self.prompts = prompts
-        self.recent = RecentHistories()
+        self.recent = recent if recent is not None else RecentHistories()
         self.background = BackgroundTasks(log)
 
     # -- planning ---------------------------------------------------------------------
@@ -343,9 +344,10 @@ class TurnService:
             ),
         )
         if turn.kind == "chat" and not self.recent.advance(
-            turn.session_id, info.version, messages, after=state.info.version
+            turn.session_id, info.version, messages, info.expires_at, after=state.info.version
         ):
-            self.recent.put(turn.session_id, info.version, state.messages + messages)
+            history = state.messages + messages
+            self.recent.put(turn.session_id, info.version, history, info.expires_at)
         with bind_session(turn.session_id):
             log.info(
                 "turn %d: %d prompt tokens, %d cached, %d generated",

@@ -104,7 +104,7 @@ class ContextService:
         )
         self.metrics.sessions_created.inc()
         if kind == "chat":
-            self.turns.recent.put(session_id, info.version, messages)
+            self.turns.recent.put(session_id, info.version, messages, info.expires_at)
         text = gen.text if generate else None
         if kind == "chat":
             out = chat_completion(req.model, text, gen.finish_reason, gen.usage)

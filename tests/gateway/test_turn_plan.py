@@ -8,6 +8,7 @@ test_sessions_e2e.py and test_errors_e2e.py.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import pytest
@@ -82,7 +83,7 @@ class Manager:
             created=0,
             last_used=0,
             ttl=60,
-            expires_at=60,
+            expires_at=int(time.time()) + 60,
             turns=1,
             version=self.version,
             context_tokens=len(tokens),
@@ -114,6 +115,7 @@ def service(prompts: Prompts, manager: Manager) -> TurnService:
 
 
 BODY = {"model": "m", "prompt": "hi", "max_tokens": 2}
+LATER = time.time() + 3600
 MESSAGES = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi!"}]
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "and?"}], "max_tokens": 2}
 
@@ -161,7 +163,7 @@ async def test_what_is_not_tokenized_early() -> None:
 async def test_a_chat_turn_renders_early_from_the_history_seen_last(same_version: bool) -> None:
     prompts = Prompts()
     turns = service(prompts, Manager(prompts, kind="chat", version=3))
-    turns.recent.put(SID, 3 if same_version else 2, MESSAGES)
+    turns.recent.put(SID, 3 if same_version else 2, MESSAGES, LATER)
     turn = await asyncio.wait_for(turns.begin("t", SID, "chat", dict(CHAT)), 5)
     # the whole conversation's rendering, whichever way it was made
     assert turn.prompt == render([*MESSAGES, *CHAT["messages"]], gen=True)  # type: ignore[list-item]
@@ -174,7 +176,7 @@ async def test_a_committed_chat_turn_is_remembered_for_the_next() -> None:
     prompts = Prompts()
     manager = Manager(prompts, kind="chat", version=3)
     turns = service(prompts, manager)
-    turns.recent.put(SID, 3, MESSAGES)
+    turns.recent.put(SID, 3, MESSAGES, LATER)
     turn = await asyncio.wait_for(turns.begin("t", SID, "chat", dict(CHAT)), 5)
     assert turn.state is not None
 
@@ -191,19 +193,33 @@ async def test_a_committed_chat_turn_is_remembered_for_the_next() -> None:
 def test_recent_histories_are_bounded_and_forget_deleted_sessions() -> None:
     recent = RecentHistories(max_sessions=2, max_chars=1000)
     one = [{"role": "user", "content": "x" * 100}]
-    recent.put("a", 1, one)
-    recent.put("b", 1, one)
+    recent.put("a", 1, one, LATER)
+    recent.put("b", 1, one, LATER)
     assert recent.get("a") == (1, one)  # now the most recent
-    recent.put("c", 1, one)  # over 2 sessions: the least recently used ("b") goes
+    recent.put("c", 1, one, LATER)  # over 2 sessions: the least recently used ("b") goes
     assert recent.get("b") is None and len(recent) == 2
-    recent.put("a", 2, [{"role": "user", "content": "y" * 800}])  # replaces a's entry
+    recent.put("a", 2, [{"role": "user", "content": "y" * 800}], LATER)  # replaces a's entry
     assert recent.get("a") == (2, [{"role": "user", "content": "y" * 800}])
     assert recent.get("c") is None  # 864 + 164 chars > 1000: "c" made room
-    recent.put("huge", 1, [{"role": "user", "content": "z" * 2000}])  # never kept
+    recent.put("huge", 1, [{"role": "user", "content": "z" * 2000}], LATER)  # never kept
     assert recent.get("huge") is None and recent.get("a") is not None
     more = [{"role": "assistant", "content": "w"}]
-    assert not recent.advance("a", 3, more, after=1)  # "a" is at version 2
-    assert recent.advance("a", 3, more, after=2)
+    assert not recent.advance("a", 3, more, LATER, after=1)  # "a" is at version 2
+    assert recent.advance("a", 3, more, LATER, after=2)
     assert recent.get("a") == (3, [{"role": "user", "content": "y" * 800}, *more])
     recent.drop("a")
     assert recent.get("a") is None and len(recent) == 0
+
+
+def test_recent_histories_forget_expired_sessions_and_can_keep_none() -> None:
+    recent = RecentHistories()
+    one = [{"role": "user", "content": "x"}]
+    recent.put("old", 1, one, time.time() - 1)  # expired: never returned
+    assert recent.get("old") is None and len(recent) == 0
+    recent.put("gone", 1, one, time.time() + 0.05)
+    time.sleep(0.1)
+    recent.put("new", 1, one, LATER)  # storing sweeps the expired entries at the old end
+    assert len(recent) == 1 and recent.get("new") == (1, one)
+    none = RecentHistories(max_sessions=0)  # CTX_GATEWAY_RECENT_CHAT_SESSIONS=0
+    none.put("a", 1, one, LATER)
+    assert none.get("a") is None and len(none) == 0
