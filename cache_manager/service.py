@@ -160,7 +160,7 @@ class SessionService:
             raise QuotaExceeded("tenant context-token quota exhausted")
         if req.touch:
             self._learn(info.tenant, await self.store.record(info))
-            self.link.pin(info.sidecar, session_id, info.expires_at)
+            self.link.pin(info.sidecar, session_id, info.expires_at, ttl=info.ttl)
         # built from what the store returned: nothing to validate again
         return SessionState.model_construct(info=info, tokens=tokens, messages=messages, lock=lock)
 
@@ -205,7 +205,7 @@ class SessionService:
             log.debug("turn %d appended, %d tokens", info.turns, info.context_tokens)
         if moved_from:
             self.link.drop(moved_from, session_id)
-        self.link.pin(info.sidecar, session_id, info.expires_at)
+        self.link.pin(info.sidecar, session_id, info.expires_at, ttl=info.ttl)
         return info
 
     async def release(self, session_id: str, tenant: str, lock: str) -> None:

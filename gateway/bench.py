@@ -2,7 +2,7 @@
 
 One run starts its own Redis, a fast fake OpenAI backend (instant answers, so the numbers
 are the gateway's own cost) and, unless --no-model, a real worker on the tiny model, with
-one gateway in front of both. Each case is measured direct and through the gateway,
+one gateway in front of both; both backends name a real sidecar, which session turns pin. Each case is measured direct and through the gateway,
 interleaved in rounds, at each concurrency, with a minimal keep-alive load generator.
 """
 
@@ -194,7 +194,8 @@ def _session_turn(kind: str, body: dict[str, Any], sid: str) -> tuple[str, str, 
 
 
 def _start_stack(sup: Any, tmp: Path, args: argparse.Namespace) -> tuple[int, dict[str, int]]:
-    """Redis, the fake backend, the tiny worker (unless --no-model) and a gateway in front.
+    """Redis, the fake backend, the tiny worker (unless --no-model), a sidecar (its control
+    API only: the gateway pins sessions there, as it does in production) and a gateway.
 
     The worker, the slowest to start, starts first and comes up while the rest do; the
     gateway is ready once its pool lists every backend's model. Returns (gateway port,
@@ -226,11 +227,16 @@ def _start_stack(sup: Any, tmp: Path, args: argparse.Namespace) -> tuple[int, di
     argv = [sys.executable, "-m", "ctxcache.fake_worker", "--port", str(backends["fake"])]
     ready = http_ready(f"http://127.0.0.1:{backends['fake']}/health")
     sup.start(Child("fake", argv, ready=ready))
+    # a real sidecar's control API, as in production: session turns pin their KV there
+    sidecar = free_port()
+    argv = [sys.executable, "-m", "ctxcache.cli", "sidecar", "--port", str(free_port())]
+    argv += ["--control-port", str(sidecar), "--log-level", "WARNING"]
+    sup.start(Child("sidecar", argv, ready=http_ready(f"http://127.0.0.1:{sidecar}/health")))
     gw_port = free_port()
     argv = [sys.executable, "-m", "ctxcache.cli", "gateway", "--port", str(gw_port)]
     argv += ["--redis-url", redis.url, "--api-key", f"{KEY}=bench", "--log-level", "WARNING"]
     for port in backends.values():
-        argv += ["--worker", f"http://127.0.0.1:{port}"]
+        argv += ["--worker", f"http://127.0.0.1:{port}=http://127.0.0.1:{sidecar}"]
     sup.start(Child("gateway", argv, ready=http_ready(f"http://127.0.0.1:{gw_port}/ready")))
     deadline = time.monotonic() + 180
     while True:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from cache_manager.protocol import AppendTurn, BeginTurn, CreateSession, UpdateSession
+from cache_manager.sidecar_link import BackgroundLink, headroom
 from ctxcache.errors import StoreUnavailable
 from ctxcache.redis_server import RedisServer
 from tests.cache_manager.conftest import FakeSidecarLink, ManagerFactory
@@ -92,8 +93,8 @@ async def test_sidecar_is_told_to_pin_extend_move_and_drop(
     assert sidecar_link.calls == [
         ("pin", "http://sc0", sid, info.expires_at),
         ("drop", "http://sc0", sid, None),  # the session moved to w1's sidecar
-        ("pin", "http://sc1", sid, moved.expires_at),
-        ("pin", "http://sc1", sid, patched.expires_at),
+        ("pin", "http://sc1", sid, moved.expires_at + headroom(100)),  # a turn: headroom
+        ("pin", "http://sc1", sid, patched.expires_at),  # a ttl change: exact
         ("drop", "http://sc1", sid, None),
     ]
 
@@ -110,6 +111,55 @@ async def test_a_sidecar_that_is_down_never_fails_an_operation(
         await manager.delete(sid, "acme")
         await manager_drain(manager)
     assert [c[0] for c in failing.calls] == ["pin", "pin", "pin", "drop"]
+
+
+async def test_turns_pin_again_only_when_the_last_pin_no_longer_covers(
+    manager,
+    sidecar_link: FakeSidecarLink,  # type: ignore[no-untyped-def]
+) -> None:
+    info = await manager.create(chat(worker="w0", sidecar="http://sc0", ttl=100))
+    sid, version = info.session_id, 1
+    for _ in range(4):  # back-to-back turns: the first one's headroom covers the rest
+        turn = await manager.append(
+            sid,
+            AppendTurn(
+                tenant="acme",
+                expected_version=version,
+                tokens=[1],
+                worker="w0",
+                sidecar="http://sc0",
+            ),
+        )
+        version = turn.version
+    await manager_drain(manager)
+    pins = [c for c in sidecar_link.calls if c[0] == "pin"]
+    assert pins[0][3] == info.expires_at  # the create: exact
+    assert len(pins) <= 2  # at most the first turn pins again (with headroom), not each turn
+    assert turn.expires_at <= pins[-1][3] <= turn.expires_at + headroom(100)
+
+
+async def test_a_pin_that_failed_is_made_again_by_the_next_turn() -> None:
+    failing = FakeSidecarLink(fail=True)
+    link = BackgroundLink(failing)
+    for exp in (1000, 1001, 1002):  # each turn finds no pin it could rely on
+        link.pin("http://sc0", "s1", exp, ttl=800)
+        await link.background.drain()
+    ok = FakeSidecarLink()
+    link.link = ok
+    link.pin("http://sc0", "s1", 1003, ttl=800)
+    link.pin("http://sc0", "s1", 1004, ttl=800)  # covered by the one before
+    link.drop("http://sc0", "s1")
+    link.pin("http://sc0", "s1", 1005, ttl=800)  # dropped: pinned again
+    await link.background.drain()
+    calls = failing.calls + ok.calls
+    assert [(c[0], c[3]) for c in calls] == [
+        ("pin", 1030),
+        ("pin", 1031),
+        ("pin", 1032),
+        ("pin", 1033),
+        ("drop", None),
+        ("pin", 1035),
+    ]
 
 
 async def manager_drain(manager) -> None:  # type: ignore[no-untyped-def]
