@@ -59,6 +59,9 @@ class BeginTurn(StrictModel):
     tokens: bool = True
     messages: bool = False
     touch: bool = False
+    # with `messages`: the caller already holds the messages of this version; a session still
+    # at it returns none (its record's `version` tells the caller which case it is)
+    known_version: int = Field(0, ge=0)
 
 
 class AppendTurn(StrictModel):

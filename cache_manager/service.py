@@ -146,6 +146,7 @@ class SessionService:
                 messages=req.messages,
                 touch=req.touch,
                 usage=req.lock and known is None,
+                known_version=req.known_version,
             )
         except StoreUnavailable:
             if lock is not None:

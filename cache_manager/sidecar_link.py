@@ -10,10 +10,10 @@ turn: a turn pins `headroom` = min(30 s, ttl / 8) past the new expiry, and the t
 after it skip the call while that pin still covers their expiry (an HTTP call to the
 sidecar per turn was ~0.9 ms of a turn's 2-3 ms on a 2-core machine). The price: when a
 session expires unused, its KV stays pinned up to `headroom` longer (a DELETE still drops
-it at once). Creates and TTL changes pin the exact expiry. What a pin covers is remembered per process,
-bounded; a pin call that fails is forgotten, so the next turn pins again. A sidecar that
-restarted without its pin file (memory tier only) gets the session pinned again within
-`headroom` seconds.
+it at once). Creates and TTL changes pin the exact expiry. What a pin covers is remembered
+per process, bounded; a pin call that fails is forgotten, so the next turn pins again. A
+sidecar that restarted without its pin file (memory tier only) gets the session pinned
+again within `headroom` seconds.
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
 One run starts its own Redis, a fast fake OpenAI backend (instant answers, so the numbers
 are the gateway's own cost) and, unless --no-model, a real worker on the tiny model, with
-one gateway in front of both; both backends name a real sidecar, which session turns pin. Each case is measured direct and through the gateway,
-interleaved in rounds, at each concurrency, with a minimal keep-alive load generator.
+one gateway in front of both; both backends name a real sidecar, which session turns pin.
+Each case is measured direct and through the gateway, interleaved in rounds, at each
+concurrency, with a minimal keep-alive load generator.
 """
 
 from __future__ import annotations

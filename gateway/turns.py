@@ -63,6 +63,7 @@ class Turn:
     prompt: list[int]
     new_tokens: list[int]  # appended before the generated ids
     new_messages: list[dict[str, Any]]
+    history: list[dict[str, Any]]  # a chat session's messages before this turn
     window: int
     state: SessionState | None = None
     session_id: str | None = None
@@ -110,6 +111,7 @@ class Early:
 
     task: asyncio.Task[Any]
     version: int | None  # the session version a chat rendering is for; None: any
+    history: list[dict[str, Any]] = field(default_factory=list)  # that version's messages
 
 
 class TurnService:
@@ -145,6 +147,8 @@ class TurnService:
                     tokens=True,
                     messages=kind == "chat",
                     touch=not append,
+                    # a chat history this gateway holds is not sent again
+                    known_version=(early and early.version) or 0,
                 ),
             )
             try:
@@ -195,7 +199,7 @@ class TurnService:
 
         task = asyncio.get_running_loop().create_task(run())
         task.add_done_callback(_consume_exception)
-        return Early(task, version)
+        return Early(task, version, previous if version is not None else [])
 
     async def _plan(
         self,
@@ -219,15 +223,15 @@ class TurnService:
                 f"this is a {info.kind} session: continue it on {other}", param="session_id"
             )
         new_msgs = body["messages"] if kind == "chat" else []
-        ready = None
+        ready, history = None, state.messages
         if early is not None and early.version in (None, info.version):
             ready = await _result_or_none(early.task)
+            if early.version is not None:  # begin sent no messages: we hold this version's
+                history = early.history
 
         async def build(worker: Worker) -> tuple[list[int], int]:
             if kind == "chat":
-                renders = ready or await self.prompts.chat_renders(
-                    worker, model, state.messages, new_msgs
-                )
+                renders = ready or await self.prompts.chat_renders(worker, model, history, new_msgs)
                 return await self.prompts.delta(worker, model, state.tokens, renders)
             if ready is not None:
                 return ready  # type: ignore[no-any-return]
@@ -241,6 +245,7 @@ class TurnService:
             prompt=state.tokens + new_tokens,
             new_tokens=new_tokens,
             new_messages=new_msgs,
+            history=history,
             window=window or worker.models.get(model, 0),
             state=state,
             session_id=session_id,
@@ -346,7 +351,7 @@ class TurnService:
         if turn.kind == "chat" and not self.recent.advance(
             turn.session_id, info.version, messages, info.expires_at, after=state.info.version
         ):
-            history = state.messages + messages
+            history = turn.history + messages
             self.recent.put(turn.session_id, info.version, history, info.expires_at)
         with bind_session(turn.session_id):
             log.info(

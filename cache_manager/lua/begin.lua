@@ -2,6 +2,7 @@
 -- KEYS: 1 ctx:{id}  2 ctx:{id}:t  3 ctx:{id}:m  4 ctx:{id}:lock
 -- ARGV: 1 tenant  2 lock token ('' = take no lock)  3 lock ttl ms
 --       4 '1' return token ids  5 '1' return messages  6 '1' slide the TTL now
+--       7 a version whose messages the caller holds: none are returned at that version
 -- Returns {1, record fields..., tokens, messages} | {0} not found | {-1, lock pttl} busy
 local h = redis.call('HGETALL', KEYS[1])
 if #h == 0 then
@@ -34,7 +35,7 @@ if ARGV[4] == '1' then
   toks = redis.call('GET', KEYS[2]) or ''
 end
 local msgs = {}
-if ARGV[5] == '1' then
+if ARGV[5] == '1' and rec['version'] ~= ARGV[7] then
   msgs = redis.call('LRANGE', KEYS[3], 0, -1)
 end
 return {1, h, toks, msgs}

@@ -78,6 +78,7 @@ class ContextService:
             prompt=prompt,
             new_tokens=prompt,
             new_messages=messages,
+            history=[],
             window=window,
             session_id=session_id,
             worker=worker,

@@ -54,6 +54,15 @@ def test_ids_are_unguessable_and_tokens_pack_compactly() -> None:
                 pack_tokens(bad)
 
 
+async def test_begin_sends_no_messages_the_caller_holds(manager: ManagerClient) -> None:
+    sid = (await manager.create(chat())).session_id  # version 1
+    for known, sent in ((0, True), (1, False), (2, True)):
+        req = BeginTurn(tenant="acme", lock=False, messages=True, known_version=known)
+        state = await manager.begin(sid, req)
+        assert state.info.version == 1 and state.tokens == [1, 2, 3]
+        assert state.messages == (MSGS if sent else [])
+
+
 async def test_create_get_begin_append_roundtrip(manager: ManagerClient, redis_url: str) -> None:
     info = await manager.create(
         chat(ttl=120, metadata={"user": "u1"}, worker="w0", sidecar="http://sc0")

@@ -89,10 +89,11 @@ class Manager:
             context_tokens=len(tokens),
             affinity="w1",
         )
+        held = req.known_version == self.version  # as the manager: none sent again
         return SessionState(
             info=info,
             tokens=tokens,
-            messages=MESSAGES if chat else [],
+            messages=MESSAGES if chat and not held else [],
             lock="lock" if req.lock else None,
         )
 
@@ -172,13 +173,27 @@ async def test_a_chat_turn_renders_early_from_the_history_seen_last(same_version
     assert turn.worker is not None and turn.worker.id == "w1"
 
 
-async def test_a_committed_chat_turn_is_remembered_for_the_next() -> None:
+async def test_an_early_render_that_failed_falls_back_to_the_held_history() -> None:
+    prompts = Prompts(down={"w0"})
+    turns = service(prompts, Manager(prompts, kind="chat", version=3))
+    turns.pool.workers[1].inflight = 1  # the early render goes to w0, which is down
+    turns.recent.put(SID, 3, MESSAGES, LATER)  # so the begin sends no messages
+    turn = await asyncio.wait_for(turns.begin("t", SID, "chat", dict(CHAT)), 5)
+    assert turn.state is not None and turn.state.messages == []
+    assert turn.prompt == render([*MESSAGES, *CHAT["messages"]], gen=True)  # type: ignore[list-item]
+    assert turn.history == MESSAGES
+
+
+@pytest.mark.parametrize("evicted", [False, True])
+async def test_a_committed_chat_turn_is_remembered_for_the_next(evicted: bool) -> None:
     prompts = Prompts()
     manager = Manager(prompts, kind="chat", version=3)
     turns = service(prompts, manager)
     turns.recent.put(SID, 3, MESSAGES, LATER)
     turn = await asyncio.wait_for(turns.begin("t", SID, "chat", dict(CHAT)), 5)
-    assert turn.state is not None
+    assert turn.state is not None and turn.state.messages == []  # held here: not sent
+    if evicted:  # other sessions pushed it out meanwhile: stored again, whole
+        turns.recent.drop(SID)
 
     async def append(session_id: str, req: AppendTurn) -> SessionInfo:
         assert turn.state is not None
