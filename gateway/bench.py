@@ -114,6 +114,9 @@ async def _run(args: argparse.Namespace) -> int:
                             sids = await asyncio.gather(
                                 *(new_session(model, kind) for _ in range(need))
                             )
+                            # each create pins its session's KV after answering: let that
+                            # setup work finish before the timed turns start
+                            await asyncio.sleep(1.0)
 
                         def make(
                             conn: Conn,
