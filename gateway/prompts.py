@@ -6,11 +6,13 @@ trip). Only the newly rendered part is tokenized:
 
 * completion sessions: the new prompt's text, without special tokens;
 * chat sessions: the chat template rendered over (previous messages + new messages) with
-  the generation prompt, minus the rendering of the previous messages alone — i.e. the
-  new turns and the generation prompt. If the stored ids end inside an assistant reply
-  (they do after a generated turn), the template's end-of-turn tokens come first
-  (learned once per model from a probe conversation); a generated end-of-turn id that
-  is already there is not repeated.
+  the generation prompt. When the stored ids are a prefix of it (the usual case: an
+  append-only template, and generated ids that are their text's own tokenization), the
+  rest of it is the new part, and the prompt is exactly the full conversation's — one
+  `/tokenize` call. Otherwise the previous messages are rendered alone too and the new
+  part is what follows them; if the stored ids end inside an assistant reply, the
+  template's end-of-turn tokens come first (learned once per model from a probe
+  conversation), without repeating an end-of-turn id the model generated itself.
 """
 
 from __future__ import annotations
@@ -21,8 +23,6 @@ from typing import Any
 from ctxcache.errors import InvalidRequest
 from gateway.pool import Worker
 from gateway.upstream import post_json
-
-ChatRenders = tuple[list[int], int, list[int]]  # full ids, window, ids of the history alone
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -61,26 +61,36 @@ class PromptBuilder:
             {"model": model, "messages": messages, "add_generation_prompt": generation_prompt},
         )
 
-    async def chat_renders(
+    async def chat_full(
         self,
         worker: Worker,
         model: str,
         previous: list[dict[str, Any]],
         new: list[dict[str, Any]],
-    ) -> ChatRenders:
-        """The two renderings `delta` subtracts: (previous + new, with the generation
-        prompt), the window, and previous alone, closed."""
-        (full, window), (before, _) = await asyncio.gather(
-            self.chat(worker, model, previous + new, generation_prompt=True),
-            self.chat(worker, model, previous, generation_prompt=False),
-        )
-        return full, window, before
+    ) -> tuple[list[int], int]:
+        """The whole conversation rendered for generation, and the model's window."""
+        return await self.chat(worker, model, previous + new, generation_prompt=True)
 
     async def delta(
-        self, worker: Worker, model: str, stored: list[int], renders: ChatRenders
+        self,
+        worker: Worker,
+        model: str,
+        stored: list[int],
+        previous: list[dict[str, Any]],
+        rendered: tuple[list[int], int],
     ) -> tuple[list[int], int]:
-        """The ids to put after `stored` so the prompt is the whole conversation's."""
-        full, window, before = renders
+        """The ids to put after `stored` so the prompt is the whole conversation's, given
+        `rendered` = `chat_full(previous + new)`.
+
+        Usually the stored ids are a prefix of that rendering (an append-only template,
+        generated ids that are the text's own tokenization): the rest of it is the answer,
+        and the prompt is exactly the full conversation's. Otherwise the history is
+        rendered alone too, and what follows it is appended after the stored ids.
+        """
+        full, window = rendered
+        if full[: len(stored)] == stored:
+            return full[len(stored) :], window
+        before, _ = await self.chat(worker, model, previous, generation_prompt=False)
         # Templates that rewrite earlier turns (not append-only) keep what still matches.
         new_part = full[common_prefix(full, before) :]
         if stored == before:  # the stored ids already end with a closed turn

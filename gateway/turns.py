@@ -180,7 +180,7 @@ class TurnService:
             version, previous = known
 
             async def call(worker: Worker) -> Any:
-                return await self.prompts.chat_renders(worker, model, previous, body["messages"])
+                return await self.prompts.chat_full(worker, model, previous, body["messages"])
 
         else:
             return None
@@ -231,8 +231,8 @@ class TurnService:
 
         async def build(worker: Worker) -> tuple[list[int], int]:
             if kind == "chat":
-                renders = ready or await self.prompts.chat_renders(worker, model, history, new_msgs)
-                return await self.prompts.delta(worker, model, state.tokens, renders)
+                full = ready or await self.prompts.chat_full(worker, model, history, new_msgs)
+                return await self.prompts.delta(worker, model, state.tokens, history, full)
             if ready is not None:
                 return ready  # type: ignore[no-any-return]
             return await self.prompts.text(worker, model, body["prompt"], special=False)

@@ -168,8 +168,8 @@ async def test_a_chat_turn_renders_early_from_the_history_seen_last(same_version
     turn = await asyncio.wait_for(turns.begin("t", SID, "chat", dict(CHAT)), 5)
     # the whole conversation's rendering, whichever way it was made
     assert turn.prompt == render([*MESSAGES, *CHAT["messages"]], gen=True)  # type: ignore[list-item]
-    # early: two renders while the session loads; a stale version renders twice more after
-    assert len(prompts.calls) == (2 if same_version else 4)
+    # early: one rendering while the session loads; a stale version renders once more after
+    assert len(prompts.calls) == (1 if same_version else 2)
     assert turn.worker is not None and turn.worker.id == "w1"
 
 
@@ -182,6 +182,29 @@ async def test_an_early_render_that_failed_falls_back_to_the_held_history() -> N
     assert turn.state is not None and turn.state.messages == []
     assert turn.prompt == render([*MESSAGES, *CHAT["messages"]], gen=True)  # type: ignore[list-item]
     assert turn.history == MESSAGES
+
+
+async def test_stored_ids_that_are_not_a_prefix_of_the_rendering_stay_the_prefix() -> None:
+    """Generated ids that are not their text's own tokenization: the rendering of the
+    conversation does not start with them. They stay the truth: the prompt is the stored
+    ids, the end of the assistant turn, then what follows the history's own rendering."""
+    prompts = Prompts()
+    manager = Manager(prompts, kind="chat", version=3)
+    turns = service(prompts, manager)
+    turns.recent.put(SID, 3, MESSAGES, LATER)
+    odd = [*render(MESSAGES, cont=True)[:-1], 7]  # the reply's last id, generated otherwise
+    begin = manager.begin
+
+    async def odd_begin(session_id: str, req: BeginTurn) -> SessionState:
+        state = await begin(session_id, req)
+        return state.model_copy(update={"tokens": odd})
+
+    manager.begin = odd_begin  # type: ignore[method-assign]
+    turn = await asyncio.wait_for(turns.begin("t", SID, "chat", dict(CHAT)), 5)
+    new_part = render([*MESSAGES, *CHAT["messages"]], gen=True)[len(render(MESSAGES)) :]  # type: ignore[list-item]
+    assert turn.prompt == odd + list(b"</>") + new_part
+    # the full rendering early, then the history alone and the (once per model) probe
+    assert len(prompts.calls) == 4
 
 
 @pytest.mark.parametrize("evicted", [False, True])
