@@ -45,7 +45,8 @@ async def tokenize(request: Request) -> Response:
 async def completions(request: Request) -> Response:
     body = orjson.loads(await request.body())
     prompt = _ids(body)
-    n = min(int(body.get("max_tokens") or 3), len(REPLY))
+    asked = body.get("max_tokens")
+    n = min(3 if asked is None else int(asked), len(REPLY))  # 0: prefill only, as the worker
     usage = {
         "prompt_tokens": len(prompt),
         "completion_tokens": n,

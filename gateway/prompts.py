@@ -35,9 +35,17 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return i
 
 
+# a chat rendering: the whole conversation's ids, the window, and (if asked for) the ids of
+# the history alone
+Rendered = tuple[list[int], int, list[int] | None]
+FALLBACK_TURNS = 32
+
+
 class PromptBuilder:
     def __init__(self) -> None:
         self._closing: dict[str, list[int]] = {}  # model -> end-of-assistant-turn ids
+        # model -> turns left rendering the history alone in parallel (see `delta`)
+        self._fallbacks: dict[str, int] = {}
 
     async def tokenize(self, worker: Worker, body: dict[str, Any]) -> tuple[list[int], int]:
         """Token ids and the model's max_model_len, from the worker's `/tokenize`."""
@@ -67,9 +75,18 @@ class PromptBuilder:
         model: str,
         previous: list[dict[str, Any]],
         new: list[dict[str, Any]],
-    ) -> tuple[list[int], int]:
-        """The whole conversation rendered for generation, and the model's window."""
-        return await self.chat(worker, model, previous + new, generation_prompt=True)
+    ) -> Rendered:
+        """The whole conversation rendered for generation and the model's window — and,
+        for a model whose turns lately needed it (see `delta`), the history rendered alone,
+        in parallel."""
+        if self._fallbacks.get(model, 0) <= 0:
+            full, window = await self.chat(worker, model, previous + new, generation_prompt=True)
+            return full, window, None
+        (full, window), (before, _) = await asyncio.gather(
+            self.chat(worker, model, previous + new, generation_prompt=True),
+            self.chat(worker, model, previous, generation_prompt=False),
+        )
+        return full, window, before
 
     async def delta(
         self,
@@ -77,20 +94,25 @@ class PromptBuilder:
         model: str,
         stored: list[int],
         previous: list[dict[str, Any]],
-        rendered: tuple[list[int], int],
+        rendered: Rendered,
     ) -> tuple[list[int], int]:
         """The ids to put after `stored` so the prompt is the whole conversation's, given
-        `rendered` = `chat_full(previous + new)`.
+        `rendered` = `chat_full(previous, new)`.
 
-        Usually the stored ids are a prefix of that rendering (an append-only template,
-        generated ids that are the text's own tokenization): the rest of it is the answer,
-        and the prompt is exactly the full conversation's. Otherwise the history is
-        rendered alone too, and what follows it is appended after the stored ids.
+        Usually the stored ids are a prefix of the conversation's rendering (an append-only
+        template, generated ids that are the text's own tokenization): the rest of it is
+        the new part, and the prompt is exactly the full conversation's. Otherwise the
+        history's own rendering is needed too; a model whose turns keep needing it (a
+        template that rewrites earlier turns, as reasoning models' do) gets both renderings
+        in parallel from `chat_full` until FALLBACK_TURNS turns in a row did not.
         """
-        full, window = rendered
+        full, window, before = rendered
         if full[: len(stored)] == stored:
+            self._fallbacks[model] = max(0, self._fallbacks.get(model, 0) - 1)
             return full[len(stored) :], window
-        before, _ = await self.chat(worker, model, previous, generation_prompt=False)
+        self._fallbacks[model] = FALLBACK_TURNS
+        if before is None:
+            before, _ = await self.chat(worker, model, previous, generation_prompt=False)
         # Templates that rewrite earlier turns (not append-only) keep what still matches.
         new_part = full[common_prefix(full, before) :]
         if stored == before:  # the stored ids already end with a closed turn

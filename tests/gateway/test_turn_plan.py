@@ -17,7 +17,7 @@ from cache_manager.protocol import AppendTurn, BeginTurn, SessionInfo, SessionSt
 from ctxcache.errors import SessionNotFound
 from gateway.metrics import GatewayMetrics
 from gateway.pool import Worker, WorkerPool
-from gateway.prompts import PromptBuilder
+from gateway.prompts import FALLBACK_TURNS, PromptBuilder
 from gateway.recent import RecentHistories
 from gateway.settings import WorkerEndpoint
 from gateway.turns import Generation, TurnService
@@ -205,6 +205,12 @@ async def test_stored_ids_that_are_not_a_prefix_of_the_rendering_stay_the_prefix
     assert turn.prompt == odd + list(b"</>") + new_part
     # the full rendering early, then the history alone and the (once per model) probe
     assert len(prompts.calls) == 4
+    # from now on this model's turns render the history alone in parallel, at once
+    rendered = await turns.prompts.chat_full(turns.pool.workers[0], "m", MESSAGES, [])
+    assert rendered[2] == render(MESSAGES) and len(prompts.calls) == 6
+    for _ in range(FALLBACK_TURNS):  # ... until that many turns in a row did not need it
+        await turns.prompts.delta(turns.pool.workers[0], "m", [], MESSAGES, rendered)
+    assert (await turns.prompts.chat_full(turns.pool.workers[0], "m", MESSAGES, []))[2] is None
 
 
 @pytest.mark.parametrize("evicted", [False, True])
