@@ -194,8 +194,15 @@ class SessionStore:
     ) -> tuple[SessionInfo, list[int], list[dict[str, Any]], tuple[int, int] | None]:
         """Load (and lock) a session — and with `usage` the tenant's usage, pipelined in
         the same round trip. No messages if the session is at `known_version`."""
-        args = [tenant, lock or "", lock_ttl_ms, int(tokens), int(messages), int(touch)]
-        args.append(known_version)
+        args = [
+            tenant,
+            lock or "",
+            lock_ttl_ms,
+            int(tokens),
+            int(messages),
+            int(touch),
+            known_version,
+        ]
         async with redis_errors():
             if usage:
                 res, counts = await self._pipelined(

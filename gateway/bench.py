@@ -134,7 +134,7 @@ async def _run(args: argparse.Namespace) -> int:
                             slot = slots.setdefault(id(conn), [len(slots), 0])
                             sid = sids[slot[0] + conc * (slot[1] // TURNS_PER_SESSION)]
                             slot[1] += 1
-                            return conn.build(*_session_turn(kind, body, sid), auth)
+                            return conn.build("POST", *_session_turn(kind, body, sid), auth)
 
                         result = await run(
                             "127.0.0.1",
@@ -188,13 +188,13 @@ async def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _session_turn(kind: str, body: dict[str, Any], sid: str) -> tuple[str, str, dict[str, Any]]:
-    """(method, path, body) of a session turn: a new prompt, or a new user message."""
+def _session_turn(kind: str, body: dict[str, Any], sid: str) -> tuple[str, dict[str, Any]]:
+    """(path, body) of a session turn: a new prompt, or a new user message."""
     if kind == "chat":
         turn = {k: v for k, v in body.items() if k != "prompt"}
         turn["messages"] = [{"role": "user", "content": "And?"}]
-        return "POST", "/v1/chat/completions", {**turn, "session_id": sid}
-    return "POST", "/v1/completions", {**body, "prompt": " and?", "session_id": sid}
+        return "/v1/chat/completions", {**turn, "session_id": sid}
+    return "/v1/completions", {**body, "prompt": " and?", "session_id": sid}
 
 
 def _start_stack(sup: Any, tmp: Path, args: argparse.Namespace) -> tuple[int, dict[str, int]]:

@@ -92,9 +92,7 @@ def _consume_exception(task: asyncio.Task[Any]) -> None:
         task.exception()
 
 
-async def _result_or_none(task: asyncio.Task[Any] | None) -> Any:
-    if task is None:
-        return None
+async def _result_or_none(task: asyncio.Task[Any]) -> Any:
     try:
         return await asyncio.shield(task)
     except asyncio.CancelledError:
@@ -169,20 +167,11 @@ class TurnService:
         moved past the version it rendered, `_plan` tokenizes the usual way (errors then
         come in the usual order: an unknown session before an unknown model, and so on)."""
         model = body["model"]
-        prompt = body.get("prompt")
         version: int | None = None
-        if kind == "completion" and isinstance(prompt, str):
-
-            async def call(worker: Worker) -> Any:
-                return await self.prompts.text(worker, model, prompt, special=False)
-
-        elif kind == "chat" and (known := self.recent.get(session_id)) is not None:
+        previous: list[dict[str, Any]] = []
+        if kind == "chat" and (known := self.recent.get(session_id)) is not None:
             version, previous = known
-
-            async def call(worker: Worker) -> Any:
-                return await self.prompts.chat_full(worker, model, previous, body["messages"])
-
-        else:
+        elif kind == "chat" or not isinstance(body.get("prompt"), str):
             return None
         try:
             worker = self.pool.pick(model)
@@ -192,14 +181,14 @@ class TurnService:
         async def run() -> Any:
             async with self.pool.lease(worker):
                 try:
-                    return await call(worker)
+                    return await self._tokenize(worker, kind, model, previous, body)
                 except WorkerDown as exc:
                     self.pool.mark_down(worker, str(exc))
                     raise
 
         task = asyncio.get_running_loop().create_task(run())
         task.add_done_callback(_consume_exception)
-        return Early(task, version, previous if version is not None else [])
+        return Early(task, version, previous)
 
     async def _plan(
         self,
@@ -230,12 +219,10 @@ class TurnService:
                 history = early.history
 
         async def build(worker: Worker) -> tuple[list[int], int]:
+            tokenized = ready or await self._tokenize(worker, kind, model, history, body)
             if kind == "chat":
-                full = ready or await self.prompts.chat_full(worker, model, history, new_msgs)
-                return await self.prompts.delta(worker, model, state.tokens, history, full)
-            if ready is not None:
-                return ready  # type: ignore[no-any-return]
-            return await self.prompts.text(worker, model, body["prompt"], special=False)
+                return await self.prompts.delta(worker, model, state.tokens, history, tokenized)
+            return tokenized  # type: ignore[no-any-return]
 
         (new_tokens, window), worker = await self.failover(model, build, affinity=info.affinity)
         turn = Turn(
@@ -254,6 +241,19 @@ class TurnService:
         )
         self.check_window(turn)
         return turn
+
+    async def _tokenize(
+        self,
+        worker: Worker,
+        kind: str,
+        model: str,
+        history: list[dict[str, Any]],
+        body: dict[str, Any],
+    ) -> Any:
+        """What a turn tokenizes: a completion's new prompt, or the whole chat rendered."""
+        if kind == "chat":
+            return await self.prompts.chat_full(worker, model, history, body["messages"])
+        return await self.prompts.text(worker, model, body["prompt"], special=False)
 
     def check_window(self, turn: Turn) -> None:
         want = int(turn.sampling.get("max_tokens") or 0)
