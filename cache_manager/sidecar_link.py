@@ -40,6 +40,10 @@ class SidecarLink(abc.ABC):
     @abc.abstractmethod
     async def drop(self, url: str, session_id: str) -> None: ...
 
+    async def held(self, url: str, session_id: str) -> tuple[int, int] | None:
+        """`(tokens, bytes)` of KV the sidecar holds for the session; None if unknown."""
+        return None
+
     async def aclose(self) -> None:  # noqa: B027 - optional hook
         pass
 
@@ -61,6 +65,14 @@ class HttpSidecarLink(SidecarLink):
 
     async def drop(self, url: str, session_id: str) -> None:
         await self._control(url).drop(session_key(session_id))
+
+    async def held(self, url: str, session_id: str) -> tuple[int, int] | None:
+        try:
+            info = await self._control(url).info(session_key(session_id))
+            return int(info["tokens"]), int(info["bytes"])
+        except Exception as exc:  # a cache: unknown, never an error for the caller
+            log.warning("sidecar at %s did not say what it holds: %s", url, exc)
+            return None
 
     async def aclose(self) -> None:
         await self.client.aclose()

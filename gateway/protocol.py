@@ -82,6 +82,12 @@ class ContextObject(OpenAIBaseModel):
     context_tokens: int
     turns: int
     metadata: dict[str, Any] = Field(default_factory=dict)
+    kv_tokens: int | None = Field(
+        None,
+        description="tokens of KV the sidecar holds for the session (full chunks plus tail "
+        "blocks); null in listings and when the sidecar cannot be asked",
+    )
+    kv_bytes: int | None = Field(None, description="bytes of those blocks")
 
 
 class ContextList(OpenAIBaseModel):

@@ -313,12 +313,21 @@ class TurnService:
         return result
 
     async def generate(self, turn: Turn) -> Generation:
-        body = orjson.dumps(self._worker_body(turn, stream=False))
+        fields = self._worker_body(turn, stream=False)
+        prefill_only = fields.get("max_tokens") == 0
+        if prefill_only:
+            # vLLM wants max_tokens >= 1: prefill, generate one token, and drop it (the
+            # built-in worker honours 0, and gives the same answer this way).
+            fields["max_tokens"] = 1
+        body = orjson.dumps(fields)
         t0 = time.perf_counter()
         out = await self._with_failover(turn, lambda w: post_json(w, "/v1/completions", body))
         self.metrics.ttft.observe(time.perf_counter() - t0)
         choice = (out.get("choices") or [{}])[0]
         usage = normalize_usage(out.get("usage"))
+        if prefill_only:
+            usage = {**usage, "completion_tokens": 0, "total_tokens": usage["prompt_tokens"]}
+            choice = {"text": "", "token_ids": [], "finish_reason": "length"}
         self.metrics.tokens(usage)
         return Generation(
             text=choice.get("text") or "",

@@ -21,6 +21,7 @@ class SessionInfo(StrictModel):
     session: str
     blocks: int
     bytes: int
+    tokens: int = Field(description="tokens of KV in the session's blocks")
     pinned: bool
     expires_at: float | None
 

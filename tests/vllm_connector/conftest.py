@@ -1,0 +1,85 @@
+"""The real vLLM (CPU build, the tiny preset) with the ctxcache connector, behind the gateway:
+one server for the module, a real sidecar, the run's Redis."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from ctxcache.lmcache_keys import session_key
+from ctxcache.net import free_port
+from ctxcache.redis_server import RedisServer
+from ctxcache.vllm_engine import VllmLaunch
+from tests.utils import ServiceProcess, SidecarProcess, VllmProcess, require_vllm
+
+VLLM_TIMEOUT = 900  # per test: the module's vLLM takes ~1 minute to start on 2 cores
+
+
+@dataclass
+class VllmStack:
+    root: Path
+    sidecar: SidecarProcess
+    vllm: VllmProcess
+    gateway: ServiceProcess
+    http: httpx.Client  # to the gateway, closed with the stack
+
+    @property
+    def url(self) -> str:
+        return self.gateway.url
+
+    def reset_prefix_cache(self) -> None:
+        """Empty vLLM's own prefix cache (VLLM_SERVER_DEV_MODE): what is reused after this
+        came from the sidecar."""
+        httpx.post(f"{self.vllm.url}/reset_prefix_cache", timeout=60).raise_for_status()
+
+    def held(self, session_id: str) -> dict[str, int]:
+        """What the sidecar holds for a session (its control API)."""
+        key = session_key(session_id)
+        return httpx.get(f"{self.sidecar.url}/sessions/{key}", timeout=10).json()
+
+    def restart_sidecar(self) -> None:
+        self.sidecar.stop()
+        self.sidecar = SidecarProcess(
+            self.root / "sidecar",
+            data_port=self.sidecar.data_port,
+            control_port=self.sidecar.port,
+            log_path=self.root / "sidecar.log",
+        ).start()
+
+
+@pytest.fixture(scope="module")
+def vllm_stack(
+    tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer, tiny_model: Path
+) -> Iterator[VllmStack]:
+    require_vllm()
+    root = tmp_path_factory.mktemp("vllm-stack")
+    (root / "sidecar").mkdir()
+    sidecar = SidecarProcess(root / "sidecar", log_path=root / "sidecar.log").start()
+    launch = VllmLaunch(
+        model=str(tiny_model),
+        served_name="tiny",
+        port=free_port(),
+        sidecar_lm=sidecar.lm_url,
+        kv_cache_gib=1,
+        dev_mode=True,
+    )
+    vllm = VllmProcess(launch, log_path=root / "vllm.log")
+    gateway = ServiceProcess(
+        ["gateway", "--redis-url", redis_server.url, "--worker", f"{vllm.url}={sidecar.url}"],
+        log_path=root / "gateway.log",
+        env={"CTX_GATEWAY_HEALTH_INTERVAL_S": "0.5"},
+        health_path="/ready",
+    )
+    stack = VllmStack(root, sidecar, vllm, gateway, httpx.Client(base_url=gateway.url, timeout=300))
+    try:
+        vllm.start()
+        gateway.start()
+        yield stack
+    finally:
+        stack.http.close()
+        for proc in (stack.gateway, stack.vllm, stack.sidecar):
+            proc.stop()

@@ -1,0 +1,178 @@
+"""Real vLLM storing and loading session KV through the sidecar, behind the gateway.
+
+Every comparison is greedy text against the same conversation sent in full without a
+session, which never touches the sidecar (the connector leaves session-less requests alone).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from ctxcache.lmcache_keys import session_key
+from sidecar.client import KVClient
+from sidecar.protocol import DTYPE_BFLOAT16, FMT_KV_2LTD
+from tests.vllm_connector.conftest import VLLM_TIMEOUT, VllmStack
+
+pytestmark = pytest.mark.timeout(VLLM_TIMEOUT)
+
+BLOCK = 128  # vLLM's CPU block size: what a cold session may recompute at most
+WORDS = "the cat sat on a mat while dogs ran over green hills and people talked of rain".split()  # noqa: SIM905
+
+
+def document(seed: int, words: int = 700) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+class Chat:
+    """One conversation, as a session and as the full history."""
+
+    def __init__(self, stack: VllmStack, seed: int) -> None:
+        self.stack = stack
+        self.client = stack.http
+        self.messages: list[dict[str, str]] = [{"role": "system", "content": document(seed)}]
+        r = self.client.post("/v1/context", json={"model": "tiny", "messages": self.messages})
+        assert r.status_code == 200, r.text
+        self.sid: str = r.json()["session_id"]
+
+    def context_tokens(self) -> int:
+        return int(self.info()["context_tokens"])
+
+    def info(self) -> dict[str, Any]:
+        r = self.client.get(f"/v1/context/{self.sid}")
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def turn(self, question: str) -> tuple[str, dict[str, Any]]:
+        """A session turn; returns its text and usage (the conversation grows)."""
+        body = {
+            "model": "tiny",
+            "session_id": self.sid,
+            "messages": [{"role": "user", "content": question}],
+            "max_tokens": 24,
+            "temperature": 0,
+        }
+        r = self.client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        text = r.json()["choices"][0]["message"]["content"]
+        self.messages += [{"role": "user", "content": question}]
+        usage = r.json()["usage"]
+        full = self.full_text()
+        self.messages += [{"role": "assistant", "content": text}]
+        assert text == full, "a session turn answered differently from the full history"
+        return text, usage
+
+    def full_text(self) -> str:
+        body = {"model": "tiny", "messages": self.messages, "max_tokens": 24, "temperature": 0}
+        r = self.client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        return str(r.json()["choices"][0]["message"]["content"])
+
+
+def cached(usage: dict[str, Any]) -> int:
+    return int(usage["prompt_tokens_details"]["cached_tokens"])
+
+
+def vllm_counter(stack: VllmStack, name: str) -> float:
+    text = httpx.get(f"{stack.vllm.url}/metrics", timeout=30).text
+    found = re.findall(rf"^vllm:ctxcache_{name}_total\{{[^}}]*\}} ([0-9.e+]+)$", text, re.M)
+    return sum(float(v) for v in found)
+
+
+def wait_for(predicate: Any, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.2)
+
+
+def test_session_turns_reuse_and_answer_like_the_full_history(vllm_stack: VllmStack) -> None:
+    chat = Chat(vllm_stack, seed=1)
+    for question in ("what is the cat doing?", "and the dogs?", "will it rain?"):
+        context = chat.context_tokens()
+        _, usage = chat.turn(question)
+        assert cached(usage) >= context - BLOCK  # vLLM's own prefix cache, hot
+
+
+def test_after_a_prefix_cache_reset_the_sidecar_serves_the_session(
+    vllm_stack: VllmStack,
+) -> None:
+    chat = Chat(vllm_stack, seed=2)
+    chat.turn("what is the cat doing?")
+    held = chat.info()
+    assert held["kv_tokens"] >= held["context_tokens"] - BLOCK  # the sidecar holds it all
+    assert held["kv_bytes"] > 0
+    loaded_before = vllm_counter(vllm_stack, "loaded_tokens")
+    for question in ("and the dogs?", "will it rain?"):
+        vllm_stack.reset_prefix_cache()  # vLLM forgets; only the sidecar can supply KV now
+        context = chat.context_tokens()
+        _, usage = chat.turn(question)  # also checks the text against the full history
+        assert cached(usage) >= context - BLOCK
+    wait_for(lambda: vllm_counter(vllm_stack, "loaded_tokens") > loaded_before)
+
+
+def test_delete_drops_the_sessions_blocks(vllm_stack: VllmStack) -> None:
+    chat = Chat(vllm_stack, seed=3)
+    chat.turn("hello?")
+    wait_for(lambda: vllm_stack.held(chat.sid)["blocks"] > 0)
+    r = chat.client.delete(f"/v1/context/{chat.sid}")
+    assert r.status_code == 200, r.text
+    wait_for(lambda: vllm_stack.held(chat.sid)["blocks"] == 0)
+
+
+def test_a_corrupt_block_is_a_miss_not_a_wrong_answer(vllm_stack: VllmStack) -> None:
+    chat = Chat(vllm_stack, seed=4)
+    chat.turn("what is the cat doing?")
+    tag = f"s%{session_key(chat.sid)}"
+    with KVClient.from_url(vllm_stack.sidecar.lm_url) as kv:
+        wait_for(lambda: any(k.endswith(tag) for k in kv.list_keys()))
+        keys = [k for k in kv.list_keys() if k.endswith(tag)]
+        for key in keys:  # same keys, wrong blocks: EXIST says yes, the load must refuse them
+            garbage = bytes(range(256)) * 64
+            kv.put(key, garbage, fmt=FMT_KV_2LTD, dtype=DTYPE_BFLOAT16, shape=(2, 4, 32, 64))
+        kv.health()  # a round trip after the PUTs: the sidecar has them
+    failures = vllm_counter(vllm_stack, "load_failures")
+    vllm_stack.reset_prefix_cache()
+    chat.turn("and the dogs?")  # answered exactly like the full history
+    wait_for(lambda: vllm_counter(vllm_stack, "load_failures") > failures)
+
+
+def test_a_session_less_request_stores_nothing(vllm_stack: VllmStack) -> None:
+    def blocks() -> int:
+        return int(httpx.get(f"{vllm_stack.sidecar.url}/stats", timeout=10).json()["blocks"])
+
+    before = blocks()
+    body = {"model": "tiny", "prompt": document(5), "max_tokens": 8, "temperature": 0}
+    r = vllm_stack.http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    time.sleep(1.0)
+    assert blocks() == before
+
+
+def test_a_killed_sidecar_costs_speed_only(vllm_stack: VllmStack) -> None:
+    chat = Chat(vllm_stack, seed=6)
+    chat.turn("what is the cat doing?")
+    vllm_stack.sidecar.kill()
+    try:
+        vllm_stack.reset_prefix_cache()
+        context = chat.context_tokens()
+        _, usage = chat.turn("and the dogs?")  # same answer as the full history
+        assert cached(usage) < context - BLOCK  # recomputed: nothing could be loaded
+    finally:
+        vllm_stack.restart_sidecar()
+    # once the connector's breaker closes, the session is stored and served again
+    deadline = time.monotonic() + 120
+    while True:
+        vllm_stack.reset_prefix_cache()
+        context = chat.context_tokens()
+        _, usage = chat.turn("anything else?")
+        if cached(usage) >= context - BLOCK:
+            break
+        assert time.monotonic() < deadline, "the sidecar was not used again after a restart"
+        time.sleep(2.0)

@@ -1,0 +1,204 @@
+"""`CtxcacheConnector`: vLLM's KV connector API over the ctxcache sidecar.
+
+Load it with
+`--kv-transfer-config '{"kv_connector": "CtxcacheConnector",
+"kv_connector_module_path": "vllm_connector.connector", "kv_role": "kv_both",
+"kv_connector_extra_config": {"sidecar_url": "lm://127.0.0.1:65432"}}'`
+(`ctxcache serve --engine vllm` does). vLLM builds one instance in the scheduler process
+(`SchedulerSide`: lookups and plans) and one in each worker process (`WorkerSide`: the
+copies); this class only routes vLLM's hooks to them (docs/vllm.md).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from vllm_connector.config import ConnectorConfig
+from vllm_connector.metrics import CtxcachePromMetrics, CtxcacheStats
+from vllm_connector.plan import Planner
+from vllm_connector.scheduler import SchedulerSide, StepPlan
+from vllm_connector.worker import WorkerSide, cache_writer
+from worker.kv.hashing import KeyMaker
+from worker.kv.layout import TORCH_TO_KEY_NAME
+from worker.kv.sidecar import kv_client_factory
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class CtxcacheMetadata(StepPlan, KVConnectorMetadata):
+    """One step's loads and stores, scheduler -> workers."""
+
+
+class CtxcacheConnector(KVConnectorBase_V1):
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        _log_like_vllm()
+        transfer = self._kv_transfer_config
+        self.config = ConnectorConfig.from_extra(transfer.kv_connector_extra_config)
+        block_size = vllm_config.cache_config.block_size
+        self.scheduler: SchedulerSide | None = None
+        self.worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            # A cache: a block that cannot be loaded is recomputed, never a failed request.
+            if transfer.kv_load_failure_policy != "recompute":
+                log.info("ctxcache connector: kv_load_failure_policy set to 'recompute'")
+                transfer.kv_load_failure_policy = "recompute"
+            planner = Planner(
+                _key_maker(vllm_config, self.config),
+                self.config.chunk_size,
+                self.config.tail_granularity(block_size),
+            )
+            self.scheduler = SchedulerSide(
+                self.config,
+                planner,
+                kv_client_factory(self.config.sidecar_url, self.config.lookup_timeout_s),
+            )
+        else:
+            from vllm.distributed import get_tensor_model_parallel_rank
+
+            self.worker = WorkerSide(self.config, block_size, get_tensor_model_parallel_rank())
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a dropped store is a later miss, nothing more
+
+    # -- worker side ----------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self.worker is not None
+        layers = self._vllm_config.compilation_config.static_forward_context
+        writers = {
+            name: (cache_writer(layers[name]), layers[name].num_kv_heads, layers[name].head_size)
+            for name in kv_caches
+        }
+        self.worker.register(kv_caches, writers)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        assert self.worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, CtxcacheMetadata)
+        self.worker.load(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are whole before the forward pass starts
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        return  # stores read a finished request's blocks in wait_for_save
+
+    def wait_for_save(self) -> None:
+        assert self.worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, CtxcacheMetadata)
+        self.worker.save(meta)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        assert self.worker is not None
+        return self.worker.take_sent() or None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.take_invalid() if self.worker is not None else set()
+
+    def get_kv_connector_stats(self) -> CtxcacheStats | None:
+        side = self.worker or self.scheduler
+        counts = side.counters.drain() if side is not None else {}
+        return CtxcacheStats(data=counts) if counts else None
+
+    def shutdown(self) -> None:
+        for side in (self.worker, self.scheduler):
+            if side is not None:
+                side.close()
+
+    # -- scheduler side -------------------------------------------------------------------
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        assert self.scheduler is not None
+        return self.scheduler.matched_tokens(request, num_computed_tokens), False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        assert self.scheduler is not None
+        self.scheduler.after_alloc(request, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self.scheduler is not None
+        plan = self.scheduler.build(scheduler_output)
+        return CtxcacheMetadata(loads=plan.loads, stores=plan.stores)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        assert self.scheduler is not None
+        return self.scheduler.finished(request, block_ids), None
+
+    # -- metrics --------------------------------------------------------------------------
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> CtxcacheStats:
+        return CtxcacheStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> CtxcachePromMetrics:
+        return CtxcachePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+def _log_like_vllm() -> None:
+    """Our modules log through vLLM's handlers, so their lines appear in vLLM's output."""
+    handlers = logging.getLogger("vllm").handlers
+    for name in ("vllm_connector", "worker.kv"):
+        ours = logging.getLogger(name)
+        if not ours.handlers and handlers:
+            for handler in handlers:
+                ours.addHandler(handler)
+            ours.setLevel(logging.INFO)
+            ours.propagate = False
+
+
+def _key_maker(vllm_config: VllmConfig, config: ConnectorConfig) -> KeyMaker:
+    model = vllm_config.model_config
+    name = config.model_name or model.served_model_name or model.model
+    if isinstance(name, list):
+        name = name[0]
+    dtype = TORCH_TO_KEY_NAME.get(_cache_dtype(vllm_config), str(model.dtype))
+    # The scheduler names rank 0's blocks; each tensor-parallel worker stores and loads its
+    # own shard under its own rank (WorkerSide.key).
+    return KeyMaker(str(name), dtype, 0, vllm_config.parallel_config.tensor_parallel_size)
+
+
+def _cache_dtype(vllm_config: VllmConfig) -> torch.dtype:
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    if cache_dtype not in ("auto", None):
+        raise ValueError(f"the ctxcache connector does not support kv cache dtype {cache_dtype!r}")
+    return vllm_config.model_config.dtype

@@ -1,0 +1,40 @@
+"""Counters the connector keeps, drained into vLLM's connector stats every step.
+
+vLLM sends each step's `KVConnectorStats` from the workers (and the scheduler's own) to its
+logger, which logs them and feeds `build_prom_metrics`' counters on `/metrics`
+(`vllm:ctxcache_<name>_total`).
+"""
+
+from __future__ import annotations
+
+import threading
+
+COUNTERS: dict[str, str] = {
+    "lookups": "session requests looked up in the sidecar",
+    "load_tokens_planned": "tokens the scheduler planned to load from the sidecar",
+    "loaded_tokens": "tokens whose KV was written into vLLM's cache from the sidecar",
+    "load_failures": "planned loads that failed (a miss, an error or a wrong block): recomputed",
+    "stored_blocks": "blocks handed to the background storer",
+    "stored_tokens": "tokens of KV handed to the background storer",
+    "store_drops": "finished requests whose KV was not stored (sidecar down, queue full)",
+    "sidecar_errors": "sidecar calls that failed or timed out",
+}
+
+
+class Counters:
+    """Thread-safe counts since the last `drain`."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._values: dict[str, int] = {}
+
+    def add(self, name: str, amount: int = 1) -> None:
+        if name not in COUNTERS:
+            raise KeyError(name)
+        with self._lock:
+            self._values[name] = self._values.get(name, 0) + amount
+
+    def drain(self) -> dict[str, int]:
+        with self._lock:
+            out, self._values = self._values, {}
+        return out

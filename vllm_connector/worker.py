@@ -1,0 +1,185 @@
+"""The connector's worker half: writes loaded blocks into vLLM's paged cache before the
+forward pass and reads finished requests' blocks out of it for the sidecar.
+
+Loads are synchronous (the step's forward attends over them): each planned block is one
+GET, then one scatter per layer. A block that is missing, unreadable or not the KV we
+store makes the rest of that load fail: its vLLM blocks are reported to the scheduler
+(`get_block_ids_with_load_errors`), which recomputes them — a miss, never a wrong answer.
+Stores copy the blocks out with one gather per layer (the request's blocks are freed as
+soon as that copy is made) and PUT them from a background thread
+(`worker.kv.sidecar.SidecarKV`, the built-in worker's storer, with its circuit breaker).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from ctxcache.lmcache_keys import parse_key
+from vllm_connector.config import ConnectorConfig
+from vllm_connector.layout import (
+    BlockLayout,
+    CacheWriter,
+    gather,
+    probe_layout,
+    scatter,
+    token_slots,
+)
+from vllm_connector.plan import LoadSpec, StoreSpec
+from vllm_connector.scheduler import StepPlan
+from vllm_connector.stats import Counters
+from worker.kv.layout import KVShape
+from worker.kv.sidecar import SidecarKV, StoreJob, kv_client_factory
+
+log = logging.getLogger(__name__)
+
+
+class WorkerSide:
+    def __init__(self, config: ConnectorConfig, block_size: int, rank: int = 0) -> None:
+        self.config = config
+        self.block_size = block_size
+        self.rank = rank
+        self.counters = Counters()
+        self.caches: list[torch.Tensor] = []
+        self.layouts: list[BlockLayout] = []
+        self.sidecar: SidecarKV | None = None
+        self._sent: set[str] = set()
+        self._invalid: set[int] = set()
+
+    @property
+    def enabled(self) -> bool:
+        return self.sidecar is not None
+
+    def register(self, kv_caches: dict[str, torch.Tensor], writers: dict[str, Any]) -> None:
+        """Learn every layer's block layout; on failure the connector stays off (loads
+        are then reported failed and recomputed, nothing is stored)."""
+        caches, layouts = [], []
+        try:
+            for name, cache in kv_caches.items():
+                write, heads, head_dim = writers[name]
+                layouts.append(probe_layout(cache, write, heads, head_dim))
+                caches.append(cache)
+        except Exception:
+            log.exception("cannot read this KV cache layout; the ctxcache connector is off")
+            return
+        first = layouts[0]
+        if any(lay.tokens != first.tokens for lay in layouts) or self.block_size % first.tokens:
+            log.error("layers with different block sizes; the ctxcache connector is off")
+            return
+        self.caches, self.layouts = caches, layouts
+        shape = KVShape(len(caches), first.heads, first.head_dim, caches[0].dtype)
+        self.sidecar = SidecarKV(
+            kv_client_factory(self.config.sidecar_url, self.config.timeout_s),
+            shape,
+            max_pending=self.config.max_pending_stores,
+            on_error=lambda op: self.counters.add("sidecar_errors"),
+        )
+        log.info(
+            "ctxcache connector: %d layers, %d kv heads x %d, %s, %d-token kernel blocks",
+            len(caches),
+            first.heads,
+            first.head_dim,
+            caches[0].dtype,
+            first.tokens,
+        )
+
+    # -- loads ----------------------------------------------------------------------------
+    def load(self, plan: StepPlan) -> None:
+        for spec in plan.loads:
+            loaded = self._load(spec) if self.enabled else spec.start
+            self.counters.add("loaded_tokens", loaded - spec.start)
+            if loaded < spec.end:
+                self.counters.add("load_failures")
+                self._invalid.update(self._blocks_of(spec.block_ids, loaded, spec.end))
+
+    def _load(self, spec: LoadSpec) -> int:
+        """Write `spec`'s tokens; returns the first token not written."""
+        assert self.sidecar is not None
+        done = spec.start
+        for piece in spec.pieces:
+            lo, hi = max(done, piece.begin), min(spec.end, piece.end)
+            if hi <= lo:
+                continue
+            kv = self.sidecar.get(self.key(piece.key), piece.length)
+            if kv is None:
+                log.warning(
+                    "request %s: block %s gone or unreadable; recomputing", spec.req_id, piece.key
+                )
+                return done
+            slots = token_slots(spec.block_ids, self.block_size, self.layouts[0].tokens, lo, hi)
+            scatter(
+                self.caches, self.layouts, slots, kv[:, :, :, lo - piece.begin : hi - piece.begin]
+            )
+            done = hi
+        return done
+
+    def key(self, key: str) -> str:
+        """The scheduler's (rank 0) key for this worker's tensor-parallel rank."""
+        if self.rank == 0:
+            return key
+        return replace(parse_key(key), worker_id=self.rank).to_string()
+
+    def _blocks_of(self, block_ids: list[int], start: int, end: int) -> set[int]:
+        first, last = start // self.block_size, (end - 1) // self.block_size
+        return set(block_ids[first : last + 1])
+
+    def take_invalid(self) -> set[int]:
+        out, self._invalid = self._invalid, set()
+        return out
+
+    # -- stores ---------------------------------------------------------------------------
+    def save(self, plan: StepPlan) -> None:
+        for spec in plan.stores:
+            try:
+                if not self.enabled or not self._save(spec):
+                    self.counters.add("store_drops")
+            except Exception:
+                self.counters.add("store_drops")
+                log.exception("request %s: storing its KV failed", spec.req_id)
+            finally:
+                self._sent.add(spec.req_id)  # the copy is made (or given up): free the blocks
+
+    def _save(self, spec: StoreSpec) -> bool:
+        assert self.sidecar is not None
+        lo = min(p.begin for p in spec.pieces)
+        hi = max(p.end for p in spec.pieces)
+        slots = token_slots(spec.block_ids, self.block_size, self.layouts[0].tokens, lo, hi)
+        kv = gather(self.caches, self.layouts, slots).cpu()
+        blocks = [(self.key(p.key), kv[:, :, :, p.begin - lo : p.end - lo]) for p in spec.pieces]
+        if not self.sidecar.submit(StoreJob(blocks, spec.session)):
+            return False
+        self.counters.add("stored_blocks", len(blocks))
+        self.counters.add("stored_tokens", sum(p.length for p in spec.pieces))
+        return True
+
+    def take_sent(self) -> set[str]:
+        out, self._sent = self._sent, set()
+        return out
+
+    def close(self) -> None:
+        if self.sidecar is not None:
+            self.sidecar.close()
+            self.sidecar = None
+
+
+def cache_writer(
+    layer: Any,
+) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]:
+    """The attention layer's own cache write (what its forward pass does), as a CacheWriter."""
+    impl = layer.impl
+    if not hasattr(impl, "do_kv_cache_update"):
+        raise TypeError(f"{type(impl).__name__} has no do_kv_cache_update")
+
+    def write(
+        key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor
+    ) -> None:
+        impl.do_kv_cache_update(layer, key, value, cache, slots)
+
+    return write
+
+
+__all__ = ["CacheWriter", "WorkerSide", "cache_writer"]
