@@ -187,7 +187,7 @@ def _stack(args: argparse.Namespace, model: Path | None) -> Iterator[tuple[str, 
                 "serve",
                 [
                     *(sys.executable, "-m", "ctxcache.cli", "serve", "--port", str(port)),
-                    *("--data-dir", data, "--model", str(model)),
+                    *("--data-dir", data, "--model", str(model), "--engine", "builtin"),
                 ],
                 ready=http_ready(f"http://127.0.0.1:{port}/ready"),
                 env={"CTX_WORKER_THREADS": str(args.threads)},

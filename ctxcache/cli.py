@@ -18,7 +18,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "gateway": ("gateway.cli", "run the OpenAI-compatible gateway"),
     "manager": ("cache_manager.cli", "run the Context Cache Manager (sessions in Redis)"),
     "sidecar": ("sidecar.cli", "run the KV sidecar (LMCache lm:// protocol)"),
-    "worker": ("worker.cli", "run the CPU inference worker"),
+    "worker": ("worker.cli", "run the built-in CPU inference worker"),
+    "vllm": ("ctxcache.vllm_engine", "run vLLM with the ctxcache KV connector"),
     "model": ("worker.model_cli", "build local models for offline runs and tests"),
     "bench": ("ctxcache.bench", "run a benchmark"),
 }

@@ -15,13 +15,14 @@ live session.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from pathlib import Path
 
 from ctxcache.supervisor import Child, Interrupted, Supervisor, http_ready
-from ctxcache.vllm_engine import VllmLaunch, default_engine, served_name
 from ctxcache.vllm_engine import available as vllm_available
+from ctxcache.vllm_engine import default_engine
 
 log = logging.getLogger("ctxcache.serve")
 
@@ -74,7 +75,6 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, sup: Supervisor, data: Path) -> int:
-    from ctxcache.net import free_port
     from ctxcache.redis_server import RedisServer
 
     cli = [sys.executable, "-m", "ctxcache.cli"]
@@ -83,7 +83,8 @@ def _run(args: argparse.Namespace, sup: Supervisor, data: Path) -> int:
     redis.data_dir.mkdir(parents=True, exist_ok=True)
     sup.start(Child("redis", redis.argv(), ready=redis.wait_ready))
 
-    data_port, control_port = free_port(), free_port()
+    ports = _internal_ports(data)
+    data_port, control_port = ports["sidecar_data"], ports["sidecar_control"]
     sidecar_control = f"http://127.0.0.1:{control_port}"
     sup.start(
         Child(
@@ -107,35 +108,28 @@ def _run(args: argparse.Namespace, sup: Supervisor, data: Path) -> int:
     )
 
     model = args.model or str(_default_model(data))
-    worker_port = free_port()
+    worker_port = ports["engine"]
     sidecar_lm = f"lm://127.0.0.1:{data_port}"
     engine = args.engine or default_engine()
+    command = {"builtin": "worker", "vllm": "vllm"}[engine]
     if engine == "vllm" and not vllm_available():
         raise RuntimeError("--engine vllm: vLLM is not installed (pip install 'ctxcache[vllm]')")
-    log.info("engine: %s", "vLLM with the ctxcache KV connector" if engine == "vllm" else engine)
+    log.info(
+        "engine: %s",
+        "vLLM with the ctxcache KV connector" if engine == "vllm" else "the built-in worker",
+    )
+    # `ctxcache vllm` and `ctxcache worker` take the same flags for what they share
+    argv = [*cli, command, "--model", model, "--port", str(worker_port), "--sidecar", sidecar_lm]
     if engine == "vllm":
-        launch = VllmLaunch(
-            model=model,
-            served_name=served_name(model),
-            port=worker_port,
-            sidecar_lm=sidecar_lm,
-            kv_cache_gib=args.kv_cache_gib,
-            extra_args=list(args.vllm_arg),
-        )
-        engine_child = Child(
-            "vllm",
-            launch.argv(),
-            env=launch.env(),
-            ready=http_ready(f"{launch.url}/health"),
-            startup_timeout=600.0,
-        )
-    else:
-        engine_child = Child(
-            "worker",
-            [*cli, "worker", "--model", model, "--port", str(worker_port), "--sidecar", sidecar_lm],
+        argv += ["--kv-cache-gib", str(args.kv_cache_gib), "--", *args.vllm_arg]
+    sup.start(
+        Child(
+            command,
+            argv,
             ready=http_ready(f"http://127.0.0.1:{worker_port}/health"),
+            startup_timeout=600.0 if engine == "vllm" else 120.0,
         )
-    sup.start(engine_child)
+    )
 
     sup.start(
         Child(
@@ -174,3 +168,20 @@ def _default_model(data: Path) -> Path:
         log.info("creating the tiny model in %s (first run)", target)
         create_model("tiny", target)
     return target
+
+
+def _internal_ports(data: Path) -> dict[str, int]:
+    """The internal services' ports: free ones on first run, the same ones on a restart on
+    this data dir (sessions record their sidecar's URL; it stays valid), new ones for any
+    that are taken now."""
+    from ctxcache.net import free_port, port_is_free
+
+    path = data / "ports.json"
+    names = ("sidecar_data", "sidecar_control", "engine")
+    try:
+        old = {k: int(v) for k, v in json.loads(path.read_text()).items()}
+    except (OSError, ValueError, TypeError, AttributeError):
+        old = {}
+    ports = {n: old[n] if n in old and port_is_free(old[n]) else free_port() for n in names}
+    path.write_text(json.dumps(ports) + "\n")
+    return ports

@@ -10,8 +10,11 @@ block count: on CPU, `--gpu-memory-utilization` is a fraction of host memory.
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
+import logging
+import os
 import platform
 import sys
 from dataclasses import dataclass, field
@@ -106,3 +109,45 @@ class VllmLaunch:
 def served_name(model: str) -> str:
     """The name the built-in worker serves a model directory under: its last component."""
     return Path(model.rstrip("/")).name or model
+
+
+# ---- `ctxcache vllm`: the engine as a service of its own (compose, Kubernetes, serve) -----
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="local HF model directory, or a hub id")
+    p.add_argument("--model-name", default=None, help="served model name (default: dir name)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8100)
+    p.add_argument(
+        "--sidecar", default=None, help="lm://HOST:PORT of the KV sidecar (unset: no connector)"
+    )
+    p.add_argument("--chunk-size", type=int, default=256, help="tokens per sidecar chunk")
+    p.add_argument("--kv-cache-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE (GiB)")
+    p.add_argument("--num-blocks", type=int, default=None, help="--num-gpu-blocks-override")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument(
+        "vllm_args", nargs=argparse.REMAINDER, help="after `--`: more arguments for vLLM"
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    """Replace this process with vLLM's server (signals then reach vLLM itself)."""
+    if not available():
+        logging.getLogger(__name__).error("vLLM is not installed: pip install 'ctxcache[vllm]'")
+        return 2
+    extra = [a for a in args.vllm_args if a != "--"] if args.vllm_args else []
+    launch = VllmLaunch(
+        model=args.model,
+        served_name=args.model_name or served_name(args.model),
+        port=args.port,
+        host=args.host,
+        sidecar_lm=args.sidecar,
+        kv_cache_gib=args.kv_cache_gib,
+        num_blocks=args.num_blocks,
+        max_model_len=args.max_model_len,
+        connector_config={"chunk_size": args.chunk_size},
+        extra_args=extra,
+    )
+    argv = launch.argv()
+    os.execvpe(argv[0], argv, {**os.environ, **launch.env()})

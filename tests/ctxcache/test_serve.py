@@ -9,11 +9,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
+import pytest
 
 from ctxcache.net import free_port, wait_http
+from tests.utils import require_vllm
 
 
 def descendants(pid: int) -> set[int]:
@@ -42,7 +45,9 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
-def start_serve(data: Path, port: int, log: Path) -> subprocess.Popen[bytes]:
+def start_serve(
+    data: Path, port: int, log: Path, engine: str = "builtin"
+) -> subprocess.Popen[bytes]:
     with open(log, "ab") as out:
         proc = subprocess.Popen(
             [
@@ -54,6 +59,8 @@ def start_serve(data: Path, port: int, log: Path) -> subprocess.Popen[bytes]:
                 str(port),
                 "--data-dir",
                 str(data),
+                "--engine",
+                engine,
             ],
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -61,7 +68,7 @@ def start_serve(data: Path, port: int, log: Path) -> subprocess.Popen[bytes]:
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
     try:
-        wait_http(f"http://127.0.0.1:{port}/ready", timeout=180)
+        wait_http(f"http://127.0.0.1:{port}/ready", timeout=600 if engine == "vllm" else 180)
     except TimeoutError:
         proc.kill()
         raise AssertionError(log.read_text()[-3000:]) from None
@@ -151,3 +158,57 @@ def test_ctrl_c_during_start_up_stops_cleanly(tmp_path: Path) -> None:
     assert proc.wait(timeout=60) == 0, log.read_text()[-2000:]
     time.sleep(0.5)
     assert not [p for p in children | descendants(proc.pid) if alive(p)]
+
+
+@pytest.mark.timeout(900)
+def test_a_vllm_stack_restarted_on_its_data_dir_reloads_a_session_from_the_disk_tier(
+    tmp_path: Path,
+) -> None:
+    """`ctxcache serve --engine vllm`: after a full restart, vLLM's own prefix cache is
+    empty and the sidecar's memory tier too; the session's next turn still reuses all but
+    less than a block of its context, read from the sidecar's disk tier."""
+    require_vllm()
+    data, port, log = tmp_path / "data", free_port(), tmp_path / "serve.log"
+    base = f"http://127.0.0.1:{port}"
+    document = " ".join(["the cat sat on the mat and looked at the rain"] * 60)
+    proc = start_serve(data, port, log, "vllm")
+    try:
+        assert "engine: vLLM with the ctxcache KV connector" in log.read_text()
+        r = httpx.post(
+            f"{base}/v1/context",
+            json={"model": "tiny", "messages": [{"role": "system", "content": document}]},
+            timeout=120,
+        )
+        assert r.status_code == 200, r.text
+        sid = r.json()["session_id"]
+        first = chat_turn(base, sid, "what did the cat do?")
+        assert first["usage"]["prompt_tokens"] > 512
+    finally:
+        stop_serve(proc)
+
+    proc = start_serve(data, port, log, "vllm")
+    try:
+        info = httpx.get(f"{base}/v1/context/{sid}", timeout=30).json()
+        assert info["turns"] == 2
+        assert info["kv_tokens"] >= info["context_tokens"] - 128  # on the sidecar's disk
+        second = chat_turn(base, sid, "and then?")
+        cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached >= info["context_tokens"] - 128
+    finally:
+        stop_serve(proc)
+
+
+def chat_turn(base: str, sid: str, question: str) -> dict[str, Any]:
+    r = httpx.post(
+        f"{base}/v1/chat/completions",
+        json={
+            "model": "tiny",
+            "session_id": sid,
+            "messages": [{"role": "user", "content": question}],
+            "max_tokens": 8,
+            "temperature": 0,
+        },
+        timeout=300,
+    )
+    assert r.status_code == 200, r.text
+    return r.json()  # type: ignore[no-any-return]

@@ -131,6 +131,14 @@ def pod_spec(doc: Doc) -> Doc | None:
     return None
 
 
+K8S_VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+
+
+def expand_k8s_vars(arg: str, env: dict[str, str]) -> str:
+    """Kubernetes expands `$(VAR)` in command and args from the container's env."""
+    return K8S_VAR.sub(lambda m: env.get(m.group(1), m.group(0)), arg)
+
+
 def k8s_containers(docs: list[Doc]) -> Iterator[Container]:
     config = {d["metadata"]["name"]: d.get("data", {}) for d in docs if d["kind"] == "ConfigMap"}
     secrets = {
@@ -152,6 +160,9 @@ def k8s_containers(docs: list[Doc]) -> Iterator[Container]:
                     env[var["name"]] = str(var["value"])
                 elif ref := var.get("valueFrom", {}).get("secretKeyRef"):
                     env[var["name"]] = secrets.get(ref["name"], {}).get(ref["key"], "")
+                elif ref := var.get("valueFrom", {}).get("configMapKeyRef"):
+                    env[var["name"]] = str(config[ref["name"]][ref["key"]])
+            argv = [expand_k8s_vars(str(a), env) for a in argv]
             probes = [
                 (p["httpGet"]["path"], p["httpGet"]["port"])
                 for name in ("livenessProbe", "readinessProbe", "startupProbe")

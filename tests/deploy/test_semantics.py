@@ -111,7 +111,9 @@ def test_every_ctxcache_command_line_parses() -> None:
         if c.ctxcache_command:
             lines.append(c.argv[1:])
         lines += shell_ctxcache_commands(c)
-    assert {line[0] for line in lines} >= {"gateway", "manager", "sidecar", "worker", "model"}
+    assert {line[0] for line in lines} >= {"gateway", "manager", "sidecar", "vllm", "model"}
+    # the engine is a choice (CTXCACHE_ENGINE, the worker-engine ConfigMap): both must parse
+    lines += [["worker", *line[1:]] for line in lines if line[0] == "vllm"]
     for line in lines:
         try:
             parser.parse_args(line)
@@ -133,7 +135,11 @@ def test_health_probes_point_at_real_routes_on_the_right_port() -> None:
     for c in all_containers():
         for path, port in c.probes:
             checked += 1
-            if command := c.ctxcache_command:
+            if c.ctxcache_command == "vllm":  # `ctxcache vllm` is vLLM's own server
+                assert path in VLLM_HEALTH_PATHS, f"{c.where}: {path}"
+                default = build_parser().parse_args(["vllm", "--model", "m"]).port
+                assert c.probe_port(port) == int(flag_value(c.argv, "--port") or default)
+            elif command := c.ctxcache_command:
                 assert path in route_table(PACKAGES[command]), f"{c.where}: {path}"
                 expected = listen_port(c, command)
                 assert c.probe_port(port) == expected, f"{c.where}: probes port {port}"
@@ -197,8 +203,9 @@ def test_lmcache_remote_url_reaches_the_sidecar_data_port() -> None:
 
 
 def test_cpu_workers_use_the_same_chunk_size_and_their_sidecar() -> None:
-    workers = [c for c in all_containers() if c.ctxcache_command == "worker"]
+    workers = [c for c in all_containers() if c.ctxcache_command in {"worker", "vllm"}]
     assert len(workers) == 2  # compose cpu profile + the cpu overlay
+    assert {c.ctxcache_command for c in workers} == {"vllm"}  # vLLM unless told otherwise
     for c in workers:
         assert int(flag_value(c.argv, "--chunk-size") or CHUNK_SIZE) == CHUNK_SIZE
         assert (flag_value(c.argv, "--sidecar") or "").endswith(":65432"), c.where
@@ -287,7 +294,9 @@ def test_dockerfile_is_multi_stage_non_root_cpu_torch_first() -> None:
     lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
     assert sum(ln.startswith("FROM ") for ln in lines) >= 2
     torch = text.index("--index-url https://download.pytorch.org/whl/cpu torch==2.13.0")
-    assert torch < text.index('pip install ".[worker]"')
+    assert torch < text.index('pip install ".[worker,vllm]"')
+    # vLLM's CPU build runs without the torchvision/torchaudio wheels that break CPU torch
+    assert "pip uninstall -y torchvision torchaudio torchcodec" in text
     assert "COPY --from=builder /opt/venv /opt/venv" in text
     user = next(ln for ln in reversed(lines) if ln.startswith("USER "))
     assert user.split()[1] not in {"root", "0"}

@@ -54,6 +54,7 @@ async def test_unknown_session_reports_zero(api: tuple[httpx.AsyncClient, Sideca
         "session": "nobody",
         "blocks": 0,
         "bytes": 0,
+        "tokens": 0,
         "pinned": False,
         "expires_at": None,
     }
@@ -69,6 +70,7 @@ async def test_pin_info_delete(api: tuple[httpx.AsyncClient, Sidecar]) -> None:
         "session": "abc",
         "blocks": 3,
         "bytes": 3000,
+        "tokens": 0,  # the blocks are not KV_2LTD: no tokens to count
         "pinned": True,
         "expires_at": exp,
     }

@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import threading
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,13 +27,17 @@ from sidecar.client import KVClient
 from tests.sidecar.helpers import SidecarFactory
 
 torch = pytest.importorskip("torch")
-lmc_proto = pytest.importorskip("lmcache.v1.protocol")
-from lmcache.utils import CacheEngineKey  # noqa: E402
-from lmcache.v1.config import LMCacheEngineConfig  # noqa: E402
-from lmcache.v1.memory_management import MemoryFormat  # noqa: E402
-from lmcache.v1.metadata import LMCacheMetadata  # noqa: E402
-from lmcache.v1.storage_backend.connector.lm_connector import LMCServerConnector  # noqa: E402
-from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend  # noqa: E402
+with warnings.catch_warnings():
+    # LMCache's logger uses opentelemetry's deprecated LoggingHandler when opentelemetry is
+    # installed (vLLM brings it): not ours to fix
+    warnings.filterwarnings("ignore", "`LoggingHandler`", DeprecationWarning)
+    lmc_proto = pytest.importorskip("lmcache.v1.protocol")
+    from lmcache.utils import CacheEngineKey
+    from lmcache.v1.config import LMCacheEngineConfig
+    from lmcache.v1.memory_management import MemoryFormat
+    from lmcache.v1.metadata import LMCacheMetadata
+    from lmcache.v1.storage_backend.connector.lm_connector import LMCServerConnector
+    from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
 
 SHAPE = torch.Size([2, 4, 256, 64])  # KV_2LTD: [2, layers, tokens, heads*head_dim]
 

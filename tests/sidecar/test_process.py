@@ -62,6 +62,7 @@ def test_restart_with_disk_tier_keeps_blocks_and_pins(
         "session": "sess",
         "blocks": 12,
         "bytes": 12 * 256 * KB,
+        "tokens": sum(range(1, 13)),  # block i holds i + 1 tokens (its shape says so)
         "pinned": True,
         "expires_at": exp,
     }

@@ -71,6 +71,7 @@ def test_pinned_blocks_survive_pressure_and_unpinned_go_first() -> None:
         "session": "s1",
         "blocks": 1,
         "bytes": 10 * KB,
+        "tokens": 2560,
         "pinned": True,
         "expires_at": None,
     }
@@ -125,6 +126,7 @@ def test_expiry_drops_blocks_and_bytes_return_to_baseline() -> None:
         "session": "s",
         "blocks": 0,
         "bytes": 0,
+        "tokens": 0,
         "pinned": False,
         "expires_at": None,
     }
