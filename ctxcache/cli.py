@@ -21,7 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "worker": ("worker.cli", "run the built-in CPU inference worker"),
     "vllm": ("ctxcache.vllm_engine", "run vLLM with the ctxcache KV connector"),
     "model": ("worker.model_cli", "build local models for offline runs and tests"),
-    "bench": ("ctxcache.bench", "run a benchmark"),
+    "bench": ("benchmarks.cli", "run a benchmark"),
 }
 
 

@@ -86,8 +86,15 @@ def stop_serve(proc: subprocess.Popen[bytes]) -> None:
     assert not [p for p in children if alive(p)], "processes left behind after Ctrl-C"
 
 
+@pytest.mark.timeout(600)
 def test_serve_runs_stops_cleanly_and_continues_after_restart(tmp_path: Path) -> None:
     data, port, log = tmp_path / "data", free_port(), tmp_path / "serve.log"
+    base = f"http://127.0.0.1:{port}/v1"
+    with openai.OpenAI(base_url=base, api_key="any", max_retries=0) as client:
+        _serve_restart(client, data, port, log)
+
+
+def _serve_restart(client: openai.OpenAI, data: Path, port: int, log: Path) -> None:
     proc = start_serve(data, port, log)
     try:
         banner = f"serving on http://127.0.0.1:{port}"
@@ -95,7 +102,6 @@ def test_serve_runs_stops_cleanly_and_continues_after_restart(tmp_path: Path) ->
         while banner not in log.read_text() and time.monotonic() < deadline:
             time.sleep(0.1)
         assert banner in log.read_text()
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="any", max_retries=0)
         r = httpx.post(
             f"http://127.0.0.1:{port}/v1/context",
             json={"model": "tiny", "messages": [{"role": "system", "content": "Be brief. " * 40}]},

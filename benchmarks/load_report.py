@@ -19,7 +19,7 @@ def report(
     by_turn: dict[int, list[float]],
 ) -> int:
     """Write the three files, print the table; 0 when every check passed."""
-    from ctxcache.benchutil import markdown_table, plot_path, run_meta, write_outputs
+    from benchmarks.util import markdown_table, plot_path, run_meta, write_outputs
 
     meta = run_meta("load", **{k: getattr(args, k) for k in PARAMS})
 
@@ -83,7 +83,7 @@ def plot(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ctxcache.benchutil import percentile
+    from benchmarks.util import percentile
 
     fig, (ax, lat) = plt.subplots(1, 2, figsize=(12, 4.5))
     ts = [r["t"] for r in samples]

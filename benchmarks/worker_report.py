@@ -15,7 +15,7 @@ LABELS = {
 
 
 def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
-    from ctxcache.benchutil import header
+    from benchmarks.util import header
 
     lines = [
         header(meta),

@@ -27,7 +27,7 @@ CASES = ("full", "sidecar", "l1", "floor")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from ctxcache.benchutil import add_output_arguments
+    from benchmarks.util import add_output_arguments
 
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ctxcache"
     parser.add_argument(
@@ -61,9 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     import torch
 
-    from ctxcache.benchutil import plot_path, run_meta
+    from benchmarks.util import plot_path, run_meta
+    from benchmarks.worker_report import write_report
     from ctxcache.logs import setup_logging
-    from worker.bench_report import write_report
 
     setup_logging("bench", "WARNING")
     if args.contexts is None:

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from sidecar.bench_report import Row
-    from sidecar.bench_targets import Ops, Target
+    from benchmarks.sidecar_report import Row
+    from benchmarks.sidecar_targets import Ops, Target
 
 SIZES = (256 << 10, 4 << 20, 32 << 20)
 CLIENTS = (1, 16)
@@ -27,7 +27,7 @@ TARGETS = ("ctxcache", "lmcache", "redis")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from ctxcache.benchutil import add_output_arguments
+    from benchmarks.util import add_output_arguments
 
     a = parser.add_argument
     add_output_arguments(parser, "sidecar")
@@ -47,10 +47,10 @@ def main(args: argparse.Namespace) -> int:
 
     from tqdm import tqdm
 
-    from ctxcache.benchutil import plot_path, run_meta
+    from benchmarks import sidecar_report as bench_report
+    from benchmarks.sidecar_targets import make_targets
+    from benchmarks.util import plot_path, run_meta
     from ctxcache.logs import setup_logging
-    from sidecar import bench_report
-    from sidecar.bench_targets import make_targets
 
     setup_logging("bench", "WARNING")
     targets = [t for t in args.targets.split(",") if t]
@@ -108,7 +108,7 @@ def _run_case(
     PUT then GET phase, in an order rotated per round, so load from other processes on a
     shared machine falls on all servers alike. GB/s is the median over the rounds (one
     disturbed round does not decide a row); latency percentiles pool every operation."""
-    from sidecar import bench_report
+    from benchmarks import sidecar_report as bench_report
 
     payload = os.urandom(size)
     keys_per_client = max(2, min(16, (64 << 20) // size))

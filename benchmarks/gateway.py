@@ -25,7 +25,7 @@ QUICK = {"requests": (3000, 200), "model_requests": (200, 20), "rounds": (3, 1)}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from ctxcache.benchutil import add_output_arguments, add_tiny_model_argument
+    from benchmarks.util import add_output_arguments, add_tiny_model_argument
 
     p.add_argument("--requests", type=int, help="requests per case and round (3000; 200 --quick)")
     p.add_argument(
@@ -52,8 +52,8 @@ async def _run(args: argparse.Namespace) -> int:
     import httpx
     from tqdm import tqdm
 
-    from ctxcache.benchutil import markdown_table, percentile, plot_path, run_meta, write_outputs
-    from ctxcache.loadgen import Conn, run
+    from benchmarks.loadgen import Conn, run
+    from benchmarks.util import markdown_table, percentile, plot_path, run_meta, write_outputs
     from ctxcache.supervisor import Supervisor
 
     meta = run_meta(
@@ -228,7 +228,7 @@ def _start_stack(sup: Any, tmp: Path, args: argparse.Namespace) -> tuple[int, di
     redis.data_dir.mkdir(parents=True)
     sup.start(Child("redis", redis.argv(), ready=redis.wait_ready))
     backends["fake"] = free_port()
-    argv = [sys.executable, "-m", "ctxcache.fake_worker", "--port", str(backends["fake"])]
+    argv = [sys.executable, "-m", "benchmarks.fake_worker", "--port", str(backends["fake"])]
     ready = http_ready(f"http://127.0.0.1:{backends['fake']}/health")
     sup.start(Child("fake", argv, ready=ready))
     # a real sidecar's control API, as in production: session turns pin their KV there
@@ -256,7 +256,7 @@ def _start_stack(sup: Any, tmp: Path, args: argparse.Namespace) -> tuple[int, di
 
 
 def _plot(path: Path, data: list[dict[str, Any]], concurrency: list[int]) -> None:
-    from ctxcache.benchutil import bar_plot
+    from benchmarks.util import bar_plot
 
     labels = [d["case"] for d in data if d["concurrency"] == concurrency[0]]
     series = {

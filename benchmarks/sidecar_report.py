@@ -103,7 +103,7 @@ def write(
     rows: list[Row], targets: list[str], out: Path, meta: dict[str, Any], png: Path | None = None
 ) -> list[Path]:
     """sidecar.json (`{"meta", "results"}`), sidecar.md and the plot (default sidecar.png)."""
-    from ctxcache.benchutil import write_outputs
+    from benchmarks.util import write_outputs
 
     paths = write_outputs(
         out,

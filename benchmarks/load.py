@@ -54,7 +54,7 @@ SIZES = {"fake": ((200, 5), (40, 3)), "tiny": ((20, 5), (4, 2))}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from ctxcache.benchutil import add_output_arguments, add_tiny_model_argument
+    from benchmarks.util import add_output_arguments, add_tiny_model_argument
 
     p.add_argument("--backend", choices=("fake", "tiny"), default="fake")
     p.add_argument("--sessions", type=int, help="sessions (fake 200, tiny 20; --quick 40, 4)")
@@ -147,7 +147,7 @@ def _own_stack(args: argparse.Namespace, tmp: Path, logs: IO[str]) -> Iterator[S
         ports = [free_port() for _ in range(args.workers)]
         for i, port in enumerate(ports):
             if args.backend == "fake":
-                argv = [sys.executable, "-m", "ctxcache.fake_worker", "--port", str(port)]
+                argv = [sys.executable, "-m", "benchmarks.fake_worker", "--port", str(port)]
             else:
                 argv = [
                     *cli,
@@ -448,7 +448,7 @@ def history_problems(
 async def _bench(args: argparse.Namespace, stack: Stack) -> int:
     from tqdm import tqdm
 
-    from ctxcache.benchutil import percentile
+    from benchmarks.util import percentile
 
     headers = {"Authorization": f"Bearer {stack.api_key}"}
     # idle connections are dropped before uvicorn's 5 s keep-alive timeout closes them, so
@@ -558,7 +558,7 @@ async def _bench(args: argparse.Namespace, stack: Stack) -> int:
         "failures": load.failures[:50],
         "ok": not load.failures,
     }
-    from ctxcache.bench_load_report import report
+    from benchmarks.load_report import report
 
     return report(args, row, sampler.rows, by_index)
 

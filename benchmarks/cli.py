@@ -7,12 +7,12 @@ import importlib
 
 # benchmark -> module with add_arguments(parser) and main(args) -> int
 BENCHMARKS: dict[str, tuple[str, str]] = {
-    "manager": ("cache_manager.bench", "session operations per second vs raw redis-py"),
-    "sidecar": ("sidecar.bench", "KV block PUT/GET bandwidth vs LMCache's server and Redis"),
-    "worker": ("worker.bench", "TTFT with cached history vs full recompute"),
-    "gateway": ("gateway.bench", "gateway overhead vs calling the worker directly"),
-    "multiturn": ("ctxcache.bench_multiturn", "multi-turn chat replay, session vs full history"),
-    "load": ("ctxcache.bench_load", "concurrent sessions through the stack, then leak checks"),
+    "manager": ("benchmarks.manager", "session operations per second vs raw redis-py"),
+    "sidecar": ("benchmarks.sidecar", "KV block PUT/GET bandwidth vs LMCache's server and Redis"),
+    "worker": ("benchmarks.worker", "TTFT with cached history vs full recompute"),
+    "gateway": ("benchmarks.gateway", "gateway overhead vs calling the worker directly"),
+    "multiturn": ("benchmarks.multiturn", "multi-turn chat replay, session vs full history"),
+    "load": ("benchmarks.load", "concurrent sessions through the stack, then leak checks"),
 }
 
 

@@ -3,7 +3,7 @@
 It answers instantly with deterministic output: tokens are the prompt's bytes, the
 "model" echoes a fixed reply. It is a test double at the network boundary (the gateway
 is always also tested against the real worker); run it with
-`python -m ctxcache.fake_worker --port P`.
+`python -m benchmarks.fake_worker --port P`.
 """
 
 from __future__ import annotations

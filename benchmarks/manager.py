@@ -16,7 +16,7 @@ from typing import Any
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from ctxcache.benchutil import add_output_arguments
+    from benchmarks.util import add_output_arguments
 
     p.add_argument(
         "--ops", type=int, default=None, help="operations per measurement (3000; 300 --quick)"
@@ -41,12 +41,7 @@ async def _run(args: argparse.Namespace) -> int:
     import redis.asyncio as aioredis
     from tqdm import tqdm
 
-    from cache_manager.app import create_app
-    from cache_manager.client import ManagerClient
-    from cache_manager.protocol import AppendTurn, BeginTurn, CreateSession
-    from cache_manager.settings import ManagerSettings
-    from cache_manager.sidecar_link import NullSidecarLink
-    from ctxcache.benchutil import (
+    from benchmarks.util import (
         Result,
         bar_plot,
         markdown_table,
@@ -55,6 +50,11 @@ async def _run(args: argparse.Namespace) -> int:
         run_meta,
         write_outputs,
     )
+    from cache_manager.app import create_app
+    from cache_manager.client import ManagerClient
+    from cache_manager.protocol import AppendTurn, BeginTurn, CreateSession
+    from cache_manager.settings import ManagerSettings
+    from cache_manager.sidecar_link import NullSidecarLink
     from ctxcache.redis_server import RedisServer
 
     logging.getLogger().setLevel(logging.WARNING)

@@ -1,0 +1,171 @@
+"""The servers `ctxcache bench multiturn` replays against, started and stopped by it.
+
+`--engine vllm` starts one vLLM per mode, all with the same model, dtype and threads, so
+every mode has its own KV cache and none warms another's:
+
+| mode | path | vLLM's KV cache |
+|---|---|---|
+| `vllm-full` | vLLM alone, the whole history each turn (what users have today) | `--kv-blocks` |
+| `session` | ctxcache gateway → vLLM with the ctxcache connector → sidecar | `--kv-blocks` |
+| `session-no-sidecar` | ctxcache gateway → vLLM without the connector | `--kv-blocks` |
+| `roomy` | vLLM alone, the whole history, a cache that holds every conversation | `--roomy-gib` |
+
+`--engine builtin` runs `ctxcache serve --engine builtin` and the modes of the built-in
+worker (`session`, `full`, `full-apc`; the in-process floor is in `floor.py`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from ctxcache.net import free_port, wait_http
+from ctxcache.supervisor import Child, Supervisor, http_ready
+
+VLLM_BLOCK = 128  # vLLM's KV block on CPU, in tokens
+VLLM_MODES = ("vllm-full", "session", "session-no-sidecar", "roomy")
+BUILTIN_MODES = ("session", "full", "full-apc")
+CLI = (sys.executable, "-m", "ctxcache.cli")
+
+
+@dataclass(frozen=True)
+class Mode:
+    """How one mode sends a turn: to `url`, the new turn with a session or the whole
+    history, and which `cache_salt` (None: none; "fresh": a new one per request, so nothing
+    is reused; "conversation": one per conversation)."""
+
+    name: str
+    url: str
+    session: bool
+    salt: str | None = None
+
+
+@contextmanager
+def start(
+    args: argparse.Namespace, modes: list[str], model: Path
+) -> Iterator[tuple[list[Mode], threading.Event]]:
+    """The modes' servers; with the event Ctrl-C sets (the supervisor owns SIGINT)."""
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    with (
+        tempfile.TemporaryDirectory(prefix="ctxcache-multiturn-") as data,
+        open(Path(args.out) / "servers.log", "w") as log_file,  # every server's output
+        Supervisor(out=log_file) as sup,
+    ):
+        if args.engine == "vllm":
+            yield _vllm(args, modes, model, Path(data), sup), sup.stopping
+        else:
+            yield _builtin(args, modes, model, Path(data), sup), sup.stopping
+
+
+def _builtin(
+    args: argparse.Namespace, modes: list[str], model: Path, data: Path, sup: Supervisor
+) -> list[Mode]:
+    port = free_port()
+    sup.start(
+        Child(
+            "serve",
+            [
+                *CLI,
+                *("serve", "--port", str(port), "--data-dir", str(data)),
+                *("--model", str(model), "--engine", "builtin"),
+            ],
+            ready=http_ready(f"http://127.0.0.1:{port}/ready"),
+            env={"CTX_WORKER_THREADS": str(args.threads)},
+            startup_timeout=600,
+        )
+    )
+    url = f"http://127.0.0.1:{port}"
+    salts = {"session": None, "full": "fresh", "full-apc": "conversation"}
+    return [Mode(m, url, m == "session", salts[m]) for m in modes]
+
+
+def _vllm(
+    args: argparse.Namespace, modes: list[str], model: Path, data: Path, sup: Supervisor
+) -> list[Mode]:
+    from ctxcache.redis_server import RedisServer
+
+    needs_gateway = {"session", "session-no-sidecar"} & set(modes)
+    sidecar_lm = sidecar_control = None
+    redis_url = None
+    if needs_gateway:
+        redis = RedisServer(data / "redis")
+        redis.data_dir.mkdir(parents=True, exist_ok=True)
+        sup.start(Child("redis", redis.argv(), ready=redis.wait_ready))
+        redis_url = redis.url
+    if "session" in modes:
+        lm, control = free_port(), free_port()
+        sup.start(
+            Child(
+                "sidecar",
+                [
+                    *CLI,
+                    *("sidecar", "--port", str(lm), "--control-port", str(control)),
+                    *("--data-dir", str(data / "sidecar"), "--memory-bytes", str(4 << 30)),
+                ],
+                ready=http_ready(f"http://127.0.0.1:{control}/health"),
+            )
+        )
+        sidecar_lm, sidecar_control = f"lm://127.0.0.1:{lm}", f"http://127.0.0.1:{control}"
+    engines: dict[str, int] = {}
+    for mode in modes:  # started together, waited for together: they compile in parallel
+        engines[mode] = free_port()
+        argv = [*CLI, "vllm", "--model", str(model), "--port", str(engines[mode])]
+        if mode == "session":
+            argv += ["--sidecar", str(sidecar_lm)]
+        if mode == "roomy":
+            argv += ["--kv-cache-gib", str(args.roomy_gib)]
+        else:
+            argv += ["--num-blocks", str(args.kv_blocks)]
+        # vLLM refuses a cache smaller than one request of max_model_len: the same window
+        # for every mode, what the small cache can hold
+        window = min(args.max_model_len, (args.kv_blocks - 1) * VLLM_BLOCK)  # one block: vLLM's
+        argv += ["--max-model-len", str(window)]
+        argv += ["--", *args.vllm_arg]
+        sup.start(Child(mode, argv, env={"OMP_NUM_THREADS": str(args.threads)}))
+    for mode, port in engines.items():
+        _wait(sup, mode, f"http://127.0.0.1:{port}/health")
+    out: list[Mode] = []
+    for mode in modes:
+        engine = f"http://127.0.0.1:{engines[mode]}"
+        if mode in needs_gateway:
+            port = free_port()
+            worker = f"{engine}={sidecar_control}" if mode == "session" else engine
+            sup.start(
+                Child(
+                    f"gw-{mode}",
+                    [
+                        *CLI,
+                        *("gateway", "--port", str(port), "--redis-url", str(redis_url)),
+                        *("--worker", worker),
+                    ],
+                    ready=http_ready(f"http://127.0.0.1:{port}/ready"),
+                )
+            )
+            out.append(Mode(mode, f"http://127.0.0.1:{port}", session=True))
+        else:
+            out.append(Mode(mode, engine, session=False))
+    return out
+
+
+def _wait(sup: Supervisor, name: str, url: str, timeout: float = 900.0) -> None:
+    """Until `name` answers `url`; fails as soon as it exits."""
+    child = next(c for c in sup.children if c.name == name)
+    deadline = time.monotonic() + timeout
+    while True:
+        if sup.stopping.is_set():
+            raise KeyboardInterrupt
+        if child.proc is not None and child.proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with {child.proc.returncode} while starting")
+        try:
+            wait_http(url, timeout=2.0)
+            return
+        except TimeoutError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{name} not healthy after {timeout:.0f}s") from None
