@@ -9,6 +9,11 @@ every mode has its own KV cache and none warms another's:
 | `session` | ctxcache gateway → vLLM with the ctxcache connector → sidecar | `--kv-blocks` |
 | `session-no-sidecar` | ctxcache gateway → vLLM without the connector | `--kv-blocks` |
 | `roomy` | vLLM alone, the whole history, a cache that holds every conversation | `--roomy-gib` |
+| `vllm-full-connector` | opt-in: `vllm-full`, the ctxcache connector loaded, idle | `--kv-blocks` |
+
+vLLM computes slightly differently (greedy answers can part after a few tokens) as soon as
+any KV connector is configured — its own ExampleConnector gives the same answers as ours —
+so `vllm-full-connector` tells that apart from anything a session changes.
 
 `--engine builtin` runs `ctxcache serve --engine builtin` and the modes of the built-in
 worker (`session`, `full`, `full-apc`; the in-process floor is in `floor.py`).
@@ -30,7 +35,8 @@ from ctxcache.net import free_port, wait_http
 from ctxcache.supervisor import Child, Supervisor, http_ready
 
 VLLM_BLOCK = 128  # vLLM's KV block on CPU, in tokens
-VLLM_MODES = ("vllm-full", "session", "session-no-sidecar", "roomy")
+VLLM_MODES = ("vllm-full", "session", "session-no-sidecar", "roomy", "vllm-full-connector")
+VLLM_DEFAULT_MODES = VLLM_MODES[:4]
 BUILTIN_MODES = ("session", "full", "full-apc")
 CLI = (sys.executable, "-m", "ctxcache.cli")
 
@@ -119,6 +125,8 @@ def _vllm(
         argv = [*CLI, "vllm", "--model", str(model), "--port", str(engines[mode])]
         if mode == "session":
             argv += ["--sidecar", str(sidecar_lm)]
+        if mode == "vllm-full-connector":  # loaded, never used: no request carries a tag
+            argv += ["--sidecar", "lm://127.0.0.1:9"]
         if mode == "roomy":
             argv += ["--kv-cache-gib", str(args.roomy_gib)]
         else:

@@ -13,6 +13,8 @@ COUNTERS: dict[str, str] = {
     "lookups": "session requests looked up in the sidecar",
     "load_tokens_planned": "tokens the scheduler planned to load from the sidecar",
     "loaded_tokens": "tokens whose KV was written into vLLM's cache from the sidecar",
+    "load_ms": "milliseconds the engine waited for loads (GETs and writes into its cache)",
+    "store_copy_ms": "milliseconds the engine spent copying finished requests' KV out",
     "load_failures": "planned loads that failed (a miss, an error or a wrong block): recomputed",
     "stored_blocks": "blocks handed to the background storer",
     "stored_tokens": "tokens of KV handed to the background storer",

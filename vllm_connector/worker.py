@@ -13,6 +13,7 @@ soon as that copy is made) and PUT them from a background thread
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -90,7 +91,9 @@ class WorkerSide:
     # -- loads ----------------------------------------------------------------------------
     def load(self, plan: StepPlan) -> None:
         for spec in plan.loads:
+            t0 = time.perf_counter()
             loaded = self._load(spec) if self.enabled else spec.start
+            self.counters.add("load_ms", round((time.perf_counter() - t0) * 1e3))
             self.counters.add("loaded_tokens", loaded - spec.start)
             if loaded < spec.end:
                 self.counters.add("load_failures")
@@ -134,6 +137,7 @@ class WorkerSide:
     # -- stores ---------------------------------------------------------------------------
     def save(self, plan: StepPlan) -> None:
         for spec in plan.stores:
+            t0 = time.perf_counter()
             try:
                 if not self.enabled or not self._save(spec):
                     self.counters.add("store_drops")
@@ -142,6 +146,7 @@ class WorkerSide:
                 log.exception("request %s: storing its KV failed", spec.req_id)
             finally:
                 self._sent.add(spec.req_id)  # the copy is made (or given up): free the blocks
+                self.counters.add("store_copy_ms", round((time.perf_counter() - t0) * 1e3))
 
     def _save(self, spec: StoreSpec) -> bool:
         assert self.sidecar is not None
