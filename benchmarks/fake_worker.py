@@ -1,9 +1,10 @@
 """A fast fake of the worker/vLLM HTTP contract, for gateway benchmarks and load tests.
 
 It answers instantly with deterministic output: tokens are the prompt's bytes, the
-"model" echoes a fixed reply. It is a test double at the network boundary (the gateway
-is always also tested against the real worker); run it with
-`python -m benchmarks.fake_worker --port P`.
+"model" repeats a fixed reply for `max_tokens` tokens (3 by default, at most 256); a stream
+sends one chunk per token, then the usage chunk and `[DONE]`, as vLLM does. Chat requests
+get chat-shaped answers. It is a test double at the network boundary (the gateway is always
+also tested against the real worker); run it with `python -m benchmarks.fake_worker --port P`.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from starlette.routing import Route
 MODEL = "fake"
 MAX_LEN = 1 << 20
 REPLY = [ord(c) for c in " ok"]
+MAX_REPLY_TOKENS = 256
 
 
 def _json(payload: Any) -> Response:
@@ -42,35 +44,50 @@ async def tokenize(request: Request) -> Response:
     return _json({"tokens": ids, "count": len(ids), "max_model_len": MAX_LEN})
 
 
+def _reply(body: dict[str, Any]) -> list[int]:
+    asked = body.get("max_tokens")
+    n = min(3 if asked is None else int(asked), MAX_REPLY_TOKENS)  # 0: prefill only
+    return [REPLY[i % len(REPLY)] for i in range(n)]
+
+
+def _choice(chat: bool, ids: list[int], finish: str | None, *, delta: bool) -> dict[str, Any]:
+    text = bytes(ids).decode()
+    choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
+    if chat:
+        choice["delta" if delta else "message"] = {"role": "assistant", "content": text}
+    else:
+        choice["text"] = text
+        choice["token_ids"] = ids
+    return choice
+
+
 async def completions(request: Request) -> Response:
     body = orjson.loads(await request.body())
+    chat = request.url.path.endswith("/chat/completions")
     prompt = _ids(body)
-    asked = body.get("max_tokens")
-    n = min(3 if asked is None else int(asked), len(REPLY))  # 0: prefill only, as the worker
+    reply = _reply(body)
     usage = {
         "prompt_tokens": len(prompt),
-        "completion_tokens": n,
-        "total_tokens": len(prompt) + n,
+        "completion_tokens": len(reply),
+        "total_tokens": len(prompt) + len(reply),
         "prompt_tokens_details": {"cached_tokens": max(0, len(prompt) - 16)},
     }
-    choice = {
-        "index": 0,
-        "text": bytes(REPLY[:n]).decode(),
-        "logprobs": None,
-        "finish_reason": "length",
-        "token_ids": REPLY[:n],
-    }
+    kind = "chat.completion" if chat else "text_completion"
     head = {
-        "id": "cmpl-fake",
-        "object": "text_completion",
+        "id": "chatcmpl-fake" if chat else "cmpl-fake",
+        "object": kind + ".chunk" if chat and body.get("stream") else kind,
         "created": int(time.time()),
         "model": body.get("model", MODEL),
     }
     if not body.get("stream"):
+        choice = _choice(chat, reply, "length", delta=False)
         return _json({**head, "choices": [choice], "usage": usage})
 
     async def events() -> Any:
-        yield b"data: " + orjson.dumps({**head, "choices": [choice]}) + b"\n\n"
+        for i, token in enumerate(reply):
+            finish = "length" if i == len(reply) - 1 else None
+            choice = _choice(chat, [token], finish, delta=True)
+            yield b"data: " + orjson.dumps({**head, "choices": [choice]}) + b"\n\n"
         yield b"data: " + orjson.dumps({**head, "choices": [], "usage": usage}) + b"\n\n"
         yield b"data: [DONE]\n\n"
 

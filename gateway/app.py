@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -96,6 +97,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                 len(pool.workers),
                 settings.manager_url or "in-process",
             )
+            _freeze_startup_heap()
             yield
 
     app = FastAPI(
@@ -117,6 +119,21 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     )
     _document_bodies(app)
     return app
+
+
+def _freeze_startup_heap() -> None:
+    """Keep the garbage collector off the objects that live as long as the process.
+
+    Python's oldest-generation collection walks every tracked object: the ~100k of the
+    imported modules (FastAPI, pydantic, aiohttp, redis, ...) took 50 ms per walk, a few
+    times a minute under load, and every request in flight waited for it — the whole p99
+    at concurrency 32 (docs/benchmarks.md). Collect the startup garbage, then move the rest
+    into the permanent generation, which collections skip; what requests allocate is
+    collected as before.
+    """
+    gc.collect()
+    gc.freeze()
+    log.debug("%d startup objects frozen out of garbage collection", gc.get_freeze_count())
 
 
 class MetricsMiddleware:

@@ -5,10 +5,11 @@ middleware) was most of the gateway's own cost on these two routes (docs/benchma
 so this ASGI layer in front of the app answers them itself, with the same pieces the
 FastAPI routes use (`KeyRing`, `CompletionService.answer`, the error envelope, metrics):
 
-* a request with no `session_id` (body or header) and no `stream` is only routed: check the
-  key, pick the least-loaded worker for its model, pass the body through (plus the tenant's
-  `cache_salt`), pass the answer back — bytes in, bytes out;
-* everything else — session turns, streams — is validated and answered by
+* a request with no `session_id` (body or header) is only routed: check the key, pick the
+  least-loaded worker for its model, pass the body through (plus the tenant's
+  `cache_salt`), pass the answer back — bytes in, bytes out; a stream's bytes as they
+  arrive (`CompletionService.passthrough`);
+* everything else — session turns, bodies to validate — is validated and answered by
   `CompletionService.answer`, exactly as the FastAPI route would.
 
 Every other route goes to the FastAPI app.
@@ -63,28 +64,18 @@ class FastPath:
             tenant = self.state.keys.tenant_for(authorization(scope["headers"]))
             session_header = _header(scope["headers"], b"x-session-id")
             doc = _parse(body)
+            completions = self.state.completions
+            kind = KINDS[scope["path"]]
             if doc is None or session_header is not None or not _routable(doc):
-                # a session turn, a stream, or a body to validate in full (parsed once)
-                response = await self.state.completions.answer(
-                    tenant, KINDS[scope["path"]], body, session_header, parsed=doc
-                )
-                status = response.status_code
-                await response(scope, receive, send_tracked)
+                # a session turn, or a body to validate in full (parsed once)
+                response = await completions.answer(tenant, kind, body, session_header, parsed=doc)
+            elif doc.get("stream"):
+                response = await completions.passthrough(tenant, kind, body, doc)
+            else:
+                status = await self._route(scope["path"], tenant, body, doc, send_tracked)
                 return
-            turns = self.state.turns
-            out = orjson.dumps(doc) if turns.salt.apply(tenant, doc) else body
-            (status, payload), _ = await turns.failover(
-                doc["model"], lambda w: post_raw(w, scope["path"], out)
-            )
-            length = (b"content-length", str(len(payload)).encode())
-            await send_tracked(
-                {
-                    "type": "http.response.start",
-                    "status": status,
-                    "headers": [*_JSON_HEADERS, length],
-                }
-            )
-            await send_tracked({"type": "http.response.body", "body": payload})
+            status = response.status_code
+            await response(scope, receive, send_tracked)
         except Exception as exc:
             if not isinstance(exc, CtxError):
                 log.exception("unhandled error on POST %s", scope["path"])
@@ -95,6 +86,20 @@ class FastPath:
             await error_response(exc)(scope, receive, send)
         finally:
             self.metrics.observe(scope["path"], status, time.perf_counter() - t0)
+
+    async def _route(
+        self, path: str, tenant: str, body: bytes, doc: dict[str, Any], send: Send
+    ) -> int:
+        """A plain request, bytes in, bytes out: the worker's status."""
+        turns = self.state.turns
+        out = orjson.dumps(doc) if turns.salt.apply(tenant, doc) else body
+        (status, payload), _ = await turns.failover(doc["model"], lambda w: post_raw(w, path, out))
+        length = (b"content-length", str(len(payload)).encode())
+        await send(
+            {"type": "http.response.start", "status": status, "headers": [*_JSON_HEADERS, length]}
+        )
+        await send({"type": "http.response.body", "body": payload})
+        return int(status)
 
     async def _read(self, receive: Receive) -> bytes | None:
         chunks: list[bytes] = []
@@ -122,8 +127,11 @@ def _parse(body: bytes) -> dict[str, Any] | None:
 
 
 def _routable(doc: dict[str, Any]) -> bool:
-    """A plain non-streaming request with a model and no session: only routed."""
-    if doc.get("stream") or "session_id" in doc or "session_append" in doc:
+    """A request with a model and no session, streaming or not: only routed."""
+    stream = doc.get("stream")
+    if not (stream is None or type(stream) is bool):
+        return False  # validation says what is wrong
+    if "session_id" in doc or "session_append" in doc:
         return False
     model = doc.get("model")
     return isinstance(model, str) and bool(model)

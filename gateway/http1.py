@@ -1,24 +1,29 @@
-"""A small keep-alive HTTP/1.1 client for the gateway's JSON calls to one worker.
+"""A small keep-alive HTTP/1.1 client for the gateway's calls to one worker.
 
 Every session turn makes two plain JSON calls to a worker (`/tokenize`, then the
-completion) and every request without a session one; aiohttp's per-request machinery
-(request/response objects, tracing hooks, cookie and redirect handling) was the largest
-part of the gateway's own CPU on them (docs/benchmarks.md). This client does only what
-these calls need: `POST` with a body, a response with `Content-Length` or chunked, idle
-connections kept for reuse. Streams and health checks still use aiohttp.
+completion), every request without a session one, and every stream one long call.
+aiohttp's per-request machinery (request/response objects, tracing hooks, cookie and
+redirect handling) was the largest part of the gateway's own CPU on them
+(docs/benchmarks.md). This client does only what these calls need: `POST` with a body, a
+response with `Content-Length`, chunked, or until close, read whole (`post`) or as it
+arrives (`stream`), idle connections kept for reuse. Health checks, and workers behind
+https or a path prefix, use aiohttp.
 
 Failures: a connection that cannot be opened, or that ends before a whole response,
 raises `ConnectionLost` (the caller treats the worker as down: nothing was answered); an
 idle connection the worker closed meanwhile is replaced once, transparently. A whole call
-is bounded by `request_timeout_s` (`TimeoutError`).
+is bounded by `request_timeout_s` (`TimeoutError`), a stream included.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import AsyncIterator
 
 Conn = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+READ_SIZE = 1 << 16
+_LOST = (OSError, asyncio.IncompleteReadError, ValueError)
 
 
 class ConnectionLost(Exception):
@@ -44,7 +49,20 @@ class Http1Pool:
 
     async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
         """`POST path` with a JSON body: the status and the whole response body."""
-        head = b"".join(
+        async with asyncio.timeout(self.request_timeout_s):
+            response = await self._open(path, body)
+            return response.status, await response.read()
+
+    async def stream(self, path: str, body: bytes) -> Response:
+        """`POST path` with a JSON body, once the answer's head is in: read its body as it
+        arrives with `Response.chunks`, and `close` it when done with it."""
+        deadline = asyncio.get_running_loop().time() + self.request_timeout_s
+        async with asyncio.timeout_at(deadline):
+            return await self._open(path, body, deadline)
+
+    async def _open(self, path: str, body: bytes, deadline: float | None = None) -> Response:
+        """Send the request and read the answer's head, on an idle connection if there is one."""
+        request = b"".join(
             (
                 b"POST ",
                 path.encode(),
@@ -53,27 +71,24 @@ class Http1Pool:
                 b"Content-Type: application/json\r\nContent-Length: ",
                 str(len(body)).encode(),
                 b"\r\n\r\n",
+                body,
             )
         )
-        async with asyncio.timeout(self.request_timeout_s):
-            while True:
-                reused = bool(self._idle)
-                conn = self._idle.pop() if reused else await self._connect()
-                try:
-                    status, payload, keep = await _exchange(conn, head + body)
-                except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
-                    _close(conn)
-                    if reused and _nothing_read(exc):
-                        continue  # the worker closed this idle connection: take another
-                    raise ConnectionLost(type(exc).__name__) from exc
-                except BaseException:  # timeout or cancellation mid-exchange: state unknown
-                    _close(conn)
-                    raise
-                if keep and len(self._idle) < self.max_idle:
-                    self._idle.append(conn)
-                else:
-                    _close(conn)
-                return status, payload
+        while True:
+            reused = bool(self._idle)
+            conn = self._idle.pop() if reused else await self._connect()
+            try:
+                conn[1].write(request)
+                head = await conn[0].readuntil(b"\r\n\r\n")
+                return Response(self, conn, head, deadline)
+            except _LOST as exc:
+                _close(conn)
+                if reused and _nothing_read(exc):
+                    continue  # the worker closed this idle connection: take another
+                raise ConnectionLost(type(exc).__name__) from exc
+            except BaseException:  # timeout or cancellation mid-exchange: state unknown
+                _close(conn)
+                raise
 
     async def _connect(self) -> Conn:
         try:
@@ -82,46 +97,144 @@ class Http1Pool:
         except (OSError, TimeoutError) as exc:
             raise ConnectionLost(f"cannot connect: {type(exc).__name__}") from exc
 
+    def _give_back(self, conn: Conn) -> None:
+        if len(self._idle) < self.max_idle:
+            self._idle.append(conn)
+        else:
+            _close(conn)
+
     async def aclose(self) -> None:
         idle, self._idle = self._idle, []
         for conn in idle:
             _close(conn)
 
 
-async def _exchange(conn: Conn, request: bytes) -> tuple[int, bytes, bool]:
-    reader, writer = conn
-    writer.write(request)
-    head = await reader.readuntil(b"\r\n\r\n")
-    lines = head.split(b"\r\n")
-    status = int(lines[0].split(b" ", 2)[1])
-    length: int | None = None
-    chunked, keep = False, not lines[0].startswith(b"HTTP/1.0")
-    for line in lines[1:]:
-        name, _, value = line.partition(b":")
-        name = name.strip().lower()
-        if name == b"content-length":
-            length = int(value)
-        elif name == b"transfer-encoding":
-            chunked = b"chunked" in value.lower()
-        elif name == b"connection":
-            keep = value.strip().lower() != b"close"
-    if chunked:
-        return status, await _read_chunked(reader), keep
-    if length is None:  # neither: the body runs to the end of the connection
-        return status, await reader.read(), False
-    return status, await reader.readexactly(length), keep
+class Response:
+    """A worker's answer whose head is read. Its connection goes back to the pool once
+    the whole body is read; `close` before that drops the connection (the worker sees the
+    client go and stops generating)."""
+
+    def __init__(self, pool: Http1Pool, conn: Conn, head: bytes, deadline: float | None) -> None:
+        self._pool: Http1Pool | None = pool
+        self._conn = conn
+        self._deadline = deadline
+        lines = head.split(b"\r\n")
+        self.status = int(lines[0].split(b" ", 2)[1])
+        self.length: int | None = None
+        self.chunked = False
+        self.keep = not lines[0].startswith(b"HTTP/1.0")
+        for line in lines[1:]:
+            name, _, value = line.partition(b":")
+            name = name.strip().lower()
+            if name == b"content-length":
+                self.length = int(value)
+            elif name == b"transfer-encoding":
+                self.chunked = b"chunked" in value.lower()
+            elif name == b"connection":
+                self.keep = value.strip().lower() != b"close"
+        if not self.chunked and self.length is None:  # the body runs to the end of the connection
+            self.keep = False
+
+    async def read(self) -> bytes:
+        """The whole body."""
+        parts = [part async for part in self.chunks()]
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        """The body as it arrives, the chunked framing removed: what one read from the
+        socket brought, in one piece (a worker's SSE events written back to back come out
+        together). `ConnectionLost` if the connection ends first."""
+        reader = self._conn[0]
+        try:
+            if self.chunked:
+                dechunk = Dechunker()
+                while not dechunk.done:
+                    data = await self._read(reader, READ_SIZE)
+                    if not data:
+                        raise asyncio.IncompleteReadError(b"", None)
+                    if payload := dechunk.feed(data):
+                        yield payload
+                self.keep = self.keep and dechunk.clean
+            elif self.length is not None:
+                left = self.length
+                while left:
+                    data = await self._read(reader, min(left, READ_SIZE))
+                    if not data:
+                        raise asyncio.IncompleteReadError(b"", left)
+                    left -= len(data)
+                    yield data
+            else:
+                while data := await self._read(reader, READ_SIZE):
+                    yield data
+        except _LOST as exc:
+            self.close()
+            raise ConnectionLost(type(exc).__name__) from exc
+        except BaseException:
+            self.close()
+            raise
+        self._release()
+
+    async def _read(self, reader: asyncio.StreamReader, n: int) -> bytes:
+        if self._deadline is None:  # `post`: the whole call runs under one timeout
+            return await reader.read(n)
+        async with asyncio.timeout_at(self._deadline):
+            return await reader.read(n)
+
+    def _release(self) -> None:
+        """The body is read: the connection may serve the next call."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            if self.keep:
+                pool._give_back(self._conn)
+            else:
+                _close(self._conn)
+
+    def close(self) -> None:
+        """Done with this answer: a connection whose body was not read whole is closed."""
+        if self._pool is not None:
+            self._pool = None
+            _close(self._conn)
 
 
-async def _read_chunked(reader: asyncio.StreamReader) -> bytes:
-    parts: list[bytes] = []
-    while True:
-        size = int((await reader.readuntil(b"\r\n")).split(b";", 1)[0], 16)
-        if size == 0:
-            while await reader.readuntil(b"\r\n") != b"\r\n":  # trailers, if any
-                pass
-            return b"".join(parts)
-        parts.append(await reader.readexactly(size))
-        await reader.readexactly(2)
+class Dechunker:
+    """Undoes `Transfer-Encoding: chunked` on bytes fed as they arrive."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self._size: int | None = None  # of the chunk being read; None: its size line is next
+        self._trailers = False  # past the last chunk: trailer lines up to an empty one
+        self.done = False
+        self.clean = True  # False if bytes followed the end (the connection can't be reused)
+
+    def feed(self, data: bytes) -> bytes:
+        """The payload bytes completed by `data` (possibly none)."""
+        buf = self._buf
+        buf += data
+        out: list[bytes] = []
+        pos = 0
+        while not self.done:
+            if self._size is None or self._trailers:
+                eol = buf.find(b"\r\n", pos)
+                if eol < 0:
+                    break
+                line, pos = bytes(buf[pos:eol]), eol + 2
+                if self._trailers:
+                    self.done = not line
+                else:
+                    self._size = int(line.split(b";", 1)[0], 16)  # ValueError: not chunked
+                    self._trailers = self._size == 0
+                continue
+            end = pos + self._size
+            if len(buf) < end + 2:
+                break
+            if buf[end : end + 2] != b"\r\n":
+                raise ValueError("a chunk does not end with CRLF")
+            out.append(bytes(buf[pos:end]))
+            pos, self._size = end + 2, None
+        del buf[:pos]
+        if self.done and buf:
+            self.clean = False
+        return b"".join(out)
 
 
 def _nothing_read(exc: BaseException) -> bool:

@@ -5,15 +5,17 @@ A worker that cannot be reached (connection refused, or closed before answering)
 worker that took too long is `backend_timeout`; an error the worker answered (its own
 OpenAI envelope, e.g. `context_length_exceeded`) is passed on as the same error.
 
-Plain JSON calls go through `gateway.http1` (a small keep-alive HTTP/1.1 client); streams
-through aiohttp (under load httpx's connection pool scanned every pooled connection on
-every request, which cost the gateway most of its CPU: see docs/benchmarks.md).
+Calls go through `gateway.http1` (a small keep-alive HTTP/1.1 client), streams included;
+through aiohttp only to a worker behind https or a path prefix (under load httpx's
+connection pool scanned every pooled connection on every request, which cost the gateway
+most of its CPU, and aiohttp's per-request machinery was the next largest part: see
+docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
@@ -84,34 +86,48 @@ async def post_json(worker: Worker, path: str, body: dict[str, Any] | bytes) -> 
 
 
 class SSEStream:
-    """An open streaming response from a worker."""
+    """An open streaming response from a worker: its body as it arrives."""
 
-    def __init__(self, worker: Worker, response: aiohttp.ClientResponse) -> None:
+    def __init__(
+        self, worker: Worker, chunks: AsyncIterator[bytes], close: Callable[[], object]
+    ) -> None:
         self.worker = worker
-        self.response = response
-
-    async def events(self) -> AsyncIterator[bytes]:
-        """Each `data:` payload, in order."""
-        async with mapped_errors(self.worker):
-            async for line in self.response.content:
-                if line.startswith(b"data:"):
-                    yield line[5:].strip()
+        self._chunks = chunks
+        self._close = close
 
     async def raw(self) -> AsyncIterator[bytes]:
         """The bytes as they come (pass-through)."""
         async with mapped_errors(self.worker):
-            async for chunk in self.response.content.iter_any():
+            async for chunk in self._chunks:
                 yield chunk
 
+    async def events(self) -> AsyncIterator[bytes]:
+        """Each `data:` payload, in order."""
+        rest = b""
+        async for chunk in self.raw():
+            lines = (rest + chunk).split(b"\n")
+            rest = lines.pop()
+            for line in lines:
+                if line.startswith(b"data:"):
+                    yield line[5:].strip()
+        if rest.startswith(b"data:"):  # a last event without its newline
+            yield rest[5:].strip()
+
     async def aclose(self) -> None:
-        self.response.release()
+        self._close()
 
 
 async def open_stream(worker: Worker, path: str, body: dict[str, Any] | bytes) -> SSEStream:
+    """Start a worker's stream: its answer's head is in, and it is not an error."""
     async with mapped_errors(worker):
+        if worker.fast is not None:
+            answer = await worker.fast.stream(path, _content(body))
+            if answer.status >= 400:
+                _raise_for(answer.status, await answer.read())
+            return SSEStream(worker, answer.chunks(), answer.close)
         response = await worker.http.post(path, data=_content(body), headers=_JSON)
-    if response.status >= 400:
-        payload = await response.read()
-        response.release()
-        _raise_for(response.status, payload)
-    return SSEStream(worker, response)
+        if response.status >= 400:
+            payload = await response.read()
+            response.release()
+            _raise_for(response.status, payload)
+        return SSEStream(worker, response.content.iter_any(), response.release)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+import asyncio
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -30,6 +31,61 @@ PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 KINDS = {path: kind for kind, path in PATHS.items()}
 BODIES: dict[str, type[BaseModel]] = {"chat": ChatBody, "completion": CompletionBody}
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+
+
+class SSERelay(Response):
+    """A stream without a session: the worker's bytes, passed on as they arrive.
+
+    Nothing is parsed or re-serialised, and no task group runs beside it (Starlette's
+    `StreamingResponse` starts one per response to watch for the client leaving, which
+    cost more than the relaying): one task waits for the client to leave, and if it does
+    the worker's stream is closed, so the worker stops generating for nobody.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(self, pool: WorkerPool, worker: Worker, upstream: SSEStream) -> None:
+        self.pool, self.worker, self.upstream = pool, worker, upstream
+        self.status_code = 200
+        self.background = None
+        self.init_headers(SSE_HEADERS)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        relay = asyncio.current_task()
+        assert relay is not None
+        relaying, client_left = True, False
+
+        def on_leave(_: object) -> None:
+            nonlocal client_left
+            if relaying:  # (after the last byte, `receive` says disconnect too)
+                client_left = True
+                relay.cancel()
+
+        watch = asyncio.ensure_future(_disconnect(receive))
+        watch.add_done_callback(on_leave)
+        try:
+            async with self.pool.lease(self.worker):
+                await send(
+                    {"type": "http.response.start", "status": 200, "headers": self.raw_headers}
+                )
+                async for chunk in self.upstream.raw():
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                relaying = False
+        except asyncio.CancelledError:
+            if not client_left:
+                raise
+            relay.uncancel()  # the client left: nobody is left to answer
+            return
+        finally:
+            relaying = False
+            watch.cancel()
+            await self.upstream.aclose()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 class TurnStream(StreamingResponse):
@@ -141,19 +197,8 @@ class CompletionService:
             upstream, worker = await self.turns.failover(
                 body["model"], lambda w: open_stream(w, path, raw)
             )
-            return self._relay(worker, upstream)
+            return SSERelay(self.pool, worker, upstream)
         (status, payload), _ = await self.turns.failover(
             body["model"], lambda w: post_raw(w, path, raw)
         )
         return Response(payload, status_code=status, media_type="application/json")
-
-    def _relay(self, worker: Worker, upstream: SSEStream) -> StreamingResponse:
-        async def relay() -> AsyncIterator[bytes]:
-            try:
-                async with self.pool.lease(worker):
-                    async for chunk in upstream.raw():
-                        yield chunk
-            finally:
-                await upstream.aclose()
-
-        return StreamingResponse(relay(), media_type="text/event-stream", headers=SSE_HEADERS)
