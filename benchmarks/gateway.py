@@ -4,7 +4,9 @@ One run starts its own Redis, a fast fake OpenAI backend (instant answers, so th
 are the gateway's own cost) and, unless --no-model, a real worker on the tiny model, with
 one gateway in front of both; both backends name a real sidecar, which session turns pin.
 Each case is measured direct and through the gateway, interleaved in rounds, at each
-concurrency, with a minimal keep-alive load generator.
+concurrency. Plain and streaming requests are measured with `wrk` where it is installed
+(`benchmarks.wrk`), otherwise with our own keep-alive generator (`benchmarks.loadgen`),
+which also runs the session turns (a conversation per connection) and the streams' TTFT.
 """
 
 from __future__ import annotations
@@ -13,27 +15,52 @@ import argparse
 import asyncio
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks.gateway_report import Sample
+
 KEY = "bench-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
 TURNS_PER_SESSION = 20
 
 
 # (full run, --quick) defaults of the options --quick shortens
-QUICK = {"requests": (3000, 200), "model_requests": (200, 20), "rounds": (3, 1)}
+QUICK = {"requests": (3000, 200), "model_requests": (200, 20), "rounds": (3, 1), "duration": (5, 1)}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from benchmarks.util import add_output_arguments, add_tiny_model_argument
 
-    p.add_argument("--requests", type=int, help="requests per case and round (3000; 200 --quick)")
+    p.add_argument(
+        "--requests",
+        type=int,
+        help="our generator: requests per case and round (3000; 200 --quick)",
+    )
     p.add_argument(
         "--model-requests",
         type=int,
-        help="requests per case and round on the tiny model (200; 20 --quick)",
+        help="our generator: requests per case and round on the tiny model (200; 20 --quick)",
     )
+    p.add_argument("--duration", type=float, help="wrk: seconds per case and round (5; 1 --quick)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
+    p.add_argument(
+        "--stream-concurrency",
+        type=int,
+        nargs="+",
+        default=[8],
+        help="concurrency of the streaming cases (their TTFT is measured at 1)",
+    )
+    p.add_argument(
+        "--stream-tokens", type=int, default=16, help="tokens (= chunks) per streamed answer"
+    )
+    p.add_argument(
+        "--generator",
+        choices=("auto", "wrk", "python"),
+        default="auto",
+        help="plain and streaming cases: wrk, our generator, or wrk when installed (auto)",
+    )
     p.add_argument("--rounds", type=int, help="interleaved rounds (3; 1 --quick)")
     p.add_argument("--no-model", action="store_true", help="only the fake backend")
     add_tiny_model_argument(p, "for the real worker")
@@ -48,144 +75,189 @@ def main(args: argparse.Namespace) -> int:
     return asyncio.run(_run(args))
 
 
+@dataclass
+class Case:
+    name: str
+    model: str
+    path: str
+    body: dict[str, Any]
+    concurrency: list[int]
+    requests: int
+    direct: bool = False
+    session: str | None = None  # a session turn: "completion" or "chat"
+    ttft: bool = False  # measured by our generator, for the time to the first chunk
+
+    @property
+    def wrk_able(self) -> bool:
+        return self.session is None and not self.ttft
+
+
+def _cases(args: argparse.Namespace, backends: dict[str, int]) -> tuple[list[Case], dict[str, str]]:
+    """The cases, in the order each round runs them; and each case's direct case."""
+    cases: list[Case] = []
+    direct_of: dict[str, str] = {}
+    for model in backends:
+        n = args.requests if model == "fake" else args.model_requests
+        body = {"model": model, "prompt": "Say something about caches.", "max_tokens": 3}
+        body["temperature"] = 0
+        plain = [
+            Case(f"{model}: direct to the worker", model, "/v1/completions", body, [], n, True),
+            Case(f"{model}: gateway, no session", model, "/v1/completions", body, [], n),
+            Case(f"{model}: gateway, session turn", model, "", body, [], n, session="completion"),
+            Case(f"{model}: gateway, chat session turn", model, "", body, [], n, session="chat"),
+        ]
+        for case in plain:
+            case.concurrency = args.concurrency
+            direct_of[case.name] = plain[0].name
+        cases += plain
+        if model != "fake":
+            continue
+        chat = {
+            "model": model,
+            "messages": [{"role": "user", "content": "Say something about caches."}],
+            "max_tokens": args.stream_tokens,
+            "temperature": 0,
+            "stream": True,
+        }
+        path = "/v1/chat/completions"
+        for label, conc, ttft in (
+            ("streaming chat", args.stream_concurrency, False),
+            ("streaming chat TTFT", [1], True),
+        ):
+            pair = [
+                Case(f"{model}: {label}, direct", model, path, chat, conc, n, True, ttft=ttft),
+                Case(f"{model}: {label}, gateway", model, path, chat, conc, n, ttft=ttft),
+            ]
+            direct_of.update({c.name: pair[0].name for c in pair})
+            cases += pair
+    return cases, direct_of
+
+
 async def _run(args: argparse.Namespace) -> int:
-    import httpx
     from tqdm import tqdm
 
-    from benchmarks.loadgen import Conn, run
-    from benchmarks.util import markdown_table, percentile, plot_path, run_meta, write_outputs
+    from benchmarks import gateway_report, wrk
+    from benchmarks.util import plot_path, run_meta, write_outputs
     from ctxcache.supervisor import Supervisor
 
+    wrk_path = wrk.find() if args.generator != "python" else None
+    if args.generator == "wrk" and wrk_path is None:
+        sys.stderr.write("--generator wrk: wrk is not installed (apt-get install wrk)\n")
+        return 2
+    generator = (
+        f"wrk ({wrk_path}) for plain and streaming requests; ours for session turns and TTFT"
+        if wrk_path
+        else "ours (benchmarks.loadgen) for every case"
+        + ("" if args.generator == "python" else ": wrk is not installed")
+    )
+    sys.stderr.write(f"load generator: {generator}\n")
     meta = run_meta(
         "gateway",
+        generator=generator,
         requests=args.requests,
         model_requests=0 if args.no_model else args.model_requests,
+        wrk_seconds=args.duration if wrk_path else None,
         rounds=args.rounds,
         concurrency=args.concurrency,
+        stream_concurrency=args.stream_concurrency,
+        stream_tokens=args.stream_tokens,
         model=None if args.no_model else str(args.model_dir),
         turns_per_session=TURNS_PER_SESSION,
     )
+    samples: dict[tuple[str, int], list[Sample]] = {}
     with tempfile.TemporaryDirectory() as tmp, Supervisor(out=open("/dev/null", "w")) as sup:  # noqa: ASYNC230
         sys.stderr.write("starting redis, the backends and the gateway ...\n")
         gw_port, backends = _start_stack(sup, Path(tmp), args)
+        cases, direct_of = _cases(args, backends)
+        plan = [
+            (conc, case)
+            for conc in sorted({c for case in cases for c in case.concurrency})
+            for _ in range(args.rounds)
+            for case in cases
+            if conc in case.concurrency
+        ]
+        with tqdm(total=len(plan), desc="gateway bench", unit="case") as bar:
+            for conc, case in plan:
+                port = backends[case.model] if case.direct else gw_port
+                if wrk_path and case.wrk_able:
+                    sample = await _measure_wrk(wrk_path, port, case, conc, args.duration)
+                else:
+                    sample = await _measure_ours(port, gw_port, case, conc)
+                samples.setdefault((case.name, conc), []).append(sample)
+                bar.update(1)
 
-        auth = {"Authorization": f"Bearer {KEY}"}
-        cases: list[tuple[str, str, int, Any]] = []
-        for model, port in backends.items():
-            n = args.requests if model == "fake" else args.model_requests
-            body = {
-                "model": model,
-                "prompt": "Say something about caches.",
-                "max_tokens": 3,
-                "temperature": 0,
-            }
-            cases.append((f"{model}: direct to the worker", model, n, ("direct", port, body)))
-            cases.append((f"{model}: gateway, no session", model, n, ("gateway", body)))
-            cases.append((f"{model}: gateway, session turn", model, n, ("session", body)))
-            cases.append((f"{model}: gateway, chat session turn", model, n, ("chat", body)))
-
-        async def new_session(model: str, kind: str) -> str:
-            context = "A context of some length. " * 20
-            start: dict[str, Any] = (
-                {"messages": [{"role": "system", "content": context}]}
-                if kind == "chat"
-                else {"prompt": context}
-            )
-            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{gw_port}", headers=auth) as c:
-                r = await c.post("/v1/context", json={"model": model, **start})
-                r.raise_for_status()
-                return str(r.json()["session_id"])
-
-        samples: dict[tuple[str, int], list[tuple[list[float], float, int]]] = {}
-        total = sum(n for _, _, n, _ in cases) * args.rounds * len(args.concurrency)
-        with tqdm(total=total, desc="gateway bench", unit="req") as bar:
-            for conc in args.concurrency:
-                for _ in range(args.rounds):
-                    for name, model, n, spec in cases:
-                        kind = spec[0]
-                        port = spec[1] if kind == "direct" else gw_port
-                        body = spec[-1]
-                        # Each connection runs its own conversations, a fresh session every
-                        # TURNS_PER_SESSION turns (a chat is tens of turns, not thousands).
-                        slots: dict[int, list[int]] = {}  # conn -> [slot, turns so far]
-                        sids: list[str] = []
-                        if kind in ("session", "chat"):
-                            need = conc * (n // (conc * TURNS_PER_SESSION) + 2)
-                            sids = await asyncio.gather(
-                                *(new_session(model, kind) for _ in range(need))
-                            )
-                            # each create pins its session's KV after answering: let that
-                            # setup work finish before the timed turns start
-                            await asyncio.sleep(1.0)
-
-                        def make(
-                            conn: Conn,
-                            i: int,
-                            kind: str = kind,
-                            body: Any = body,
-                            slots: dict[int, list[int]] = slots,
-                            sids: list[str] = sids,
-                            conc: int = conc,
-                        ) -> bytes:
-                            if kind == "direct":
-                                return conn.build("POST", "/v1/completions", body)
-                            if kind == "gateway":
-                                return conn.build("POST", "/v1/completions", body, auth)
-                            slot = slots.setdefault(id(conn), [len(slots), 0])
-                            sid = sids[slot[0] + conc * (slot[1] // TURNS_PER_SESSION)]
-                            slot[1] += 1
-                            return conn.build("POST", *_session_turn(kind, body, sid), auth)
-
-                        result = await run(
-                            "127.0.0.1",
-                            port,
-                            make,
-                            requests=n,
-                            concurrency=conc,
-                            progress=bar.update,
-                        )
-                        samples.setdefault((name, conc), []).append(result)
-
-    rows, data = [], []
-    for (name, conc), results in samples.items():
-        lat = sorted(x for r in results for x in r[0])
-        rps = sorted(len(r[0]) / r[1] for r in results)[len(results) // 2]
-        errors = sum(r[2] for r in results)
-        p50, p99 = percentile(lat, 50) * 1e3, percentile(lat, 99) * 1e3
-        direct = next(
-            (
-                v
-                for (n2, c2), v in samples.items()
-                if c2 == conc and n2.split(":")[0] == name.split(":")[0] and "direct" in n2
-            ),
-            None,
-        )
-        over = (
-            p50 - percentile(sorted(x for r in direct for x in r[0]), 50) * 1e3
-            if direct and "direct" not in name
-            else 0.0
-        )
-        rows.append([name, conc, rps, p50, p99, over, errors])
-        data.append(
-            {
-                "case": name,
-                "concurrency": conc,
-                "requests_per_s": rps,
-                "p50_ms": p50,
-                "p99_ms": p99,
-                "p50_overhead_ms": over,
-                "errors": errors,
-            }
-        )
-    table = markdown_table(
-        ["case", "concurrency", "req/s", "p50 ms", "p99 ms", "p50 overhead ms", "errors"], rows
-    )
+    data = gateway_report.rows(samples, direct_of)
+    table = gateway_report.table(data)
     paths = write_outputs(args.out, "gateway", {"meta": meta, "results": data}, table)
     paths.append(plot_path(args, "gateway"))
-    _plot(paths[-1], data, args.concurrency)
+    gateway_report.plot(paths[-1], data)
+    print(f"load generator: {generator}\n")
     print(table)
     print("\nwrote " + ", ".join(str(p) for p in paths))
     return 0
+
+
+async def _measure_wrk(wrk_path: str, port: int, case: Case, conc: int, seconds: float) -> Sample:
+    import orjson
+
+    from benchmarks import wrk
+
+    headers = {} if case.direct else AUTH
+    url = f"http://127.0.0.1:{port}{case.path}"
+    r = await wrk.run(
+        wrk_path, url, orjson.dumps(case.body), headers, connections=conc, seconds=seconds
+    )
+    return Sample(r.requests_per_s, r.p50_ms, r.p99_ms, None, r.errors, "wrk")
+
+
+async def _measure_ours(port: int, gw_port: int, case: Case, conc: int) -> Sample:
+    import httpx
+
+    from benchmarks.loadgen import Conn, run
+    from benchmarks.util import percentile
+
+    async def new_session() -> str:
+        context = "A context of some length. " * 20
+        start: dict[str, Any] = (
+            {"messages": [{"role": "system", "content": context}]}
+            if case.session == "chat"
+            else {"prompt": context}
+        )
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{gw_port}", headers=AUTH) as c:
+            r = await c.post("/v1/context", json={"model": case.model, **start})
+            r.raise_for_status()
+            return str(r.json()["session_id"])
+
+    # Each connection runs its own conversations, a fresh session every TURNS_PER_SESSION
+    # turns (a chat is tens of turns, not thousands).
+    slots: dict[int, list[int]] = {}  # conn -> [slot, turns so far]
+    sids: list[str] = []
+    if case.session is not None:
+        need = conc * (case.requests // (conc * TURNS_PER_SESSION) + 2)
+        sids = await asyncio.gather(*(new_session() for _ in range(need)))
+        # each create pins its session's KV after answering: let that setup work finish
+        # before the timed turns start
+        await asyncio.sleep(1.0)
+
+    def make(conn: Conn, i: int) -> bytes:
+        if case.session is None:
+            return conn.build("POST", case.path, case.body, None if case.direct else AUTH)
+        slot = slots.setdefault(id(conn), [len(slots), 0])
+        sid = sids[slot[0] + conc * (slot[1] // TURNS_PER_SESSION)]
+        slot[1] += 1
+        return conn.build("POST", *_session_turn(case.session, case.body, sid), AUTH)
+
+    r = await run("127.0.0.1", port, make, requests=case.requests, concurrency=conc)
+    lat = sorted(r.latencies)
+    ttft = percentile(sorted(r.ttfts), 50) * 1e3 if case.ttft else None
+    return Sample(
+        len(lat) / r.seconds,
+        percentile(lat, 50) * 1e3,
+        percentile(lat, 99) * 1e3,
+        ttft,
+        r.errors,
+        "ours",
+    )
 
 
 def _session_turn(kind: str, body: dict[str, Any], sid: str) -> tuple[str, dict[str, Any]]:
@@ -253,14 +325,3 @@ def _start_stack(sup: Any, tmp: Path, args: argparse.Namespace) -> tuple[int, di
             raise RuntimeError(f"the gateway does not list {sorted(backends)} after 180 s")
         time.sleep(0.2)
     return gw_port, {"fake": backends["fake"], **backends}
-
-
-def _plot(path: Path, data: list[dict[str, Any]], concurrency: list[int]) -> None:
-    from benchmarks.util import bar_plot
-
-    labels = [d["case"] for d in data if d["concurrency"] == concurrency[0]]
-    series = {
-        f"concurrency {c}": [d["requests_per_s"] for d in data if d["concurrency"] == c]
-        for c in concurrency
-    }
-    bar_plot(path, "gateway vs direct: requests/s", labels, series, "requests / s")

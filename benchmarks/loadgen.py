@@ -1,8 +1,11 @@
 """A minimal HTTP/1.1 keep-alive load generator (one connection per concurrent client).
 
 General clients (httpx, aiohttp) cost more per request than the servers being measured;
-this one writes pre-built request bytes and reads `Content-Length` responses, so on the
-same 2-core machine the numbers reflect the server, not the client.
+this one writes pre-built request bytes and reads `Content-Length` or chunked responses
+(a stream: the time to its first chunk is its TTFT). Where `wrk` is installed the gateway
+bench measures plain and streaming requests with it instead (`benchmarks.wrk`: C, several
+times cheaper per request); this generator stays for what wrk cannot do there — a session
+per connection, TTFT — and is the fallback when wrk is missing.
 """
 
 from __future__ import annotations
@@ -10,8 +13,19 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import orjson
+
+from gateway.http1 import READ_SIZE, Dechunker
+
+
+@dataclass
+class LoadResult:
+    latencies: list[float] = field(default_factory=list)  # seconds, whole responses
+    ttfts: list[float] = field(default_factory=list)  # seconds to the first body bytes
+    seconds: float = 0.0
+    errors: int = 0
 
 
 class Conn:
@@ -42,7 +56,8 @@ class Conn:
         lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
         return ("\r\n".join(lines) + "\r\n\r\n").encode() + payload
 
-    async def send(self, request: bytes) -> tuple[int, bytes]:
+    async def send(self, request: bytes) -> tuple[int, bytes, float]:
+        """(status, body, perf_counter time its first body bytes arrived)."""
         self.writer.write(request)
         head = await self.reader.readuntil(b"\r\n\r\n")
         status = int(head[9:12])
@@ -52,9 +67,20 @@ class Conn:
             if name.strip().lower() == b"content-length":
                 length = int(value)
         if length == 0 and b"chunked" in head.lower():
-            raise RuntimeError("chunked responses are not supported by this load generator")
+            return status, *await self._chunked()
         body = await self.reader.readexactly(length) if length else b""
-        return status, body
+        return status, body, time.perf_counter()
+
+    async def _chunked(self) -> tuple[bytes, float]:
+        dechunk, parts, first = Dechunker(), [], 0.0
+        while not dechunk.done:
+            data = await self.reader.read(READ_SIZE)
+            if not data:
+                raise asyncio.IncompleteReadError(b"", None)
+            if payload := dechunk.feed(data):
+                first = first or time.perf_counter()
+                parts.append(payload)
+        return b"".join(parts), first or time.perf_counter()
 
     async def close(self) -> None:
         self.writer.close()
@@ -69,28 +95,27 @@ async def run(
     requests: int,
     concurrency: int,
     progress: Callable[[int], object] | None = None,
-) -> tuple[list[float], float, int]:
-    """Send `requests` requests over `concurrency` connections; (latencies, seconds, errors)."""
+) -> LoadResult:
+    """Send `requests` requests over `concurrency` connections."""
     conns = [await Conn.open(host, port) for _ in range(concurrency)]
-    latencies: list[float] = []
-    errors = 0
+    result = LoadResult()
     counter = iter(range(requests))
 
     async def client(conn: Conn) -> None:
-        nonlocal errors
         for i in counter:
             req = make_request(conn, i)
             t0 = time.perf_counter()
-            status, _ = await conn.send(req)
-            latencies.append(time.perf_counter() - t0)
+            status, _, first = await conn.send(req)
+            result.latencies.append(time.perf_counter() - t0)
+            result.ttfts.append(first - t0)
             if status >= 400:
-                errors += 1
+                result.errors += 1
             if progress is not None:
                 progress(1)
 
     start = time.perf_counter()
     await asyncio.gather(*(client(c) for c in conns))
-    elapsed = time.perf_counter() - start
+    result.seconds = time.perf_counter() - start
     for c in conns:
         await c.close()
-    return latencies, elapsed, errors
+    return result
