@@ -166,6 +166,9 @@ class Response:
             else:
                 while data := await self._read(reader, READ_SIZE):
                     yield data
+        except TimeoutError:  # (an OSError too, but not a lost connection)
+            self.close()
+            raise
         except _LOST as exc:
             self.close()
             raise ConnectionLost(type(exc).__name__) from exc

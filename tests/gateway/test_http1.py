@@ -3,42 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+import itertools
 
 import pytest
 
-from gateway.http1 import ConnectionLost, Http1Pool
-
-Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
-
-
-@asynccontextmanager
-async def server(handler: Handler) -> AsyncIterator[int]:
-    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            await handler(reader, writer)
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass  # the client went away
-        finally:
-            writer.close()
-
-    srv = await asyncio.start_server(serve, "127.0.0.1", 0)
-    try:
-        yield srv.sockets[0].getsockname()[1]
-    finally:
-        srv.close()
-        await asyncio.sleep(0.01)  # let closed transports finish before the loop ends
-
-
-async def read_request(reader: asyncio.StreamReader) -> bytes:
-    head = await reader.readuntil(b"\r\n\r\n")
-    length = next(
-        int(line.split(b":")[1])
-        for line in head.split(b"\r\n")
-        if line.lower().startswith(b"content-length")
-    )
-    return await reader.readexactly(length)
+from gateway.http1 import ConnectionLost, Dechunker, Http1Pool
+from tests.gateway.rawhttp import chunk, read_request, server
 
 
 def pool(port: int, timeout: float = 5.0) -> Http1Pool:
@@ -111,3 +81,117 @@ async def test_failures_are_connection_lost_or_timeout() -> None:
         pass  # closed: nothing listens on the port any more
     with pytest.raises(ConnectionLost):
         await pool(port).post("/", b"{}")
+
+
+BODY = chunk(b"abc") + b"2;ext=1\r\nde\r\n" + chunk(b"x" * 300) + b"0\r\nTrailer: t\r\n\r\n"
+PAYLOAD = b"abcde" + b"x" * 300
+
+
+@pytest.mark.parametrize("step", [1, 2, 7, 64, len(BODY)])
+def test_dechunker_gives_the_payload_however_the_bytes_arrive(step: int) -> None:
+    for offset in range(min(step, 8)):  # pieces of `step` bytes, after a first of `offset`
+        d = Dechunker()
+        cuts = [0, offset, *range(offset + step, len(BODY), step), len(BODY)]
+        out = b"".join(d.feed(BODY[a:b]) for a, b in itertools.pairwise(cuts))
+        assert out == PAYLOAD and d.done and d.clean
+
+
+def test_dechunker_rejects_bad_framing_and_notices_bytes_after_the_end() -> None:
+    d = Dechunker()
+    assert d.feed(BODY + b"HTTP/1.1") == PAYLOAD and d.done and not d.clean
+    with pytest.raises(ValueError):
+        Dechunker().feed(b"zz\r\nabc\r\n")
+    with pytest.raises(ValueError):
+        Dechunker().feed(b"3\r\nabcd\r\n")  # longer than its size
+
+
+async def test_a_stream_arrives_chunk_by_chunk_then_its_connection_is_reused() -> None:
+    connections = 0
+    go_on = asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        while await read_request(reader):
+            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+            writer.write(chunk(b"data: 1\n\n"))
+            await writer.drain()
+            await go_on.wait()  # the rest only once the client has the first chunk
+            writer.write(chunk(b"data: 2\n\n") + chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+            await writer.drain()
+            go_on.clear()
+
+    async with server(handler) as port:
+        p = pool(port)
+        answer = await p.stream("/s", b"{}")
+        assert answer.status == 200
+        got = []
+        async for piece in answer.chunks():
+            got.append(piece)
+            go_on.set()
+        # what one read brought comes out in one piece
+        assert got == [b"data: 1\n\n", b"data: 2\n\ndata: [DONE]\n\n"]
+        answer = await p.stream("/s", b"{}")
+        go_on.set()
+        assert await answer.read() == b"data: 1\n\ndata: 2\n\ndata: [DONE]\n\n"
+        assert connections == 1
+        await p.aclose()
+
+
+async def test_a_stream_closed_early_drops_its_connection() -> None:
+    connections = 0
+    server_saw_close = asyncio.Event()
+
+    async def endless(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        try:
+            while True:
+                writer.write(chunk(b"data: token\n\n"))
+                await writer.drain()
+                await asyncio.sleep(0.01)
+        except ConnectionError:
+            server_saw_close.set()
+            raise
+
+    async with server(endless) as port:
+        p = pool(port)
+        answer = await p.stream("/s", b"{}")
+        async for _ in answer.chunks():
+            break
+        answer.close()
+        await asyncio.wait_for(server_saw_close.wait(), 5)
+        answer = await p.stream("/s", b"{}")  # not the closed connection: a new one
+        answer.close()
+        assert connections == 2
+        await p.aclose()
+
+
+async def test_a_stream_that_stalls_or_breaks_off() -> None:
+    async def stalls(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + chunk(b"a"))
+        await writer.drain()
+        await asyncio.sleep(10)
+
+    async with server(stalls) as port:
+        p = pool(port, timeout=0.3)
+        answer = await p.stream("/s", b"{}")
+        with pytest.raises(TimeoutError):  # the whole stream is bounded, not only its head
+            await answer.read()
+        await p.aclose()
+
+    async def breaks_off(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + chunk(b"a"))
+        await writer.drain()
+        writer.close()
+
+    async with server(breaks_off) as port:
+        p = pool(port)
+        answer = await p.stream("/s", b"{}")
+        with pytest.raises(ConnectionLost):
+            await answer.read()
+        await p.aclose()
