@@ -15,6 +15,7 @@ import json
 import math
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -99,30 +100,79 @@ def test_bench_manager(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(300)
 def test_bench_gateway_fake_backend_and_tiny_worker(tmp_path: Path, tiny_model: Path) -> None:
+    """Our own load generator throughout (the fallback where wrk is not installed)."""
     plot = tmp_path / "img" / "gateway.png"
     data = run_bench(
         "gateway",
         tmp_path / "gateway",
-        *("--requests", "20", "--model-requests", "4", "--rounds", "1"),
-        *("--concurrency", "1", "2", "--model", str(tiny_model), "--plot", str(plot)),
+        *("--requests", "20", "--model-requests", "4", "--rounds", "1", "--generator", "python"),
+        *("--concurrency", "1", "2", "--stream-concurrency", "3", "--stream-tokens", "5"),
+        *("--model", str(tiny_model), "--plot", str(plot)),
         png=plot,
     )
     assert not (tmp_path / "gateway" / "gateway.png").exists()
+    assert data["meta"]["generator"].startswith("ours")
     rows = data["results"]
+    assert all(r["generator"] == "ours" for r in rows)
+    check_gateway_rows(rows, models=("fake", "tiny"), concurrency=(1, 2), stream=3)
+    table = (tmp_path / "gateway" / "gateway.md").read_text()
+    assert "| fake: streaming chat, gateway | 3 | ours |" in table
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(shutil.which("wrk") is None, reason="wrk is not installed")
+def test_bench_gateway_with_wrk(tmp_path: Path) -> None:
+    data = run_bench(
+        "gateway",
+        tmp_path / "gateway",
+        *("--no-model", "--generator", "wrk", "--duration", "1", "--rounds", "1"),
+        *("--requests", "20", "--concurrency", "1", "2", "--stream-concurrency", "2"),
+    )
+    assert data["meta"]["generator"].startswith("wrk")
+    rows = data["results"]
+    check_gateway_rows(rows, models=("fake",), concurrency=(1, 2), stream=2)
+    by_case = {(r["case"], r["concurrency"]): r["generator"] for r in rows}
+    assert by_case[("fake: gateway, no session", 2)] == "wrk"
+    assert by_case[("fake: streaming chat, gateway", 2)] == "wrk"
+    assert by_case[("fake: gateway, session turn", 2)] == "ours"  # a session per connection
+    assert by_case[("fake: streaming chat TTFT, gateway", 1)] == "ours"
+
+
+def check_gateway_rows(
+    rows: list[dict[str, Any]],
+    *,
+    models: tuple[str, ...],
+    concurrency: tuple[int, ...],
+    stream: int,
+) -> None:
     kinds = (
         "direct to the worker",
         "gateway, no session",
         "gateway, session turn",
         "gateway, chat session turn",
     )
-    expected = {(f"{m}: {k}", c) for m in ("fake", "tiny") for k in kinds for c in (1, 2)}
+    expected = {(f"{m}: {k}", c) for m in models for k in kinds for c in concurrency}
+    expected |= {
+        ("fake: streaming chat, direct", stream),
+        ("fake: streaming chat, gateway", stream),
+    }
+    expected |= {
+        ("fake: streaming chat TTFT, direct", 1),
+        ("fake: streaming chat TTFT, gateway", 1),
+    }
     assert {(r["case"], r["concurrency"]) for r in rows} == expected
     for r in rows:
         assert r["errors"] == 0, r  # every request, session turns included, answered 200
         assert r["requests_per_s"] > 0
         check_latencies(r)
         if "direct" in r["case"]:
-            assert r["p50_overhead_ms"] == 0
+            assert r["p50_overhead_ms"] == 0 and r["requests_per_s_vs_direct"] is None
+        else:  # against the direct case of the same round
+            assert r["requests_per_s_vs_direct"] > 0 and r["p99_ms_vs_direct"] > 0
+        if "TTFT" in r["case"]:  # the first chunk comes before the whole answer
+            assert 0 < r["ttft_ms"] <= r["p99_ms"]
+        else:
+            assert r["ttft_ms"] is None
 
 
 @pytest.mark.timeout(300)

@@ -166,3 +166,31 @@ def test_session_id_in_header_or_body(stack: Stack, header: bool) -> None:
         r = http.post("/v1/completions", json=body, headers=headers)
         assert r.status_code == 200, r.text
         assert r.json()["session"]["session_id"] == sid
+
+
+@pytest.mark.parametrize("chat", [True, False])
+async def test_a_stream_without_a_session_is_the_workers_own(stack: Stack, chat: bool) -> None:
+    """Relayed as the worker's bytes: the same text as the answer in one piece, the
+    worker's usage chunk when asked for, and nothing of ours (no `session`)."""
+    client = openai.AsyncOpenAI(base_url=f"{stack.url}/v1", api_key="key-a", max_retries=0)
+    common: dict[str, Any] = {"model": "tiny", "max_tokens": 8, "temperature": 0}
+    if chat:
+        create: Any = client.chat.completions.create
+        common["messages"] = [{"role": "user", "content": "Tell me about caches."}]
+    else:
+        create = client.completions.create
+        common["prompt"] = DOC
+    whole = await create(**common)
+    stream = await create(**common, stream=True, stream_options={"include_usage": True})
+    pieces, last = [], None
+    async for chunk in stream:
+        if chunk.choices:
+            choice = chunk.choices[0]
+            pieces.append((choice.delta.content if chat else choice.text) or "")
+        last = chunk
+    want = whole.choices[0].message.content if chat else whole.choices[0].text
+    assert "".join(pieces) == want
+    assert last is not None and last.usage is not None
+    assert last.usage.completion_tokens == whole.usage.completion_tokens
+    assert extra(last, "session") is None
+    await client.close()
