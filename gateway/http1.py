@@ -137,8 +137,15 @@ class Response:
 
     async def read(self) -> bytes:
         """The whole body."""
-        parts = [part async for part in self.chunks()]
-        return parts[0] if len(parts) == 1 else b"".join(parts)
+        if self.chunked or self.length is None or self._deadline is not None:
+            return b"".join([part async for part in self.chunks()])
+        try:  # the usual JSON answer, under `post`'s timeout
+            body = await self._conn[0].readexactly(self.length)
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+        self._release()
+        return body
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """The body as it arrives, the chunked framing removed: what one read from the
@@ -166,14 +173,8 @@ class Response:
             else:
                 while data := await self._read(reader, READ_SIZE):
                     yield data
-        except TimeoutError:  # (an OSError too, but not a lost connection)
-            self.close()
-            raise
-        except _LOST as exc:
-            self.close()
-            raise ConnectionLost(type(exc).__name__) from exc
-        except BaseException:
-            self.close()
+        except BaseException as exc:
+            self._fail(exc)
             raise
         self._release()
 
@@ -182,6 +183,12 @@ class Response:
             return await reader.read(n)
         async with asyncio.timeout_at(self._deadline):
             return await reader.read(n)
+
+    def _fail(self, exc: BaseException) -> None:
+        """Reading the body failed: drop the connection; `ConnectionLost` if it was lost."""
+        self.close()
+        if isinstance(exc, _LOST) and not isinstance(exc, TimeoutError):  # (TimeoutError
+            raise ConnectionLost(type(exc).__name__) from exc  # is an OSError too)
 
     def _release(self) -> None:
         """The body is read: the connection may serve the next call."""

@@ -28,6 +28,7 @@ _LATENCY_BUCKETS = (
 
 class GatewayMetrics:
     def __init__(self) -> None:
+        self._series: dict[tuple[str, int], tuple[Counter, Histogram]] = {}
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -79,8 +80,13 @@ class GatewayMetrics:
         )
 
     def observe(self, route: str, status: int, seconds: float) -> None:
-        self.requests.labels(route, str(status)).inc()
-        self.latency.labels(route).observe(seconds)
+        # the labelled series, looked up once per (route, status): both are bounded sets
+        series = self._series.get((route, status))
+        if series is None:
+            series = (self.requests.labels(route, str(status)), self.latency.labels(route))
+            self._series[(route, status)] = series
+        series[0].inc()
+        series[1].observe(seconds)
 
     def tokens(self, usage: dict[str, Any]) -> None:
         self.prompt_tokens.inc(usage.get("prompt_tokens", 0))

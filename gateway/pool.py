@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -163,10 +163,22 @@ class WorkerPool:
         best = [w for w in candidates if w.inflight == least]
         return best[next(self._rr) % len(best)]
 
-    @contextlib.asynccontextmanager
-    async def lease(self, w: Worker) -> AsyncIterator[Worker]:
-        w.inflight += 1
-        try:
-            yield w
-        finally:
-            w.inflight -= 1
+    def lease(self, w: Worker) -> Lease:
+        """`async with pool.lease(w)`: one more request in flight on `w` meanwhile."""
+        return Lease(w)
+
+
+class Lease:
+    """(A class, not an `asynccontextmanager`: this runs on every request.)"""
+
+    __slots__ = ("worker",)
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+
+    async def __aenter__(self) -> Worker:
+        self.worker.inflight += 1
+        return self.worker
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.worker.inflight -= 1
