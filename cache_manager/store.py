@@ -200,7 +200,9 @@ class SessionStore:
     ) -> list[Any]:
         pipe = self.redis.pipeline(transaction=False)
         for script, keys, args in calls:
-            pipe.evalsha(script.sha, len(keys), *keys, *args)
+            # the raw command: redis-py's cluster pipeline blocks its `evalsha` method (but
+            # routes EVALSHA by its keys; allowed upstream since redis-py PR #4206)
+            pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
         if also is not None:  # plain commands riding in the same round trip
             also(pipe)
         wait = durable and self.wait_replicas > 0
