@@ -25,10 +25,12 @@ class ManagerSettings(BaseSettings):
     )
     redis_timeout_s: float = Field(2.0, gt=0, description="socket timeout of Redis calls")
     redis_wait_replicas: int = Field(
-        0, ge=0, description="a turn is answered once this many replicas have it (WAIT)"
+        0, ge=0, description="a write is answered once this many replicas have it (WAIT)"
     )
     redis_wait_timeout_ms: int = Field(
-        500, ge=1, description="how long a write waits for those replicas, then is answered"
+        500,
+        ge=1,
+        description="how long a write waits for them, then is answered (< redis_timeout_s)",
     )
     default_ttl: int = Field(3600, description="seconds, used when a create gives no ttl")
     min_ttl: int = Field(60, ge=1, description="smallest ttl accepted")
@@ -55,6 +57,9 @@ class ManagerSettings(BaseSettings):
     def _ttl_bounds(self) -> ManagerSettings:
         if not self.min_ttl <= self.default_ttl <= self.max_ttl:
             raise ValueError("need min_ttl <= default_ttl <= max_ttl")
+        if self.redis_wait_replicas and self.redis_wait_timeout_ms >= self.redis_timeout_s * 1000:
+            # else a replica that does not answer turns every write into a socket timeout
+            raise ValueError("need redis_wait_timeout_ms < redis_timeout_s")
         return self
 
     def quota_for(self, tenant: str) -> TenantQuota:

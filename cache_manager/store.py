@@ -210,11 +210,10 @@ class SessionStore:
             # WAIT counts the writes of its own connection: it rides the same pipeline,
             # to the node that holds the first call's keys
             key = calls[0][1][0]
-            target = (
-                {"target_nodes": self.redis.get_node_from_key(key)}
-                if isinstance(self.redis, RedisCluster)
-                else {}
-            )
+            target = {}
+            if isinstance(self.redis, RedisCluster):
+                await self.redis.initialize()  # knows the slots (a no-op once it does)
+                target = {"target_nodes": self.redis.get_node_from_key(key)}
             pipe.execute_command("WAIT", self.wait_replicas, self.wait_timeout_ms, **target)
         results: list[Any] = await pipe.execute(raise_on_error=False)
         if wait:

@@ -29,8 +29,9 @@ from tests.utils import ServiceProcess
 
 log = logging.getLogger(__name__)
 
-# every acknowledged write is on a replica too: a failover cannot lose it
-DURABLE = {"CTX_MANAGER_REDIS_WAIT_REPLICAS": "1", "CTX_MANAGER_REDIS_WAIT_TIMEOUT_MS": "2000"}
+# every acknowledged write is on a replica too, so a failover cannot lose it (after one, the
+# new master has no replica: each write then waits the timeout, and is answered)
+DURABLE = {"CTX_MANAGER_REDIS_WAIT_REPLICAS": "1", "CTX_MANAGER_REDIS_WAIT_TIMEOUT_MS": "300"}
 
 
 @pytest.fixture(scope="module")
