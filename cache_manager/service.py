@@ -248,8 +248,8 @@ class SessionService:
 
     async def delete(self, session_id: str, tenant: str) -> None:
         self._check_id(session_id)
-        sidecar, expired_at_ms = await self.store.delete(session_id, tenant)
-        await self.store.unindex(tenant, session_id, expired_at_ms=expired_at_ms)
+        sidecar = await self.store.delete(session_id, tenant)
+        await self.store.unindex(tenant, session_id)
         with bind_session(session_id):
             log.info("deleted")
         self.link.drop(sidecar, session_id)

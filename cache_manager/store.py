@@ -50,9 +50,12 @@ from ctxcache.errors import (
 log = logging.getLogger(__name__)
 
 _LUA_DIR = Path(__file__).parent / "lua"
-# A removed session id stays out of its tenant's index this long after the session would
-# have expired (a late index update must not bring it back), and a listed id whose record
-# is gone is dropped from the index once it is this old (younger: a create in progress).
+# A removed session id stays out of its tenant's index this long: a turn's index update
+# still on its way must not bring it back (it is sent right after the turn's write, with the
+# Redis timeout and one retry, so it lands within seconds or not at all).
+KEEP_OUT_MS = 10_000
+# A listed id whose record is gone is dropped from the index once it is this old (younger:
+# maybe a create in progress, which indexes the id first).
 INDEX_GRACE_MS = 60_000
 SESSION_PREFIX = "ctx_"
 LIVE_KEY = "ctx:live"
@@ -365,16 +368,15 @@ class SessionStore:
             raise SessionNotFound()
         return parse_info(session_id, _as_dict(res[1]))
 
-    async def delete(self, session_id: str, tenant: str) -> tuple[str | None, int]:
-        """Delete; returns the sidecar URL the session's KV is pinned in, if any, and the
-        expiry (ms) the session had."""
+    async def delete(self, session_id: str, tenant: str) -> str | None:
+        """Delete; returns the sidecar URL the session's KV is pinned in, if any."""
         async with redis_errors():
             (res,) = await self._pipelined(
                 (self._delete, session_keys(session_id), [tenant]), durable=True
             )
         if res[0] == 0:
             raise SessionNotFound()
-        return res[1].decode() or None, int(res[2])
+        return res[1].decode() or None
 
     # -- the tenant index -----------------------------------------------------------------
     async def reserve(
@@ -419,14 +421,13 @@ class SessionStore:
             )
         return int(res[1])
 
-    async def unindex(self, tenant: str, session_id: str, *, expired_at_ms: int = 0) -> None:
-        """Drop the session from the tenant's index and the live set. A late index update
-        of one of its turns (`record`, racing a DELETE) is ignored until a grace period
-        after `expired_at_ms`, the session's expiry: none can come after that."""
-        until = max(expired_at_ms, int(time.time() * 1000)) + INDEX_GRACE_MS
+    async def unindex(self, tenant: str, session_id: str) -> None:
+        """Drop the session from the tenant's index and the live set. A turn's index
+        update still on its way (`record`, racing a DELETE: the session and the index are
+        in different slots) is ignored for KEEP_OUT_MS."""
         async with redis_errors():
             await self._pipelined(
-                (self._tenant, tenant_keys(tenant), ["remove", session_id, until]),
+                (self._tenant, tenant_keys(tenant), ["remove", session_id, KEEP_OUT_MS]),
                 also=lambda pipe: pipe.zrem(LIVE_KEY, session_id),
             )
 

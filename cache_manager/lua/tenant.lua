@@ -10,9 +10,10 @@
 --   record:  2 id  3 expires_at ms  4 version  5 tokens  6 exact ('1': set expiry as given)
 --            -> {1, total tokens}
 --            (a removed id is not recorded again: see 'remove')
---   remove:  2 id  3 until ms -> {1}: the id leaves the index, and a 'record' that arrives
---            before `until` (a turn's index update racing the session's DELETE: the session
---            and this index live in different slots, so no script sees both) is ignored
+--   remove:  2 id  3 keep-out ms -> {1}: the id leaves the index, and a 'record' of it that
+--            arrives within keep-out ms (a turn's index update racing the session's DELETE:
+--            the session and this index live in different slots, no script sees both) is
+--            ignored
 --   status:  -> {1, live sessions, total tokens}
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -66,9 +67,7 @@ local function run(op)
     return {1, redis.call('ZCARD', KEYS[1]), tonumber(redis.call('GET', KEYS[4]) or '0')}
   elseif op == 'remove' then
     forget(ARGV[2])
-    if tonumber(ARGV[3]) > now then
-      redis.call('ZADD', KEYS[5], tonumber(ARGV[3]), ARGV[2])
-    end
+    redis.call('ZADD', KEYS[5], now + tonumber(ARGV[3]), ARGV[2])
     return {1}
   elseif op == 'reserve' then
     if redis.call('ZSCORE', KEYS[1], ARGV[2]) then

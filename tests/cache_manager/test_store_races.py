@@ -77,8 +77,8 @@ async def test_a_late_index_update_does_not_resurrect_a_deleted_session(
     info, _, _, _ = await store.begin(
         sid, "acme", lock=None, lock_ttl_ms=0, tokens=False, messages=False, touch=False
     )
-    _, expired_at = await store.delete(sid, "acme")
-    await store.unindex("acme", sid, expired_at_ms=expired_at)
+    await store.delete(sid, "acme")
+    await store.unindex("acme", sid)
     await store.record(info)  # a turn's background index write, arriving after the DELETE
     assert await store.usage("acme") == (0, 0)
     assert await store.list("acme", limit=10, after=None) == ([], False)
