@@ -57,6 +57,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from benchmarks.util import add_output_arguments, add_tiny_model_argument
 
     p.add_argument("--backend", choices=("fake", "tiny"), default="fake")
+    p.add_argument(
+        "--redis",
+        choices=("single", "cluster", "both"),
+        default="single",
+        help="the stack's session store: one redis-server, a 3-master / 3-replica Redis "
+        "Cluster, or both one after the other (outputs under OUT/single and OUT/cluster)",
+    )
     p.add_argument("--sessions", type=int, help="sessions (fake 200, tiny 20; --quick 40, 4)")
     p.add_argument("--turns", type=int, help="chat turns per session after the create (5)")
     p.add_argument("--concurrency", type=int, default=0, help="sessions at once (0: all)")
@@ -92,10 +99,24 @@ def main(args: argparse.Namespace) -> int:
     args.context_words = args.context_words or (200 if args.backend == "fake" else 320)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.gateway:
+        args.redis = "external"
         stack = Stack(
             args.gateway, args.api_key, args.model_name or "", args.redis_url, args.sidecar_control
         )
         return asyncio.run(_bench(args, stack))
+    if args.redis != "both":
+        return _run_own(args)
+    worst = 0
+    for topology in ("single", "cluster"):  # the same workload on each, back to back
+        one = argparse.Namespace(**{**vars(args), "redis": topology, "out": args.out / topology})
+        if args.plot:
+            one.plot = Path(args.plot).with_stem(f"{Path(args.plot).stem}-{topology}")
+        one.out.mkdir(parents=True, exist_ok=True)
+        worst = max(worst, _run_own(one))
+    return worst
+
+
+def _run_own(args: argparse.Namespace) -> int:
     with (
         (args.out / "load-stack.log").open("w") as logs,
         tempfile.TemporaryDirectory() as tmp,
@@ -122,10 +143,18 @@ def _own_stack(args: argparse.Namespace, tmp: Path, logs: IO[str]) -> Iterator[S
     from ctxcache.supervisor import Child, Supervisor, http_ready
 
     cli = [sys.executable, "-m", "ctxcache.cli"]
-    with Supervisor(out=logs) as sup:
-        redis = RedisServer(tmp / "redis", appendonly=False)
-        redis.data_dir.mkdir(parents=True)
-        sup.start(Child("redis", redis.argv(), ready=redis.wait_ready))
+    with Supervisor(out=logs) as sup, contextlib.ExitStack() as stores:
+        if args.redis == "cluster":
+            from ctxcache.redis_topologies import RedisClusterServers
+
+            cluster = RedisClusterServers(tmp / "cluster")
+            stores.callback(cluster.stop)
+            redis_url = cluster.start().url
+        else:
+            redis = RedisServer(tmp / "redis", appendonly=False)
+            redis.data_dir.mkdir(parents=True)
+            sup.start(Child("redis", redis.argv(), ready=redis.wait_ready))
+            redis_url = redis.url
         data_port, control_port = free_port(), free_port()
         sidecar = f"http://127.0.0.1:{control_port}"
         sidecar_argv = ["sidecar", "--port", str(data_port), "--control-port", str(control_port)]
@@ -180,7 +209,7 @@ def _own_stack(args: argparse.Namespace, tmp: Path, logs: IO[str]) -> Iterator[S
             "--port",
             str(gw_port),
             "--redis-url",
-            redis.url,
+            redis_url,
             "--api-key",
             f"{KEY}={TENANT}",
             "--log-level",
@@ -199,7 +228,7 @@ def _own_stack(args: argparse.Namespace, tmp: Path, logs: IO[str]) -> Iterator[S
             )
         )
         pids = {c.name: c.proc.pid for c in [gw, *workers] if c.proc is not None}
-        yield Stack(f"http://127.0.0.1:{gw_port}", KEY, model, redis.url, sidecar, pids)
+        yield Stack(f"http://127.0.0.1:{gw_port}", KEY, model, redis_url, sidecar, pids)
 
 
 # -- observing the stack ----------------------------------------------------------------------
@@ -245,14 +274,12 @@ async def snapshot(stack: Stack) -> dict[str, Any]:
     """Redis keys (SCAN, which also reaps expired ones it meets) and the sidecar's stats."""
     out: dict[str, Any] = {}
     if stack.redis_url:
-        import redis.asyncio as aioredis
+        from cache_manager.redis_url import open_store_redis
 
-        client = aioredis.from_url(stack.redis_url)
-        try:
+        async with open_store_redis(stack.redis_url, timeout_s=10) as client:
+            # on a cluster, SCAN and DBSIZE cover every master
             out["redis_keys"] = sorted([k.decode() async for k in client.scan_iter(count=1000)])
             out["redis_dbsize"] = int(await client.dbsize())
-        finally:
-            await client.aclose()
     if stack.sidecar:
         async with httpx.AsyncClient(timeout=10) as c:
             stats = (await c.get(f"{stack.sidecar}/stats")).json()
@@ -532,6 +559,7 @@ async def _bench(args: argparse.Namespace, stack: Stack) -> int:
     }
     row = {
         "backend": args.backend,
+        "redis": getattr(args, "redis", "external"),
         "sessions": args.sessions,
         "turns_per_session": args.turns,
         "concurrency": args.concurrency,

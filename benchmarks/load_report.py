@@ -9,7 +9,16 @@ from typing import Any
 
 log = logging.getLogger("ctxcache.bench.load")
 
-PARAMS = ("backend", "sessions", "turns", "concurrency", "workers", "max_tokens", "race_every")
+PARAMS = (
+    "backend",
+    "redis",
+    "sessions",
+    "turns",
+    "concurrency",
+    "workers",
+    "max_tokens",
+    "race_every",
+)
 
 
 def report(
@@ -30,6 +39,7 @@ def report(
     table = markdown_table(
         [
             "backend",
+            "Redis",
             "sessions × turns",
             "concurrency",
             "turns ok",
@@ -44,6 +54,7 @@ def report(
         [
             [
                 row["backend"],
+                row["redis"],
                 f"{row['sessions']} × {row['turns_per_session']}",
                 row["concurrency"],
                 f"{row['turns_ok']}/{row['turns_expected']}",

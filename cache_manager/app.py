@@ -7,14 +7,9 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
-import redis.asyncio as aioredis
 from fastapi import FastAPI, Request, Response
-from redis import __version__ as redis_version
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.driver_info import DriverInfo
-from redis.exceptions import ConnectionError, TimeoutError
 
+from cache_manager.redis_url import open_store_redis, redact
 from cache_manager.router import router, stats, tenants
 from cache_manager.service import SessionService
 from cache_manager.settings import ManagerSettings
@@ -29,32 +24,23 @@ log = logging.getLogger(__name__)
 def create_app(settings: ManagerSettings, *, sidecar_link: SidecarLink | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        redis = aioredis.Redis.from_url(
-            settings.redis_url,
-            socket_timeout=settings.redis_timeout_s,
-            socket_connect_timeout=settings.redis_timeout_s,
-            # A pooled connection that died with a Redis restart is retried once on a fresh
-            # one; append is compare-and-set, so a retry can never write a turn twice.
-            retry=Retry(NoBackoff(), 1),
-            retry_on_error=[ConnectionError, TimeoutError],
-            health_check_interval=30,
-            max_connections=256,
-            # given once: otherwise every new pooled connection looks the version up in the
-            # package metadata (~0.6 ms each, most of a 200-session burst's connection cost)
-            driver_info=DriverInfo(lib_version=redis_version),
-        )
         link = BackgroundLink(
             sidecar_link
             or HttpSidecarLink(timeout_s=settings.sidecar_timeout_s, token=settings.sidecar_token)
         )
-        app.state.service = SessionService(SessionStore(redis), settings, link)
-        log.info("manager ready, redis at %s", _redact(settings.redis_url))
-        try:
-            yield
-        finally:
-            await app.state.service.drain()
-            await link.aclose()
-            await redis.aclose()
+        async with open_store_redis(settings.redis_url, timeout_s=settings.redis_timeout_s) as r:
+            store = SessionStore(
+                r,
+                wait_replicas=settings.redis_wait_replicas,
+                wait_timeout_ms=settings.redis_wait_timeout_ms,
+            )
+            app.state.service = SessionService(store, settings, link)
+            log.info("manager ready, redis at %s", redact(settings.redis_url))
+            try:
+                yield
+            finally:
+                await app.state.service.drain()
+                await link.aclose()
 
     app = FastAPI(title="ctxcache manager", lifespan=lifespan, default_response_class=JSONResponse)
     app.state.token = settings.token
@@ -83,11 +69,3 @@ def create_app(settings: ManagerSettings, *, sidecar_link: SidecarLink | None = 
         return {"status": "ok"}
 
     return app
-
-
-def _redact(url: str) -> str:
-    """Never log a Redis password."""
-    if "@" in url:
-        scheme, _, rest = url.partition("://")
-        return f"{scheme}://***@{rest.rsplit('@', 1)[1]}"
-    return url

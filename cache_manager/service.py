@@ -173,9 +173,10 @@ class SessionService:
 
     def _release_later(self, session_id: str, lock: str) -> None:
         """A begin that timed out on a stalled Redis still takes the lock when Redis
-        resumes, for a caller who got a 503 and left: give our token back (release only
-        deletes a lock holding it) until that works, rather than leave the session
-        `session_busy` for the lock's whole TTL."""
+        resumes, for a caller who got a 503 and left; a turn whose append or release
+        failed while its master failed over left its lock on the replica that takes over.
+        Give our token back (release only deletes a lock holding it) until that works,
+        rather than leave the session `session_busy` for the lock's whole TTL."""
 
         async def release() -> None:
             deadline = time.monotonic() + self.settings.lock_ttl_ms / 1000
@@ -197,16 +198,21 @@ class SessionService:
 
     async def append(self, session_id: str, req: AppendTurn) -> SessionInfo:
         self._check_id(session_id)
-        info, moved_from = await self.store.append(
-            session_id,
-            req.tenant,
-            expected_version=req.expected_version,
-            lock=req.lock,
-            tokens=req.tokens,
-            messages=req.messages,
-            worker=req.worker,
-            sidecar=req.sidecar,
-        )
+        try:
+            info, moved_from = await self.store.append(
+                session_id,
+                req.tenant,
+                expected_version=req.expected_version,
+                lock=req.lock,
+                tokens=req.tokens,
+                messages=req.messages,
+                worker=req.worker,
+                sidecar=req.sidecar,
+            )
+        except StoreUnavailable:
+            if req.lock is not None:  # appended or not, the session must not stay busy
+                self._release_later(session_id, req.lock)
+            raise
         self._index_later(info)
         with bind_session(session_id):
             log.debug("turn %d appended, %d tokens", info.turns, info.context_tokens)
@@ -218,7 +224,11 @@ class SessionService:
     async def release(self, session_id: str, tenant: str, lock: str) -> None:
         self._check_id(session_id)
         await self.store.get(session_id, tenant)  # tenant check
-        await self.store.release(session_id, lock)
+        try:
+            await self.store.release(session_id, lock)
+        except StoreUnavailable:
+            self._release_later(session_id, lock)  # a failover: once there is a master
+            raise
 
     async def update(self, session_id: str, req: UpdateSession) -> SessionInfo:
         self._check_id(session_id)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings
 
+from cache_manager.redis_url import parse_store_url
 from ctxcache.settings import service_config
 
 
@@ -18,8 +19,19 @@ class ManagerSettings(BaseSettings):
 
     host: str = Field("127.0.0.1", description="bind address")
     port: int = Field(8300, ge=0, le=65535, description="internal API port")
-    redis_url: str = Field("redis://127.0.0.1:6379/0", description="the session store")
+    redis_url: str = Field(
+        "redis://127.0.0.1:6379/0",
+        description="the session store: redis[s]://, redis[s]+cluster://, redis[s]+sentinel://",
+    )
     redis_timeout_s: float = Field(2.0, gt=0, description="socket timeout of Redis calls")
+    redis_wait_replicas: int = Field(
+        0, ge=0, description="a write is answered once this many replicas have it (WAIT)"
+    )
+    redis_wait_timeout_ms: int = Field(
+        500,
+        ge=1,
+        description="how long a write waits for them, then is answered (< redis_timeout_s)",
+    )
     default_ttl: int = Field(3600, description="seconds, used when a create gives no ttl")
     min_ttl: int = Field(60, ge=1, description="smallest ttl accepted")
     max_ttl: int = Field(7 * 24 * 3600, ge=1, description="largest ttl accepted")
@@ -35,10 +47,19 @@ class ManagerSettings(BaseSettings):
     token: str | None = Field(None, description="shared token required on the manager API")
     log_level: str = Field("INFO", description="DEBUG, INFO, WARNING, ...")
 
+    @field_validator("redis_url")
+    @classmethod
+    def _store_url(cls, url: str) -> str:
+        parse_store_url(url)  # a ValueError names what is wrong
+        return url
+
     @model_validator(mode="after")
     def _ttl_bounds(self) -> ManagerSettings:
         if not self.min_ttl <= self.default_ttl <= self.max_ttl:
             raise ValueError("need min_ttl <= default_ttl <= max_ttl")
+        if self.redis_wait_replicas and self.redis_wait_timeout_ms >= self.redis_timeout_s * 1000:
+            # else a replica that does not answer turns every write into a socket timeout
+            raise ValueError("need redis_wait_timeout_ms < redis_timeout_s")
         return self
 
     def quota_for(self, tenant: str) -> TenantQuota:

@@ -9,24 +9,34 @@ Key layout (see docs/architecture.md):
     tn:{<tenant>}:new zset    session ids by created ms (listing order)
     tn:{<tenant>}:tok hash    id -> "version:context_tokens"
     tn:{<tenant>}:sum string  the tenant's total context tokens
+    tn:{<tenant>}:del zset    ids removed from the index, kept out until a time (ms)
     ctx:live          zset    every live session id by expires_at ms (the live-session metric)
 The `{...}` hash tags put a session's keys in one Redis Cluster slot, and a tenant's index
-in another; no script touches two slots. Expiry is Redis' own (PEXPIREAT on every key).
+in another; no script touches two slots, so the same code runs on one Redis, on Sentinel
+and on a Redis Cluster (redis_url.py). Expiry is Redis' own (PEXPIREAT on every key).
+
+Every write script is idempotent, so a call retried on a fresh connection after its reply
+was lost (a restart, a failover) never writes twice: create finds its own record, begin its
+own lock token, append the lock token of the turn it already appended.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import secrets
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import orjson
-import redis.asyncio as aioredis
 from redis import exceptions as rexc
+from redis.asyncio.cluster import RedisCluster
+from redis.commands.core import AsyncScript
 
 from cache_manager.protocol import SessionInfo
+from cache_manager.redis_url import StoreRedis
 from cache_manager.tokens import pack_tokens, unpack_tokens
 from ctxcache.errors import (
     InvalidRequest,
@@ -37,7 +47,16 @@ from ctxcache.errors import (
     VersionConflict,
 )
 
+log = logging.getLogger(__name__)
+
 _LUA_DIR = Path(__file__).parent / "lua"
+# A removed session id stays out of its tenant's index this long: a turn's index update
+# still on its way must not bring it back (it is sent right after the turn's write, with the
+# Redis timeout and one retry, so it lands within seconds or not at all).
+KEEP_OUT_MS = 10_000
+# A listed id whose record is gone is dropped from the index once it is this old (younger:
+# maybe a create in progress, which indexes the id first).
+INDEX_GRACE_MS = 60_000
 SESSION_PREFIX = "ctx_"
 LIVE_KEY = "ctx:live"
 _ID_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_")
@@ -60,12 +79,15 @@ def session_keys(session_id: str) -> list[str]:
 
 def tenant_keys(tenant: str) -> list[str]:
     base = f"tn:{{{tenant}}}"
-    return [f"{base}:exp", f"{base}:new", f"{base}:tok", f"{base}:sum"]
+    return [f"{base}:exp", f"{base}:new", f"{base}:tok", f"{base}:sum", f"{base}:del"]
 
 
-def _script(redis: aioredis.Redis, name: str) -> Any:
+def _script(redis: StoreRedis, name: str) -> AsyncScript:
     text = (_LUA_DIR / f"{name}.lua").read_text()
     return redis.register_script(text)
+
+
+Call = tuple[AsyncScript, list[str], list[Any]]
 
 
 def _as_dict(flat: list[bytes]) -> dict[bytes, bytes]:
@@ -99,20 +121,46 @@ def parse_info(session_id: str, rec: dict[bytes, bytes]) -> SessionInfo:
     )
 
 
+# Redis down, restarting, loading its AOF, or a master failing over: a replica that was a
+# master answers READONLY, a cluster CLUSTERDOWN / TRYAGAIN or with a slot nobody serves.
+_UNAVAILABLE = (
+    rexc.ConnectionError,  # also Sentinel's MasterNotFoundError, and BusyLoadingError
+    rexc.TimeoutError,
+    rexc.ReadOnlyError,
+    rexc.ClusterError,  # also ClusterDownError, MasterDownError, "TTL exhausted"
+    rexc.TryAgainError,
+    rexc.SlotNotCoveredError,
+    OSError,
+)
+
+
+def _unavailable(exc: BaseException) -> bool:
+    if isinstance(exc, _UNAVAILABLE):
+        return True
+    # the cluster client found none of its nodes reachable
+    return isinstance(exc, rexc.RedisClusterException) and isinstance(exc.__cause__, _UNAVAILABLE)
+
+
 @contextlib.asynccontextmanager
 async def redis_errors() -> AsyncIterator[None]:
-    """Redis down, restarting or loading its AOF -> `store_unavailable`, never a 500."""
+    """Redis unreachable or failing over -> `store_unavailable` (503), never a 500."""
     try:
         yield
-    except (rexc.ConnectionError, rexc.TimeoutError, rexc.BusyLoadingError, OSError) as exc:
-        raise StoreUnavailable(f"session store unavailable: {type(exc).__name__}") from exc
+    except Exception as exc:
+        if _unavailable(exc):
+            raise StoreUnavailable(f"session store unavailable: {type(exc).__name__}") from exc
+        raise
 
 
 class SessionStore:
     """Session records in Redis. Every method is one round trip unless it says otherwise."""
 
-    def __init__(self, redis: aioredis.Redis) -> None:
+    def __init__(
+        self, redis: StoreRedis, *, wait_replicas: int = 0, wait_timeout_ms: int = 500
+    ) -> None:
         self.redis = redis
+        self.wait_replicas = wait_replicas
+        self.wait_timeout_ms = wait_timeout_ms
         self._create = _script(redis, "create")
         self._begin = _script(redis, "begin")
         self._append = _script(redis, "append")
@@ -122,29 +170,65 @@ class SessionStore:
         self._tenant = _script(redis, "tenant")
         self._live = _script(redis, "live")
 
-    async def _pipelined(
-        self, *calls: tuple[Any, list[str], list[Any]], also: Any = None
-    ) -> list[Any]:
+    async def _pipelined(self, *calls: Call, also: Any = None, durable: bool = False) -> list[Any]:
         """Several scripts in one round trip (EVALSHA; loaded on the rare NOSCRIPT).
 
         redis-py's own script-in-pipeline support sends SCRIPT EXISTS before every
         pipeline, a second round trip; this does not. When Redis does not know a script
-        yet (first use, or after a restart), only the calls that failed on it run again:
-        the others already ran, and a create or a lock taken twice is not harmless.
+        yet (first use, a restart, a replica promoted by a failover), only the calls that
+        failed on it run again: the others already ran. On a cluster, the calls go to the
+        masters of their keys' slots, in one round trip to each.
+
+        `durable`: with `wait_replicas`, the first call's write is answered only once that
+        many replicas have it (or `wait_timeout_ms` passed: then it is logged, and answered
+        all the same, since it is written), so a failover does not lose it.
         """
-        pipe = self.redis.pipeline(transaction=False)
-        for script, keys, args in calls:
-            pipe.evalsha(script.sha, len(keys), *keys, *args)
-        if also is not None:  # plain commands riding in the same round trip
-            also(pipe)
-        results: list[Any] = await pipe.execute(raise_on_error=False)
-        for i, (script, keys, args) in enumerate(calls):
-            if isinstance(results[i], rexc.NoScriptError):
-                await self.redis.script_load(script.script)
-                results[i] = await self.redis.evalsha(script.sha, len(keys), *keys, *args)
+        results = await self._send(calls, also, durable)
+        missing = [
+            i for i, r in enumerate(results[: len(calls)]) if isinstance(r, rexc.NoScriptError)
+        ]
+        if missing:
+            for i in missing:
+                await self.redis.script_load(calls[i][0].script)
+            again = await self._send([calls[i] for i in missing], None, durable)
+            for i, r in zip(missing, again, strict=True):
+                results[i] = r
         for r in results:
             if isinstance(r, Exception):
                 raise r
+        return results
+
+    async def _send(
+        self, calls: list[Call] | tuple[Call, ...], also: Any, durable: bool
+    ) -> list[Any]:
+        pipe = self.redis.pipeline(transaction=False)
+        for script, keys, args in calls:
+            # the raw command: redis-py's cluster pipeline blocks its `evalsha` method (but
+            # routes EVALSHA by its keys; allowed upstream since redis-py PR #4206)
+            pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+        if also is not None:  # plain commands riding in the same round trip
+            also(pipe)
+        wait = durable and self.wait_replicas > 0
+        if wait:
+            # WAIT counts the writes of its own connection: it rides the same pipeline,
+            # to the node that holds the first call's keys
+            key = calls[0][1][0]
+            target = {}
+            if isinstance(self.redis, RedisCluster):
+                await self.redis.initialize()  # knows the slots (a no-op once it does)
+                target = {"target_nodes": self.redis.get_node_from_key(key)}
+            pipe.execute_command("WAIT", self.wait_replicas, self.wait_timeout_ms, **target)
+        results: list[Any] = await pipe.execute(raise_on_error=False)
+        if wait:
+            reached = results.pop()
+            if isinstance(reached, int) and reached < self.wait_replicas:
+                log.warning(
+                    "%s written, but %d of %d replicas confirmed it within %d ms",
+                    key,
+                    reached,
+                    self.wait_replicas,
+                    self.wait_timeout_ms,
+                )
         return results
 
     async def ping(self) -> bool:
@@ -169,6 +253,7 @@ class SessionStore:
             (created, *_) = await self._pipelined(
                 (self._create, session_keys(session_id)[:3], args),
                 (self._live, [LIVE_KEY], ["add", session_id, expires_at_ms, 1]),
+                durable=True,
             )
         return bool(created)
 
@@ -244,7 +329,9 @@ class SessionStore:
         ]
         args += [orjson.dumps(m) for m in messages]
         async with redis_errors():
-            res = await self._append(keys=session_keys(session_id), args=args)
+            (res,) = await self._pipelined(
+                (self._append, session_keys(session_id), args), durable=True
+            )
         if res[0] == 0:
             raise SessionNotFound()
         if res[0] == -1:
@@ -274,7 +361,9 @@ class SessionStore:
     ) -> SessionInfo:
         args = [tenant, "" if ttl is None else ttl, worker or "", sidecar or ""]
         async with redis_errors():
-            res = await self._update(keys=session_keys(session_id)[:3], args=args)
+            (res,) = await self._pipelined(
+                (self._update, session_keys(session_id)[:3], args), durable=True
+            )
         if res[0] == 0:
             raise SessionNotFound()
         return parse_info(session_id, _as_dict(res[1]))
@@ -282,7 +371,9 @@ class SessionStore:
     async def delete(self, session_id: str, tenant: str) -> str | None:
         """Delete; returns the sidecar URL the session's KV is pinned in, if any."""
         async with redis_errors():
-            res = await self._delete(keys=session_keys(session_id), args=[tenant])
+            (res,) = await self._pipelined(
+                (self._delete, session_keys(session_id), [tenant]), durable=True
+            )
         if res[0] == 0:
             raise SessionNotFound()
         return res[1].decode() or None
@@ -331,9 +422,12 @@ class SessionStore:
         return int(res[1])
 
     async def unindex(self, tenant: str, session_id: str) -> None:
+        """Drop the session from the tenant's index and the live set. A turn's index
+        update still on its way (`record`, racing a DELETE: the session and the index are
+        in different slots) is ignored for KEEP_OUT_MS."""
         async with redis_errors():
             await self._pipelined(
-                (self._tenant, tenant_keys(tenant), ["remove", session_id]),
+                (self._tenant, tenant_keys(tenant), ["remove", session_id, KEEP_OUT_MS]),
                 also=lambda pipe: pipe.zrem(LIVE_KEY, session_id),
             )
 
@@ -349,7 +443,12 @@ class SessionStore:
     async def list(
         self, tenant: str, *, limit: int, after: str | None
     ) -> tuple[list[SessionInfo], bool]:
-        """Newest first; `after` is the last id of the previous page. Two round trips."""
+        """Newest first; `after` is the last id of the previous page. Two round trips.
+
+        An indexed id whose record is gone (deleted while a turn's late index update put
+        it back, or lost with a failover's last writes) is skipped, and dropped from the
+        index once it is older than a create in progress could be.
+        """
         new_key = tenant_keys(tenant)[1]
         async with redis_errors():
             await self._tenant(keys=tenant_keys(tenant), args=["status"])  # purge expired
@@ -359,14 +458,20 @@ class SessionStore:
                 if rank is None:
                     return [], False
                 start = rank + 1
-            ids = [i.decode() for i in await self.redis.zrevrange(new_key, start, start + limit)]
+            page = await self.redis.zrevrange(new_key, start, start + limit, withscores=True)
+            ids = [(i.decode(), int(created)) for i, created in page]
             pipe = self.redis.pipeline(transaction=False)
-            for sid in ids[:limit]:
+            for sid, _ in ids[:limit]:
                 pipe.hgetall(session_keys(sid)[0])
             recs = await pipe.execute()
-        out = [
-            parse_info(sid, rec)
-            for sid, rec in zip(ids[:limit], recs, strict=True)
-            if rec and rec.get(b"tenant", b"").decode() == tenant
-        ]
+        out, stale = [], []
+        old = int(time.time() * 1000) - INDEX_GRACE_MS
+        for (sid, created), rec in zip(ids[:limit], recs, strict=True):
+            if rec and rec.get(b"tenant", b"").decode() == tenant:
+                out.append(parse_info(sid, rec))
+            elif created < old:
+                stale.append(sid)
+        for sid in stale:
+            log.info("dropping %s from the index of tenant %s: its record is gone", sid, tenant)
+            await self.unindex(tenant, sid)
         return out, len(ids) > limit

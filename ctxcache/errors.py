@@ -119,8 +119,15 @@ class BackendUnavailable(CtxError):
 
 
 class StoreUnavailable(CtxError):
+    """Redis unreachable, or its master failing over: nothing was written by the call that
+    failed, except a write whose reply was lost (documented in docs/deploy.md)."""
+
     status, code, type = 503, "store_unavailable", "server_error"
     default_message = "the session store is unavailable"
+
+    def __init__(self, message: str | None = None, *, retry_after_ms: int = 1000) -> None:
+        # about how long a Redis restart or a Sentinel / Cluster failover takes to be over
+        super().__init__(message, headers={"retry-after-ms": str(retry_after_ms)})
 
 
 class BackendTimeout(CtxError):
@@ -146,8 +153,8 @@ def error_from_envelope(status: int, body: Any) -> CtxError:
         return err
     cls = _registry().get(str(info.get("code")), CtxError)
     message = str(info.get("message") or cls.default_message)
-    if cls is SessionBusy:
-        return SessionBusy(message)
+    if cls in (SessionBusy, StoreUnavailable):
+        return cls(message)
     return cls(message, param=info.get("param"))
 
 

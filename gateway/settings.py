@@ -36,7 +36,8 @@ class GatewaySettings(BaseSettings):
     manager_url: str | None = Field(None, description="the manager service; unset: in-process")
     manager_token: str | None = Field(None, description="shared token of the manager service")
     redis_url: str = Field(
-        "redis://127.0.0.1:6379/0", description="Redis of the in-process manager"
+        "redis://127.0.0.1:6379/0",
+        description="store of the in-process manager (CTX_MANAGER_REDIS_URL's grammar)",
     )
     api_keys: dict[str, str] = Field(
         default_factory=dict, description='JSON {"<key>": "<tenant>"}; empty: open'

@@ -5,9 +5,15 @@
 --       8.. new messages (JSON strings)
 -- Returns {1, record fields...} | {0} not found | {-1} another turn holds the lock
 --         | {-2, current version} version conflict
-local rec = redis.call('HMGET', KEYS[1], 'tenant', 'version', 'ttl')
+-- Idempotent for a locked turn: the record keeps the lock token of the last append, so a
+-- retry of this append (its reply lost with a dropped connection) is answered as the first
+-- was, and never appends the turn twice.
+local rec = redis.call('HMGET', KEYS[1], 'tenant', 'version', 'ttl', 'last_lock')
 if not rec[1] or rec[1] ~= ARGV[1] then
   return {0}
+end
+if ARGV[3] ~= '' and rec[4] == ARGV[3] and tonumber(rec[2]) == tonumber(ARGV[2]) + 1 then
+  return {1, redis.call('HGETALL', KEYS[1])}
 end
 local holder = redis.call('GET', KEYS[4])
 if holder and holder ~= ARGV[3] then
@@ -26,7 +32,7 @@ end
 redis.call('HINCRBY', KEYS[1], 'version', 1)
 redis.call('HINCRBY', KEYS[1], 'turns', 1)
 redis.call('HINCRBY', KEYS[1], 'context_tokens', tonumber(ARGV[5]))
-redis.call('HSET', KEYS[1], 'last_used', now, 'expires_at', exp)
+redis.call('HSET', KEYS[1], 'last_used', now, 'expires_at', exp, 'last_lock', ARGV[3])
 if ARGV[6] ~= '' then
   redis.call('HSET', KEYS[1], 'prev_affinity', redis.call('HGET', KEYS[1], 'affinity') or '',
     'prev_sidecar', redis.call('HGET', KEYS[1], 'sidecar') or '',

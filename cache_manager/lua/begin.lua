@@ -4,6 +4,7 @@
 --       4 '1' return token ids  5 '1' return messages  6 '1' slide the TTL now
 --       7 a version whose messages the caller holds: none are returned at that version
 -- Returns {1, record fields..., tokens, messages} | {0} not found | {-1, lock pttl} busy
+-- Idempotent: a retry of this begin (its reply lost) finds the lock holding its own token.
 local h = redis.call('HGETALL', KEYS[1])
 if #h == 0 then
   return {0}
@@ -16,7 +17,8 @@ if rec['tenant'] ~= ARGV[1] then
   return {0}
 end
 if ARGV[2] ~= '' then
-  if not redis.call('SET', KEYS[4], ARGV[2], 'NX', 'PX', ARGV[3]) then
+  local took = redis.call('SET', KEYS[4], ARGV[2], 'NX', 'PX', ARGV[3])
+  if not took and redis.call('GET', KEYS[4]) ~= ARGV[2] then
     return {-1, redis.call('PTTL', KEYS[4])}
   end
 end

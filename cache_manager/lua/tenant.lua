@@ -2,13 +2,18 @@
 -- All keys share the tenant's hash tag, so this runs on one Redis Cluster slot.
 -- KEYS: 1 tn:{t}:exp (zset id -> expires_at ms)  2 tn:{t}:new (zset id -> created ms)
 --       3 tn:{t}:tok (hash id -> "version:tokens")  4 tn:{t}:sum (total context tokens)
+--       5 tn:{t}:del (zset id -> ms: removed ids, kept out until then; see 'remove')
 -- ARGV: 1 op: 'reserve' | 'record' | 'remove' | 'status'
 --   reserve: 2 id  3 ttl s  4 tokens  5 max sessions  6 max tokens  -> {1, expires_at ms}
 --            | {-1, live sessions} over the session quota | {-2, total tokens} over tokens
 --            | {-3} the id is taken
 --   record:  2 id  3 expires_at ms  4 version  5 tokens  6 exact ('1': set expiry as given)
 --            -> {1, total tokens}
---   remove:  2 id -> {1}
+--            (a removed id is not recorded again: see 'remove')
+--   remove:  2 id  3 keep-out ms -> {1}: the id leaves the index, and a 'record' of it that
+--            arrives within keep-out ms (a turn's index update racing the session's DELETE:
+--            the session and this index live in different slots, no script sees both) is
+--            ignored
 --   status:  -> {1, live sessions, total tokens}
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -32,6 +37,8 @@ local function forget(id)
   redis.call('ZREM', KEYS[2], id)
 end
 
+redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', now)
+
 -- purge sessions whose expiry has passed (Redis already dropped their keys)
 local expired = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, 1000)
 for _, id in ipairs(expired) do
@@ -49,6 +56,10 @@ local function tidy()
       redis.call('DEL', KEYS[i])
     end
   end
+  local gone = redis.call('ZRANGE', KEYS[5], -1, -1, 'WITHSCORES')
+  if gone[2] then
+    redis.call('PEXPIREAT', KEYS[5], math.floor(tonumber(gone[2])))
+  end
 end
 
 local function run(op)
@@ -56,6 +67,7 @@ local function run(op)
     return {1, redis.call('ZCARD', KEYS[1]), tonumber(redis.call('GET', KEYS[4]) or '0')}
   elseif op == 'remove' then
     forget(ARGV[2])
+    redis.call('ZADD', KEYS[5], now + tonumber(ARGV[3]), ARGV[2])
     return {1}
   elseif op == 'reserve' then
     if redis.call('ZSCORE', KEYS[1], ARGV[2]) then
@@ -70,6 +82,7 @@ local function run(op)
       return {-2, total}
     end
     local exp = now + tonumber(ARGV[3]) * 1000
+    redis.call('ZREM', KEYS[5], ARGV[2])  -- a client creating an id again, on purpose
     redis.call('ZADD', KEYS[1], exp, ARGV[2])
     redis.call('ZADD', KEYS[2], now, ARGV[2])
     redis.call('HSET', KEYS[3], ARGV[2], '1:' .. ARGV[4])
@@ -77,6 +90,9 @@ local function run(op)
     return {1, exp}
   elseif op == 'record' then
     local id = ARGV[2]
+    if redis.call('ZSCORE', KEYS[5], id) then
+      return {1, tonumber(redis.call('GET', KEYS[4]) or '0')}
+    end
     local version, old = tokens_of(id)
     local new_version = tonumber(ARGV[4])
     if version == nil or new_version >= version then

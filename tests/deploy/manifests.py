@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
 DOCKERFILE = ROOT / "deploy" / "Dockerfile"
 K8S = ROOT / "deploy" / "k8s"
-OVERLAYS = ("cpu", "gpu")
+OVERLAYS = ("cpu", "gpu", "external-redis")
 
 Doc = dict[str, Any]
 

@@ -204,7 +204,7 @@ def test_lmcache_remote_url_reaches_the_sidecar_data_port() -> None:
 
 def test_cpu_workers_use_the_same_chunk_size_and_their_sidecar() -> None:
     workers = [c for c in all_containers() if c.ctxcache_command in {"worker", "vllm"}]
-    assert len(workers) == 2  # compose cpu profile + the cpu overlay
+    assert len(workers) == 3  # compose cpu profile, the cpu overlay and external-redis on it
     assert {c.ctxcache_command for c in workers} == {"vllm"}  # vLLM unless told otherwise
     for c in workers:
         assert int(flag_value(c.argv, "--chunk-size") or CHUNK_SIZE) == CHUNK_SIZE
@@ -252,6 +252,21 @@ def test_gateway_is_replicated_autoscaled_and_disruption_safe() -> None:
         if spec := d.get("spec", {}).get("template", {}).get("spec"):
             for c in spec["containers"]:
                 assert {"requests", "limits"} <= set(c.get("resources", {})), c["name"]
+
+
+def test_external_redis_overlay_points_the_manager_at_a_cluster_and_runs_no_redis() -> None:
+    from cache_manager.redis_url import parse_store_url
+    from cache_manager.settings import ManagerSettings
+
+    docs = render("external-redis")
+    data = find(docs, "ConfigMap", "manager-config")["data"]
+    assert parse_store_url(data["CTX_MANAGER_REDIS_URL"]).topology in {"cluster", "sentinel"}
+    settings = ManagerSettings(
+        **{k.removeprefix("CTX_MANAGER_").lower(): v for k, v in data.items()}
+    )  # valid together: the replica wait is shorter than the socket timeout
+    assert settings.redis_wait_replicas >= 1
+    assert find(docs, "StatefulSet", "redis")["spec"]["replicas"] == 0
+    assert find(render("cpu"), "StatefulSet", "redis")["spec"].get("replicas", 1) == 1
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

@@ -104,31 +104,41 @@ class FaultStack:
         self.start_sidecar()
         with ThreadPoolExecutor(2) as pool:  # both load the model at once
             self.workers = list(pool.map(lambda i: self.worker_proc(i).start(), range(2)))
-        argv = ["gateway", "--redis-url", self.redis.url]
+        self.gateway = self.start_gateway(self.redis.url, "gateway")
+        return self
+
+    def start_gateway(
+        self, redis_url: str, name: str, env: dict[str, str] | None = None
+    ) -> ServiceProcess:
+        """A gateway (in-process manager) on `redis_url` in front of this stack's workers;
+        the caller stops the ones it starts beside the stack's own."""
+        argv = ["gateway", "--redis-url", redis_url]
         for i, w in enumerate(self.workers):
             argv += ["--worker", f"w{i}@{w.url}={self.sidecar_url}"]
         for key, tenant in API_KEYS.items():
             argv += ["--api-key", f"{key}={tenant}"]
-        self.gateway = ServiceProcess(
+        return ServiceProcess(
             argv,
-            log_path=self.root / "gateway.log",
+            log_path=self.root / f"{name}.log",
             env={
                 "CTX_GATEWAY_HEALTH_INTERVAL_S": "0.5",
                 "CTX_GATEWAY_REQUEST_TIMEOUT_S": str(REQUEST_TIMEOUT_S),
                 "CTX_MANAGER_REDIS_TIMEOUT_S": str(REDIS_TIMEOUT_S),
+                **(env or {}),
             },
             health_path="/ready",
         ).start()
-        return self
 
     def restart_worker(self, i: int) -> None:
         old = self.workers[i]
         old.stop()
         self.workers[i] = self.worker_proc(i, port=old.port).start()
 
-    def client(self, key: str = "fault-key-a", timeout: float = 60) -> httpx.Client:
+    def client(
+        self, key: str = "fault-key-a", timeout: float = 60, *, url: str | None = None
+    ) -> httpx.Client:
         return httpx.Client(
-            base_url=self.url, timeout=timeout, headers={"authorization": f"Bearer {key}"}
+            base_url=url or self.url, timeout=timeout, headers={"authorization": f"Bearer {key}"}
         )
 
     def wait_ready_workers(self, n: int, timeout: float = 60) -> None:
