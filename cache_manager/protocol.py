@@ -69,7 +69,8 @@ class ResponseDeleted(StrictModel):
 
 class CreateSession(StrictModel):
     tenant: str = Field(min_length=1, max_length=256)
-    model: str = Field(min_length=1, max_length=256)
+    # "": a conversation, which takes the model of its first response (AppendTurn.model)
+    model: str = Field(max_length=256)
     kind: Kind
     session_id: str | None = Field(None, description="pre-generated id (new_session_id())")
     tokens: TokenIds = Field(default_factory=list)
