@@ -185,15 +185,19 @@ def test_conversation_create_three_responses_items_delete(stack: Stack) -> None:
     assert conv.id.startswith("conv_") and conv.metadata == {"topic": "manual"}
     outputs = []
     history: list[dict[str, str]] = []
-    for q in QUESTIONS[:3]:
+    system = {"role": "system", "content": INSTRUCTIONS}
+    for turn, q in enumerate(QUESTIONS[:3], start=1):
         r = client.responses.create(input=q, conversation=conv.id, **GREEDY)
         assert r.conversation is not None and r.conversation.id == conv.id
         history += [{"role": "user", "content": q}]
-        want = client.responses.create(input=history, store=False, **GREEDY)  # type: ignore[arg-type]
-        # (the reference carries the system item as instructions would: compare texts)
+        want = client.responses.create(input=[system, *history], store=False, **GREEDY)  # type: ignore[list-item]
+        assert r.output_text == want.output_text, f"turn {turn} differs"
+        assert r.usage is not None and want.usage is not None
+        assert r.usage.input_tokens == want.usage.input_tokens
+        if turn > 1:
+            assert r.usage.input_tokens_details.cached_tokens >= 0.9 * r.usage.input_tokens
         history += [{"role": "assistant", "content": r.output_text}]
         outputs.append(r)
-        assert want.usage is not None and r.usage is not None
     items = client.conversations.items.list(conv.id, order="asc")
     texts = [(i.role, i.content[0].text) for i in items.data]  # type: ignore[union-attr]
     assert texts[0] == ("system", INSTRUCTIONS)
@@ -204,8 +208,8 @@ def test_conversation_create_three_responses_items_delete(stack: Stack) -> None:
     assert newest.has_more
 
     updated = client.conversations.update(conv.id, metadata={"topic": "other"})
-    assert client.conversations.retrieve(conv.id).metadata == {"topic": "other"} == (
-        updated.metadata
+    assert (
+        client.conversations.retrieve(conv.id).metadata == {"topic": "other"} == (updated.metadata)
     )
     deleted = client.conversations.delete(conv.id)
     assert deleted.deleted and deleted.id == conv.id
@@ -313,9 +317,7 @@ def test_bad_requests_are_clear_400s(stack: Stack) -> None:
     for extra, param in cases:
         body = {"input": "hi", **GREEDY, **extra}
         with httpx.Client(base_url=stack.url, timeout=60) as http:
-            got = http.post(
-                "/v1/responses", json=body, headers={"authorization": "Bearer key-a"}
-            )
+            got = http.post("/v1/responses", json=body, headers={"authorization": "Bearer key-a"})
         assert got.status_code == 400, (extra, got.text)
         error = got.json()["error"]
         assert error["type"] == "invalid_request_error"
