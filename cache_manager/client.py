@@ -25,6 +25,8 @@ from cache_manager.protocol import (
     CreateSession,
     ManagerStats,
     ReleaseLock,
+    ResponseDeleted,
+    ResponseRecord,
     SessionInfo,
     SessionList,
     SessionState,
@@ -167,6 +169,24 @@ class ManagerClient:
     async def delete(self, session_id: str, tenant: str) -> None:
         await self._call("DELETE", self._path(session_id), None, params={"tenant": tenant})
 
+    async def get_response(self, session_id: str, tenant: str, response_id: str) -> ResponseRecord:
+        return await self._call(
+            "GET",
+            self._path(session_id, f"/responses/{response_id}"),
+            ResponseRecord,  # type: ignore[return-value]
+            params={"tenant": tenant},
+        )
+
+    async def delete_response(
+        self, session_id: str, tenant: str, response_id: str
+    ) -> ResponseDeleted:
+        return await self._call(
+            "DELETE",
+            self._path(session_id, f"/responses/{response_id}"),
+            ResponseDeleted,  # type: ignore[return-value]
+            params={"tenant": tenant},
+        )
+
     async def usage(self, tenant: str) -> TenantUsage:
         return await self._call("GET", f"/tenants/{tenant}/usage", TenantUsage)  # type: ignore[return-value]
 
@@ -215,6 +235,14 @@ class LocalManager(ManagerClient):
 
     async def delete(self, session_id: str, tenant: str) -> None:
         await self.service.delete(session_id, tenant)
+
+    async def get_response(self, session_id: str, tenant: str, response_id: str) -> ResponseRecord:
+        return await self.service.get_response(session_id, tenant, response_id)
+
+    async def delete_response(
+        self, session_id: str, tenant: str, response_id: str
+    ) -> ResponseDeleted:
+        return await self.service.delete_response(session_id, tenant, response_id)
 
     async def usage(self, tenant: str) -> TenantUsage:
         return await self.service.usage(tenant)

@@ -10,6 +10,9 @@ from cache_manager.tokens import TokenIds
 from ctxcache.schema import StrictModel
 
 Kind = Literal["chat", "completion"]
+# which API made the session: /v1/context, /v1/responses (a chain or a fork of one), or
+# /v1/conversations (a named session that only `conversation=` turns append to)
+Origin = Literal["context", "response", "conversation"]
 
 
 class SessionInfo(StrictModel):
@@ -31,6 +34,11 @@ class SessionInfo(StrictModel):
     metadata: dict[str, Any] = Field(default_factory=dict)
     kv_tokens: int | None = None  # what the sidecar holds (GET only; None: not asked/unknown)
     kv_bytes: int | None = None
+    origin: Origin = "context"
+    # the tag of the session's KV blocks in the sidecar: its own session key, or the key of
+    # the session it was forked from (a fork reads its parent's blocks; docs/responses.md)
+    kv_key: str = ""
+    kv_shared: bool = False  # a fork reads this session's blocks: a delete leaves them
 
 
 class SessionState(StrictModel):
@@ -42,9 +50,27 @@ class SessionState(StrictModel):
     lock: str | None = None
 
 
+class StoredResponse(StrictModel):
+    """A `/v1/responses` object kept under its session's hash tag (`ctx:{id}:r`), written
+    in the same script as the turn that made it."""
+
+    id: str = Field(min_length=1, max_length=64, description="the field in ctx:{id}:r")
+    record: dict[str, Any]
+
+
+class ResponseRecord(StrictModel):
+    record: dict[str, Any]
+    version: int  # the session's version now (the record says the version it was made at)
+
+
+class ResponseDeleted(StrictModel):
+    remaining: int  # responses the session still holds
+
+
 class CreateSession(StrictModel):
     tenant: str = Field(min_length=1, max_length=256)
-    model: str = Field(min_length=1, max_length=256)
+    # "": a conversation, which takes the model of its first response (AppendTurn.model)
+    model: str = Field(max_length=256)
     kind: Kind
     session_id: str | None = Field(None, description="pre-generated id (new_session_id())")
     tokens: TokenIds = Field(default_factory=list)
@@ -53,6 +79,9 @@ class CreateSession(StrictModel):
     metadata: dict[str, Any] = Field(default_factory=dict)
     worker: str | None = None
     sidecar: str | None = None
+    origin: Origin = "context"
+    kv_key: str | None = Field(None, description="share this KV tag (a fork); None: its own")
+    response: StoredResponse | None = None
 
 
 class BeginTurn(StrictModel):
@@ -74,6 +103,8 @@ class AppendTurn(StrictModel):
     messages: list[dict[str, Any]] = Field(default_factory=list)
     worker: str | None = None
     sidecar: str | None = None
+    model: str | None = Field(None, description="adopted by a session that has none yet")
+    response: StoredResponse | None = None
 
 
 class ReleaseLock(StrictModel):
@@ -86,6 +117,8 @@ class UpdateSession(StrictModel):
     ttl: int | None = None
     worker: str | None = None
     sidecar: str | None = None
+    metadata: dict[str, Any] | None = None  # replaces the session's metadata
+    kv_shared: bool = False  # a fork now reads the session's KV blocks (never unset)
 
 
 class SessionList(StrictModel):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Query, Request, Response
+from fastapi import APIRouter, Depends, Path, Query, Request, Response
 from pydantic import BaseModel
 
 from cache_manager.protocol import (
@@ -14,6 +14,8 @@ from cache_manager.protocol import (
     Deleted,
     ManagerStats,
     ReleaseLock,
+    ResponseDeleted,
+    ResponseRecord,
     SessionInfo,
     SessionList,
     SessionState,
@@ -80,6 +82,23 @@ async def update(session_id: str, body: UpdateSession, svc: ServiceDep) -> Sessi
 async def delete(session_id: str, tenant: TenantQ, svc: ServiceDep) -> Deleted:
     await svc.delete(session_id, tenant)
     return Deleted(session_id=session_id)
+
+
+ResponseId = Annotated[str, Path(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+
+
+@router.get("/{session_id}/responses/{response_id}", response_model=ResponseRecord)
+async def get_response(
+    session_id: str, response_id: ResponseId, tenant: TenantQ, svc: ServiceDep
+) -> ResponseRecord:
+    return await svc.get_response(session_id, tenant, response_id)
+
+
+@router.delete("/{session_id}/responses/{response_id}", response_model=ResponseDeleted)
+async def delete_response(
+    session_id: str, response_id: ResponseId, tenant: TenantQ, svc: ServiceDep
+) -> ResponseDeleted:
+    return await svc.delete_response(session_id, tenant, response_id)
 
 
 tenants = APIRouter(prefix="/tenants")

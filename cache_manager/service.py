@@ -14,6 +14,8 @@ from cache_manager.protocol import (
     AppendTurn,
     BeginTurn,
     CreateSession,
+    ResponseDeleted,
+    ResponseRecord,
     SessionInfo,
     SessionList,
     SessionState,
@@ -24,6 +26,7 @@ from cache_manager.settings import ManagerSettings
 from cache_manager.sidecar_link import BackgroundLink
 from cache_manager.store import SessionStore, new_session_id, parse_info, valid_session_id
 from ctxcache.errors import InvalidRequest, QuotaExceeded, SessionNotFound, StoreUnavailable
+from ctxcache.lmcache_keys import session_key
 from ctxcache.logs import bind_session
 from ctxcache.settings import check_ttl
 
@@ -109,9 +112,14 @@ class SessionService:
             "affinity": req.worker or "",
             "sidecar": req.sidecar or "",
             "metadata": orjson.dumps(req.metadata),
+            "origin": req.origin,
+            "kv_key": req.kv_key or session_key(session_id),
         }
+        response = (req.response.id, req.response.record) if req.response else None
         try:
-            created = await self.store.create(session_id, fields, exp_ms, req.tokens, req.messages)
+            created = await self.store.create(
+                session_id, fields, exp_ms, req.tokens, req.messages, response
+            )
         except BaseException:
             await self.store.unindex(req.tenant, session_id)
             raise
@@ -120,7 +128,7 @@ class SessionService:
             raise InvalidRequest("session_id already exists", param="session_id")
         with bind_session(session_id):
             log.info("created %s session, %d tokens, ttl %ds", req.kind, len(req.tokens), ttl)
-        self.link.pin(req.sidecar, session_id, -(-exp_ms // 1000))
+        self.link.pin(req.sidecar, fields["kv_key"], -(-exp_ms // 1000))
         # the record as written: no need to read it back
         return parse_info(
             session_id,
@@ -132,7 +140,7 @@ class SessionService:
         self._check_id(session_id)
         info = await self.store.get(session_id, tenant)
         if info.sidecar:
-            held = await self.link.link.held(info.sidecar, session_id)
+            held = await self.link.link.held(info.sidecar, info.kv_key)
             if held is not None:
                 info.kv_tokens, info.kv_bytes = held
         return info
@@ -167,7 +175,7 @@ class SessionService:
             raise QuotaExceeded("tenant context-token quota exhausted")
         if req.touch:
             self._learn(info.tenant, await self.store.record(info))
-            self.link.pin(info.sidecar, session_id, info.expires_at, ttl=info.ttl)
+            self.link.pin(info.sidecar, info.kv_key, info.expires_at, ttl=info.ttl)
         # built from what the store returned: nothing to validate again
         return SessionState.model_construct(info=info, tokens=tokens, messages=messages, lock=lock)
 
@@ -208,6 +216,8 @@ class SessionService:
                 messages=req.messages,
                 worker=req.worker,
                 sidecar=req.sidecar,
+                model=req.model,
+                response=(req.response.id, req.response.record) if req.response else None,
             )
         except StoreUnavailable:
             if req.lock is not None:  # appended or not, the session must not stay busy
@@ -216,10 +226,16 @@ class SessionService:
         self._index_later(info)
         with bind_session(session_id):
             log.debug("turn %d appended, %d tokens", info.turns, info.context_tokens)
-        if moved_from:
-            self.link.drop(moved_from, session_id)
-        self.link.pin(info.sidecar, session_id, info.expires_at, ttl=info.ttl)
+        if moved_from and not self._shares_kv(info):
+            self.link.drop(moved_from, info.kv_key)
+        self.link.pin(info.sidecar, info.kv_key, info.expires_at, ttl=info.ttl)
         return info
+
+    @staticmethod
+    def _shares_kv(info: SessionInfo) -> bool:
+        """Whether other sessions read this one's KV blocks (a fork and its parent): then
+        neither drops them; the pin runs out after the family's last turn."""
+        return info.kv_shared or info.kv_key != session_key(info.session_id)
 
     async def release(self, session_id: str, tenant: str, lock: str) -> None:
         self._check_id(session_id)
@@ -237,22 +253,46 @@ class SessionService:
         if req.worker is not None:
             old_sidecar = (await self.store.get(session_id, req.tenant)).sidecar
         info = await self.store.update(
-            session_id, req.tenant, ttl=ttl, worker=req.worker, sidecar=req.sidecar
+            session_id,
+            req.tenant,
+            ttl=ttl,
+            worker=req.worker,
+            sidecar=req.sidecar,
+            metadata=req.metadata,
+            kv_shared=req.kv_shared,
         )
         if ttl is not None:
             await self.store.record(info, exact_expiry=True)
-        if old_sidecar and old_sidecar != info.sidecar:
-            self.link.drop(old_sidecar, session_id)
-        self.link.pin(info.sidecar, session_id, info.expires_at)
+        if old_sidecar and old_sidecar != info.sidecar and not self._shares_kv(info):
+            self.link.drop(old_sidecar, info.kv_key)
+        if ttl is not None or req.worker is not None:
+            self.link.pin(info.sidecar, info.kv_key, info.expires_at)
         return info
 
     async def delete(self, session_id: str, tenant: str) -> None:
         self._check_id(session_id)
-        sidecar = await self.store.delete(session_id, tenant)
+        info = await self.store.delete(session_id, tenant)
         await self.store.unindex(tenant, session_id)
         with bind_session(session_id):
             log.info("deleted")
-        self.link.drop(sidecar, session_id)
+        if not self._shares_kv(info):
+            self.link.drop(info.sidecar, info.kv_key)
+
+    async def get_response(self, session_id: str, tenant: str, response_id: str) -> ResponseRecord:
+        self._check_id(session_id)
+        found = await self.store.get_response(session_id, tenant, response_id)
+        if found is None:
+            raise SessionNotFound()
+        return ResponseRecord(record=found[0], version=found[1])
+
+    async def delete_response(
+        self, session_id: str, tenant: str, response_id: str
+    ) -> ResponseDeleted:
+        self._check_id(session_id)
+        remaining = await self.store.delete_response(session_id, tenant, response_id)
+        if remaining is None:
+            raise SessionNotFound()
+        return ResponseDeleted(remaining=remaining)
 
     async def list(self, tenant: str, limit: int, after: str | None) -> SessionList:
         if not 1 <= limit <= 100:

@@ -24,7 +24,6 @@ from collections import OrderedDict
 
 import httpx
 
-from ctxcache.lmcache_keys import session_key
 from ctxcache.tasks import BackgroundTasks
 from sidecar.control_client import SidecarControl
 
@@ -32,16 +31,19 @@ log = logging.getLogger(__name__)
 
 
 class SidecarLink(abc.ABC):
-    """Pin/extend and drop a session's KV in the sidecar at `url` (its control API)."""
+    """Pin/extend and drop a session's KV in the sidecar at `url` (its control API).
+
+    `key` is the tag of the session's KV blocks (`SessionInfo.kv_key`): its own session
+    key, or the one of the session it was forked from."""
 
     @abc.abstractmethod
-    async def pin(self, url: str, session_id: str, expires_at: int) -> None: ...
+    async def pin(self, url: str, key: str, expires_at: int) -> None: ...
 
     @abc.abstractmethod
-    async def drop(self, url: str, session_id: str) -> None: ...
+    async def drop(self, url: str, key: str) -> None: ...
 
-    async def held(self, url: str, session_id: str) -> tuple[int, int] | None:
-        """`(tokens, bytes)` of KV the sidecar holds for the session; None if unknown."""
+    async def held(self, url: str, key: str) -> tuple[int, int] | None:
+        """`(tokens, bytes)` of KV the sidecar holds under the key; None if unknown."""
         return None
 
     async def aclose(self) -> None:  # noqa: B027 - optional hook
@@ -60,15 +62,15 @@ class HttpSidecarLink(SidecarLink):
     def _control(self, url: str) -> SidecarControl:
         return SidecarControl(url, self.token, client=self.client)
 
-    async def pin(self, url: str, session_id: str, expires_at: int) -> None:
-        await self._control(url).pin(session_key(session_id), expires_at)
+    async def pin(self, url: str, key: str, expires_at: int) -> None:
+        await self._control(url).pin(key, expires_at)
 
-    async def drop(self, url: str, session_id: str) -> None:
-        await self._control(url).drop(session_key(session_id))
+    async def drop(self, url: str, key: str) -> None:
+        await self._control(url).drop(key)
 
-    async def held(self, url: str, session_id: str) -> tuple[int, int] | None:
+    async def held(self, url: str, key: str) -> tuple[int, int] | None:
         try:
-            info = await self._control(url).info(session_key(session_id))
+            info = await self._control(url).info(key)
             return int(info["tokens"]), int(info["bytes"])
         except Exception as exc:  # a cache: unknown, never an error for the caller
             log.warning("sidecar at %s did not say what it holds: %s", url, exc)
@@ -81,10 +83,10 @@ class HttpSidecarLink(SidecarLink):
 class NullSidecarLink(SidecarLink):
     """No sidecar configured: nothing to pin."""
 
-    async def pin(self, url: str, session_id: str, expires_at: int) -> None:
+    async def pin(self, url: str, key: str, expires_at: int) -> None:
         return None
 
-    async def drop(self, url: str, session_id: str) -> None:
+    async def drop(self, url: str, key: str) -> None:
         return None
 
 
@@ -108,15 +110,13 @@ class BackgroundLink:
         self._remember = remember
         self._pinned: OrderedDict[tuple[str, str], int] = OrderedDict()  # -> pinned until
 
-    def pin(
-        self, url: str | None, session_id: str, expires_at: int, *, ttl: int | None = None
-    ) -> None:
-        """Pin the session's KV at `url` until `expires_at`; with the `ttl` of a turn that
-        slid the expiry, until a little later, or not at all while an earlier pin covers it
-        (see the module docstring)."""
+    def pin(self, url: str | None, kv_key: str, expires_at: int, *, ttl: int | None = None) -> None:
+        """Pin the KV tagged `kv_key` at `url` until `expires_at`; with the `ttl` of a turn
+        that slid the expiry, until a little later, or not at all while an earlier pin
+        covers it (see the module docstring)."""
         if not url:
             return
-        key = (url, session_id)
+        key = (url, kv_key)
         if ttl is not None:
             if self._pinned.get(key, 0) >= expires_at:
                 self._pinned.move_to_end(key)
@@ -129,23 +129,23 @@ class BackgroundLink:
 
         async def call() -> None:
             try:
-                await self.link.pin(url, session_id, expires_at)
+                await self.link.pin(url, kv_key, expires_at)
             except Exception:
                 if self._pinned.get(key) == expires_at:
                     del self._pinned[key]  # not pinned after all: the next turn pins again
                 raise
 
         self.background.spawn(
-            call(), what=f"sidecar pin at {url} (retried on the next turn)", session_id=session_id
+            call(), what=f"sidecar pin at {url} (retried on the next turn)", session_id=kv_key
         )
 
-    def drop(self, url: str | None, session_id: str) -> None:
+    def drop(self, url: str | None, kv_key: str) -> None:
         if url:
-            self._pinned.pop((url, session_id), None)
+            self._pinned.pop((url, kv_key), None)
             self.background.spawn(
-                self.link.drop(url, session_id),
+                self.link.drop(url, kv_key),
                 what=f"sidecar drop at {url} (the pin runs out by itself)",
-                session_id=session_id,
+                session_id=kv_key,
             )
 
     async def aclose(self) -> None:

@@ -5,6 +5,7 @@ Key layout (see docs/architecture.md):
     ctx:{<id>}:t      string  token ids, packed little-endian uint32 (APPEND per turn)
     ctx:{<id>}:m      list    chat messages, one JSON document each
     ctx:{<id>}:lock   string  the turn lock: holder token, PX expiry
+    ctx:{<id>}:r      hash    /v1/responses objects made in the session: id -> JSON
     tn:{<tenant>}:exp zset    live session ids by expires_at ms (purge + quota count)
     tn:{<tenant>}:new zset    session ids by created ms (listing order)
     tn:{<tenant>}:tok hash    id -> "version:context_tokens"
@@ -46,6 +47,7 @@ from ctxcache.errors import (
     StoreUnavailable,
     VersionConflict,
 )
+from ctxcache.lmcache_keys import session_key
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +75,15 @@ def valid_session_id(session_id: str) -> bool:
 
 
 def session_keys(session_id: str) -> list[str]:
+    """The record, tokens, messages, turn lock and stored responses: one hash tag, one slot."""
     base = f"ctx:{{{session_id}}}"
-    return [base, f"{base}:t", f"{base}:m", f"{base}:lock"]
+    return [base, f"{base}:t", f"{base}:m", f"{base}:lock", f"{base}:r"]
+
+
+def _data_keys(session_id: str) -> list[str]:
+    """The keys that live as long as the session: record, tokens, messages, responses."""
+    keys = session_keys(session_id)
+    return [*keys[:3], keys[4]]
 
 
 def tenant_keys(tenant: str) -> list[str]:
@@ -118,6 +127,9 @@ def parse_info(session_id: str, rec: dict[bytes, bytes]) -> SessionInfo:
         affinity=s("affinity") or None,
         sidecar=s("sidecar") or None,
         metadata=orjson.loads(rec.get(b"metadata", b"{}")),
+        origin=s("origin") or "context",  # type: ignore[arg-type]
+        kv_key=s("kv_key") or session_key(session_id),
+        kv_shared=s("kv_shared") == "1",
     )
 
 
@@ -169,6 +181,7 @@ class SessionStore:
         self._release = _script(redis, "release")
         self._tenant = _script(redis, "tenant")
         self._live = _script(redis, "live")
+        self._response = _script(redis, "response")
 
     async def _pipelined(self, *calls: Call, also: Any = None, durable: bool = False) -> list[Any]:
         """Several scripts in one round trip (EVALSHA; loaded on the rare NOSCRIPT).
@@ -243,15 +256,18 @@ class SessionStore:
         expires_at_ms: int,
         tokens: list[int],
         messages: list[dict[str, Any]],
+        response: tuple[str, dict[str, Any]] | None = None,
     ) -> bool:
         flat: list[Any] = []
         for k, v in fields.items():
             flat += [k, v]
-        args = [expires_at_ms, pack_tokens(tokens), len(fields), *flat]
+        rid, record = response or ("", None)
+        args = [expires_at_ms, pack_tokens(tokens), rid, orjson.dumps(record) if rid else b""]
+        args += [len(fields), *flat]
         args += [orjson.dumps(m) for m in messages]
         async with redis_errors():
             (created, *_) = await self._pipelined(
-                (self._create, session_keys(session_id)[:3], args),
+                (self._create, _data_keys(session_id), args),
                 (self._live, [LIVE_KEY], ["add", session_id, expires_at_ms, 1]),
                 durable=True,
             )
@@ -316,8 +332,12 @@ class SessionStore:
         messages: list[dict[str, Any]],
         worker: str | None,
         sidecar: str | None,
+        model: str | None = None,
+        response: tuple[str, dict[str, Any]] | None = None,
     ) -> tuple[SessionInfo, str | None]:
-        """CAS append; returns the new info and the sidecar the session moved away from."""
+        """CAS append (with the response the turn made, if any); returns the new info and
+        the sidecar the session moved away from."""
+        rid, record = response or ("", None)
         args: list[Any] = [
             tenant,
             expected_version,
@@ -326,6 +346,9 @@ class SessionStore:
             len(tokens),
             worker or "",
             sidecar or "",
+            model or "",
+            rid,
+            orjson.dumps(record) if rid else b"",
         ]
         args += [orjson.dumps(m) for m in messages]
         async with redis_errors():
@@ -348,7 +371,7 @@ class SessionStore:
 
     async def release(self, session_id: str, lock: str) -> bool:
         async with redis_errors():
-            return bool(await self._release(keys=session_keys(session_id)[3:], args=[lock]))
+            return bool(await self._release(keys=session_keys(session_id)[3:4], args=[lock]))
 
     async def update(
         self,
@@ -358,25 +381,54 @@ class SessionStore:
         ttl: int | None,
         worker: str | None,
         sidecar: str | None,
+        metadata: dict[str, Any] | None = None,
+        kv_shared: bool = False,
     ) -> SessionInfo:
-        args = [tenant, "" if ttl is None else ttl, worker or "", sidecar or ""]
+        args = [
+            tenant,
+            "" if ttl is None else ttl,
+            worker or "",
+            sidecar or "",
+            b"" if metadata is None else orjson.dumps(metadata),
+            int(kv_shared),
+        ]
         async with redis_errors():
             (res,) = await self._pipelined(
-                (self._update, session_keys(session_id)[:3], args), durable=True
+                (self._update, _data_keys(session_id), args), durable=True
             )
         if res[0] == 0:
             raise SessionNotFound()
         return parse_info(session_id, _as_dict(res[1]))
 
-    async def delete(self, session_id: str, tenant: str) -> str | None:
-        """Delete; returns the sidecar URL the session's KV is pinned in, if any."""
+    async def delete(self, session_id: str, tenant: str) -> SessionInfo:
+        """Delete; returns the record as it was (its sidecar holds the session's KV)."""
         async with redis_errors():
             (res,) = await self._pipelined(
                 (self._delete, session_keys(session_id), [tenant]), durable=True
             )
         if res[0] == 0:
             raise SessionNotFound()
-        return res[1].decode() or None
+        return parse_info(session_id, _as_dict(res[1]))
+
+    # -- stored responses -------------------------------------------------------------------
+    async def get_response(
+        self, session_id: str, tenant: str, response_id: str
+    ) -> tuple[dict[str, Any], int] | None:
+        """A stored response and the session's version now; None: not found (or not yours)."""
+        keys = [session_keys(session_id)[0], session_keys(session_id)[4]]
+        async with redis_errors():
+            res = await self._response(keys=keys, args=["get", tenant, response_id])
+        if res[0] == 0:
+            return None
+        return orjson.loads(res[1]), int(res[2])
+
+    async def delete_response(self, session_id: str, tenant: str, response_id: str) -> int | None:
+        """Delete a stored response; returns how many the session still holds (None: none
+        such)."""
+        keys = [session_keys(session_id)[0], session_keys(session_id)[4]]
+        async with redis_errors():
+            res = await self._response(keys=keys, args=["delete", tenant, response_id])
+        return int(res[1]) if res[0] == 1 else None
 
     # -- the tenant index -----------------------------------------------------------------
     async def reserve(

@@ -26,7 +26,7 @@ class CtxError(Exception):
     """Base of every error a client may see. Subclasses set status, code and type."""
 
     status: ClassVar[int] = 500
-    code: ClassVar[str] = "internal_error"
+    code: ClassVar[str | None] = "internal_error"
     type: ClassVar[str] = "server_error"
     default_message: ClassVar[str] = "internal error"
 
@@ -80,6 +80,37 @@ class SessionNotFound(CtxError):
 class NotFound(CtxError):
     status, code, type = 404, "not_found", "invalid_request_error"
     default_message = "not found"
+
+
+class PreviousResponseNotFound(CtxError):
+    """An unknown, deleted, expired, unstored or another tenant's `previous_response_id`:
+    OpenAI's answer, word for word (a 400, not a 404)."""
+
+    status, code, type = 400, "previous_response_not_found", "invalid_request_error"
+
+    @classmethod
+    def of(cls, response_id: str) -> PreviousResponseNotFound:
+        return cls(
+            f"Previous response with id '{response_id}' not found.", param="previous_response_id"
+        )
+
+
+class ResponseNotFound(CtxError):
+    """`GET/DELETE /v1/responses/{id}` of an id this tenant has no stored response for."""
+
+    status, code, type = 404, None, "invalid_request_error"
+
+    @classmethod
+    def of(cls, response_id: str) -> ResponseNotFound:
+        return cls(f"Response with id '{response_id}' not found.")
+
+
+class ConversationNotFound(CtxError):
+    status, code, type = 404, None, "invalid_request_error"
+
+    @classmethod
+    def of(cls, conversation_id: str, *, param: str | None = None) -> ConversationNotFound:
+        return cls(f"Conversation with id '{conversation_id}' not found.", param=param)
 
 
 class MethodNotAllowed(CtxError):
@@ -140,7 +171,8 @@ def _registry() -> dict[str, type[CtxError]]:
     stack: list[type[CtxError]] = [CtxError]
     while stack:
         cls = stack.pop()
-        found.setdefault(cls.code, cls)
+        if cls.code is not None:
+            found.setdefault(cls.code, cls)
         stack.extend(cls.__subclasses__())
     return found
 

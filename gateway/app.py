@@ -24,12 +24,17 @@ from gateway.completions.router import router as completions_router
 from gateway.completions.service import CompletionService
 from gateway.context.router import router as context_router
 from gateway.context.service import ContextService
+from gateway.conversations.router import router as conversations_router
+from gateway.conversations.service import ConversationService
 from gateway.fastpath import FastPath
 from gateway.metrics import GatewayMetrics
 from gateway.pool import WorkerPool
 from gateway.prompts import PromptBuilder
 from gateway.protocol import ChatBody, CompletionBody, ContextCreate
 from gateway.recent import RecentHistories
+from gateway.responses.protocol import ConversationCreate, ConversationUpdate, ResponseCreate
+from gateway.responses.router import router as responses_router
+from gateway.responses.service import ResponseService
 from gateway.salt import CacheSalt
 from gateway.settings import GatewaySettings
 from gateway.system import router as system_router
@@ -92,6 +97,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             app.state.turns = turns
             app.state.completions = CompletionService(turns, pool)
             app.state.contexts = ContextService(manager, turns, pool, settings, metrics)
+            app.state.responses = ResponseService(manager, turns, settings, metrics)
+            app.state.conversations = ConversationService(manager, turns, settings)
             log.info(
                 "gateway ready: %d worker(s), manager %s",
                 len(pool.workers),
@@ -110,6 +117,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     install_error_handlers(app)
     app.include_router(context_router)
     app.include_router(completions_router)
+    app.include_router(responses_router)
+    app.include_router(conversations_router)
     app.include_router(system_router)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
@@ -180,7 +189,8 @@ def _document_bodies(app: FastAPI) -> None:
             return app.openapi_schema
         schema = original()
         components = schema.setdefault("components", {}).setdefault("schemas", {})
-        for model in (CompletionBody, ChatBody, ContextCreate, ErrorResponse):
+        bodies = (CompletionBody, ChatBody, ContextCreate, ErrorResponse, ResponseCreate)
+        for model in (*bodies, ConversationCreate, ConversationUpdate):
             doc = model.model_json_schema(ref_template="#/components/schemas/{model}")
             components.update(doc.pop("$defs", {}))
             components[model.__name__] = doc

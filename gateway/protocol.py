@@ -47,6 +47,13 @@ class ChatBody(SessionFields):
 Metadata = dict[str, str]
 
 
+def check_metadata(cls: type, v: Metadata | None) -> Metadata | None:
+    """OpenAI's metadata limits: 16 pairs, keys <= 64 chars, values <= 512 chars."""
+    if v is not None and (len(v) > 16 or any(len(k) > 64 or len(x) > 512 for k, x in v.items())):
+        raise ValueError("metadata: at most 16 pairs, keys <= 64 and values <= 512 chars")
+    return v
+
+
 class ContextCreate(OpenAIBaseModel):
     model: str = Field(min_length=1, max_length=256)
     prompt: str | list[int] | None = None
@@ -57,15 +64,7 @@ class ContextCreate(OpenAIBaseModel):
     metadata: Metadata | None = None
     stream: Literal[False] = False
 
-    @field_validator("metadata")
-    @classmethod
-    def _metadata(cls, v: Metadata | None) -> Metadata | None:
-        # OpenAI's metadata limits: 16 pairs, keys <= 64 chars, values <= 512 chars.
-        if v is not None and (
-            len(v) > 16 or any(len(k) > 64 or len(x) > 512 for k, x in v.items())
-        ):
-            raise ValueError("metadata: at most 16 pairs, keys <= 64 and values <= 512 chars")
-        return v
+    _metadata = field_validator("metadata")(check_metadata)
 
 
 class ContextUpdate(OpenAIBaseModel):

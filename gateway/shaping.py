@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 
@@ -118,8 +118,26 @@ def text_completion(
     }
 
 
+DONE = b"data: [DONE]\n\n"
+
+
+class Shaper(Protocol):
+    """What `TurnService.stream` turns the worker's stream into: an event per choice, the
+    closing event(s) with usage (and what the commit returned), then `end`."""
+
+    end: bytes
+
+    def start(self) -> bytes: ...
+
+    def content(self, choice: dict[str, Any]) -> bytes: ...
+
+    def usage(self, usage: dict[str, Any], session: dict[str, Any]) -> bytes: ...
+
+
 class ChunkShaper:
     """Re-shapes a worker's text-completion stream into the client's stream format."""
+
+    end = DONE
 
     def __init__(self, kind: str, model: str, want_token_ids: bool) -> None:
         self.kind = kind
@@ -128,6 +146,9 @@ class ChunkShaper:
         self.id = f"chatcmpl-{uuid.uuid4().hex}" if kind == "chat" else f"cmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.started = False
+
+    def start(self) -> bytes:
+        return b""  # the first chunk carries the role
 
     def content(self, choice: dict[str, Any]) -> bytes:
         if self.kind == "chat":
@@ -180,6 +201,3 @@ class ChunkShaper:
     @staticmethod
     def _event(payload: dict[str, Any]) -> bytes:
         return b"data: " + orjson.dumps(payload) + b"\n\n"
-
-
-DONE = b"data: [DONE]\n\n"

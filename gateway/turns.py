@@ -18,7 +18,13 @@ from typing import Any
 import orjson
 
 from cache_manager.client import ManagerClient
-from cache_manager.protocol import AppendTurn, BeginTurn, SessionInfo, SessionState
+from cache_manager.protocol import (
+    AppendTurn,
+    BeginTurn,
+    SessionInfo,
+    SessionState,
+    StoredResponse,
+)
 from ctxcache.errors import (
     BackendUnavailable,
     ContextLengthExceeded,
@@ -34,8 +40,7 @@ from gateway.prompts import PromptBuilder
 from gateway.recent import RecentHistories
 from gateway.salt import CacheSalt
 from gateway.shaping import (
-    DONE,
-    ChunkShaper,
+    Shaper,
     cached_tokens,
     normalize_usage,
     sampling_fields,
@@ -69,10 +74,17 @@ class Turn:
     session_id: str | None = None
     worker: Worker | None = None
     sampling: dict[str, Any] = field(default_factory=dict)
+    kv_key: str | None = None  # the tag of the KV blocks; None: the session's own key
 
     @property
     def append(self) -> bool:
         return self.state is not None and self.state.lock is not None
+
+    @property
+    def kv_tag(self) -> str | None:
+        if self.kv_key is not None:
+            return self.kv_key
+        return session_key(self.session_id) if self.session_id is not None else None
 
 
 def check_turn_body(kind: str, body: dict[str, Any]) -> None:
@@ -149,14 +161,28 @@ class TurnService:
                     known_version=(early and early.version) or 0,
                 ),
             )
-            try:
-                return await self._plan(tenant, session_id, kind, body, state, early)
-            except BaseException:
-                await self.release_now(tenant, state)
-                raise
+            return await self.plan(tenant, session_id, kind, body, state, early)
         finally:
             if early is not None and not early.task.done():
                 early.task.cancel()
+
+    async def plan(
+        self,
+        tenant: str,
+        session_id: str,
+        kind: str,
+        body: dict[str, Any],
+        state: SessionState,
+        early: Early | None = None,
+    ) -> Turn:
+        """Plan a turn on a loaded session (`state`; a lock it holds is released if the
+        plan fails). `gateway.responses` passes states of its own: a session cut at a
+        stored response, to fork from it."""
+        try:
+            return await self._plan(tenant, session_id, kind, body, state, early)
+        except BaseException:
+            await self.release_now(tenant, state)
+            raise
 
     def _start_early(self, kind: str, session_id: str, body: dict[str, Any]) -> Early | None:
         """Start the turn's `/tokenize` calls while the manager loads and locks the
@@ -201,7 +227,7 @@ class TurnService:
     ) -> Turn:
         info = state.info
         model = body["model"]
-        if model != info.model:
+        if info.model and model != info.model:  # a conversation takes its first turn's model
             raise SessionModelMismatch(
                 f"this session uses model {info.model!r}, the request names {model!r}",
                 param="model",
@@ -238,6 +264,7 @@ class TurnService:
             session_id=session_id,
             worker=worker,
             sampling=sampling_fields(body),
+            kv_key=info.kv_key or None,
         )
         self.check_window(turn)
         return turn
@@ -277,8 +304,8 @@ class TurnService:
         }
         if stream:
             body["stream_options"] = {"include_usage": True}
-        if turn.session_id is not None:
-            body["kv_transfer_params"] = {"lmcache.tag.s": session_key(turn.session_id)}
+        if turn.kv_tag is not None:
+            body["kv_transfer_params"] = {"lmcache.tag.s": turn.kv_tag}
         self.salt.apply(turn.tenant, body)
         return body
 
@@ -336,8 +363,11 @@ class TurnService:
             usage=usage,
         )
 
-    async def commit(self, turn: Turn, gen: Generation) -> SessionInfo:
-        """Append the turn (CAS on the version we loaded, releasing our lock)."""
+    async def commit(
+        self, turn: Turn, gen: Generation, response: StoredResponse | None = None
+    ) -> SessionInfo:
+        """Append the turn (CAS on the version we loaded, releasing our lock), with the
+        `/v1/responses` object it made, if any."""
         state = turn.state
         assert state is not None and turn.session_id is not None and turn.worker is not None
         if not turn.append:
@@ -355,6 +385,8 @@ class TurnService:
                 messages=messages,
                 worker=turn.worker.id,
                 sidecar=turn.worker.sidecar,
+                model=None if state.info.model else turn.model,
+                response=response,
             ),
         )
         if turn.kind == "chat" and not self.recent.advance(
@@ -403,7 +435,7 @@ class TurnService:
         self,
         turn: Turn,
         upstream: SSEStream,
-        shaper: ChunkShaper,
+        shaper: Shaper,
         include_usage: bool,
         on_done: Callable[[Generation], Awaitable[dict[str, Any]]],
     ) -> AsyncGenerator[bytes, None]:
@@ -416,6 +448,8 @@ class TurnService:
         assert turn.worker is not None
         committed = False
         try:
+            if head := shaper.start():
+                yield head
             async with self.pool.lease(turn.worker):
                 text: list[str] = []
                 ids: list[int] = []
@@ -443,7 +477,7 @@ class TurnService:
                 committed = True
                 if include_usage:
                     yield shaper.usage(gen.usage, session)
-                yield DONE
+                yield shaper.end
         finally:
             if not committed:
                 await self.release_now(turn.tenant, turn.state)

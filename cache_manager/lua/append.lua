@@ -1,14 +1,15 @@
 -- Append a turn with compare-and-set on the version, slide the TTL, release our lock.
--- KEYS: 1 ctx:{id}  2 ctx:{id}:t  3 ctx:{id}:m  4 ctx:{id}:lock
+-- KEYS: 1 ctx:{id}  2 ctx:{id}:t  3 ctx:{id}:m  4 ctx:{id}:lock  5 ctx:{id}:r
 -- ARGV: 1 tenant  2 expected version  3 lock token ('' = none held)  4 packed new token ids
 --       5 number of new tokens  6 worker id ('' = keep)  7 sidecar url ('' = keep)
---       8.. new messages (JSON strings)
+--       8 model, set if the session has none ('' = keep)  9 response id ('' = none)
+--       10 response JSON  11.. new messages (JSON strings)
 -- Returns {1, record fields...} | {0} not found | {-1} another turn holds the lock
 --         | {-2, current version} version conflict
 -- Idempotent for a locked turn: the record keeps the lock token of the last append, so a
 -- retry of this append (its reply lost with a dropped connection) is answered as the first
 -- was, and never appends the turn twice.
-local rec = redis.call('HMGET', KEYS[1], 'tenant', 'version', 'ttl', 'last_lock')
+local rec = redis.call('HMGET', KEYS[1], 'tenant', 'version', 'ttl', 'last_lock', 'model')
 if not rec[1] or rec[1] ~= ARGV[1] then
   return {0}
 end
@@ -26,8 +27,14 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local exp = now + tonumber(rec[3]) * 1000
 redis.call('APPEND', KEYS[2], ARGV[4])
-for i = 8, #ARGV do
+for i = 11, #ARGV do
   redis.call('RPUSH', KEYS[3], ARGV[i])
+end
+if ARGV[9] ~= '' then
+  redis.call('HSET', KEYS[5], ARGV[9], ARGV[10])
+end
+if ARGV[8] ~= '' and (rec[5] or '') == '' then
+  redis.call('HSET', KEYS[1], 'model', ARGV[8])
 end
 redis.call('HINCRBY', KEYS[1], 'version', 1)
 redis.call('HINCRBY', KEYS[1], 'turns', 1)
@@ -41,6 +48,7 @@ end
 redis.call('PEXPIREAT', KEYS[1], exp)
 redis.call('PEXPIREAT', KEYS[2], exp)
 redis.call('PEXPIREAT', KEYS[3], exp)
+redis.call('PEXPIREAT', KEYS[5], exp)
 if holder then
   redis.call('DEL', KEYS[4])
 end

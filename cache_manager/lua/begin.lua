@@ -1,5 +1,5 @@
 -- Load a session for a turn, optionally taking its turn lock and sliding its TTL.
--- KEYS: 1 ctx:{id}  2 ctx:{id}:t  3 ctx:{id}:m  4 ctx:{id}:lock
+-- KEYS: 1 ctx:{id}  2 ctx:{id}:t  3 ctx:{id}:m  4 ctx:{id}:lock  5 ctx:{id}:r
 -- ARGV: 1 tenant  2 lock token ('' = take no lock)  3 lock ttl ms
 --       4 '1' return token ids  5 '1' return messages  6 '1' slide the TTL now
 --       7 a version whose messages the caller holds: none are returned at that version
@@ -30,6 +30,7 @@ if ARGV[6] == '1' then
   redis.call('PEXPIREAT', KEYS[1], exp)
   redis.call('PEXPIREAT', KEYS[2], exp)
   redis.call('PEXPIREAT', KEYS[3], exp)
+  redis.call('PEXPIREAT', KEYS[5], exp)
   h = redis.call('HGETALL', KEYS[1])
 end
 local toks = ''

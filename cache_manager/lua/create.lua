@@ -1,15 +1,16 @@
--- Create a session: record hash, packed token ids, messages, all expiring at ARGV[1] (ms).
--- KEYS: 1 ctx:{id}  2 ctx:{id}:t  3 ctx:{id}:m
--- ARGV: 1 expires_at_ms  2 packed token ids  3 number of hash fields N
---       4 .. 3+2N field/value pairs, then the messages (JSON strings)
+-- Create a session: record hash, packed token ids, messages (and the response that made it,
+-- if any), all expiring at ARGV[1] (ms).
+-- KEYS: 1 ctx:{id}  2 ctx:{id}:t  3 ctx:{id}:m  4 ctx:{id}:r
+-- ARGV: 1 expires_at_ms  2 packed token ids  3 response id ('' = none)  4 response JSON
+--       5 number of hash fields N  6 .. 5+2N field/value pairs, then the messages (JSON)
 -- Returns 1, or 0 when the id is taken. Idempotent: a retry of this very create (its reply
 -- lost with a dropped connection) finds its own record and returns 1 again.
 local exp = ARGV[1]
-local n = tonumber(ARGV[3])
+local n = tonumber(ARGV[5])
 local fields = {}
 local given = {}
 for j = 1, 2 * n do
-  fields[j] = ARGV[3 + j]
+  fields[j] = ARGV[5 + j]
 end
 for j = 1, 2 * n, 2 do
   given[fields[j]] = fields[j + 1]
@@ -24,12 +25,17 @@ end
 redis.call('HSET', KEYS[1], unpack(fields))
 redis.call('PEXPIREAT', KEYS[1], exp)
 redis.call('SET', KEYS[2], ARGV[2], 'PXAT', exp)
-local first = 4 + 2 * n
+local first = 6 + 2 * n
 if first <= #ARGV then
   redis.call('DEL', KEYS[3])
   for i = first, #ARGV do
     redis.call('RPUSH', KEYS[3], ARGV[i])
   end
   redis.call('PEXPIREAT', KEYS[3], exp)
+end
+redis.call('DEL', KEYS[4])
+if ARGV[3] ~= '' then
+  redis.call('HSET', KEYS[4], ARGV[3], ARGV[4])
+  redis.call('PEXPIREAT', KEYS[4], exp)
 end
 return 1

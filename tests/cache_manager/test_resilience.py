@@ -7,6 +7,7 @@ import pytest
 from cache_manager.protocol import AppendTurn, BeginTurn, CreateSession, UpdateSession
 from cache_manager.sidecar_link import BackgroundLink, headroom
 from ctxcache.errors import StoreUnavailable
+from ctxcache.lmcache_keys import session_key
 from ctxcache.redis_server import RedisServer
 from tests.cache_manager.conftest import FakeSidecarLink, ManagerFactory
 
@@ -90,12 +91,13 @@ async def test_sidecar_is_told_to_pin_extend_move_and_drop(
     patched = await manager.update(sid, UpdateSession(tenant="acme", ttl=500))
     await manager.delete(sid, "acme")
     await manager_drain(manager)
+    key = session_key(sid)  # the tag of the session's KV blocks
     assert sidecar_link.calls == [
-        ("pin", "http://sc0", sid, info.expires_at),
-        ("drop", "http://sc0", sid, None),  # the session moved to w1's sidecar
-        ("pin", "http://sc1", sid, moved.expires_at + headroom(100)),  # a turn: headroom
-        ("pin", "http://sc1", sid, patched.expires_at),  # a ttl change: exact
-        ("drop", "http://sc1", sid, None),
+        ("pin", "http://sc0", key, info.expires_at),
+        ("drop", "http://sc0", key, None),  # the session moved to w1's sidecar
+        ("pin", "http://sc1", key, moved.expires_at + headroom(100)),  # a turn: headroom
+        ("pin", "http://sc1", key, patched.expires_at),  # a ttl change: exact
+        ("drop", "http://sc1", key, None),
     ]
 
 

@@ -28,6 +28,15 @@ def curl_script() -> str:
     return match.group(1)
 
 
+def sdk_example() -> str:
+    """The README's first `openai` SDK example (the Responses API)."""
+    text = README.read_text()
+    block = text.split("<!-- readme-sdk:begin -->", 1)[1].split("<!-- readme-sdk:end -->")[0]
+    match = re.search(r"```python\n(.*?)```", block, re.S)
+    assert match, "no python block between the readme-sdk markers"
+    return match.group(1)
+
+
 def run_readme_curl(base_url: str, key: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "BASE": base_url, "KEY": key}
     return subprocess.run(

@@ -57,12 +57,14 @@ def steer(body: Any) -> None:
         return
     if isinstance(body.get("model"), str) and 0 < len(body["model"]) <= 256:
         body["model"] = "tiny"
-    for field in ("max_tokens", "max_completion_tokens"):
+    for field in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         value = body.get(field)
         if type(value) is int and value > MAX_GENERATED:
             body[field] = MAX_GENERATED
-    if body.get("max_tokens") is None:  # absent or null: up to the whole window
-        body["max_tokens"] = MAX_GENERATED
+    # absent or null: up to the whole window (`max_output_tokens`: a /v1/responses body)
+    limit = "max_output_tokens" if "input" in body else "max_tokens"
+    if body.get(limit) is None:
+        body[limit] = MAX_GENERATED
 
 
 @schema.parametrize()

@@ -1,0 +1,59 @@
+"""`/v1/conversations`: parse, call, shape."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request
+
+from ctxcache.responses import JSONResponse
+from gateway.auth import TenantDep
+from gateway.conversations.service import ConversationService
+from gateway.requests import body_doc, read_json
+from gateway.responses.protocol import ConversationCreate, ConversationUpdate
+from gateway.responses.router import After, Limit, Order
+
+
+async def get_service(request: Request) -> ConversationService:
+    return request.app.state.conversations  # type: ignore[no-any-return]
+
+
+ServiceDep = Annotated[ConversationService, Depends(get_service)]
+router = APIRouter(prefix="/v1/conversations")
+
+
+@router.post("", openapi_extra=body_doc(ConversationCreate))
+async def create(request: Request, tenant: TenantDep, svc: ServiceDep) -> JSONResponse:
+    _, _, req = await read_json(request, ConversationCreate)
+    return JSONResponse(await svc.create(tenant, req))
+
+
+@router.get("/{conversation_id}")
+async def retrieve(conversation_id: str, tenant: TenantDep, svc: ServiceDep) -> JSONResponse:
+    return JSONResponse(await svc.retrieve(tenant, conversation_id))
+
+
+@router.post("/{conversation_id}", openapi_extra=body_doc(ConversationUpdate))
+async def update(
+    conversation_id: str, request: Request, tenant: TenantDep, svc: ServiceDep
+) -> JSONResponse:
+    _, _, req = await read_json(request, ConversationUpdate)
+    return JSONResponse(await svc.update(tenant, conversation_id, req.metadata))
+
+
+@router.delete("/{conversation_id}")
+async def delete(conversation_id: str, tenant: TenantDep, svc: ServiceDep) -> JSONResponse:
+    return JSONResponse(await svc.delete(tenant, conversation_id))
+
+
+@router.get("/{conversation_id}/items")
+async def items(
+    conversation_id: str,
+    tenant: TenantDep,
+    svc: ServiceDep,
+    limit: Limit = 20,
+    after: After = None,
+    order: Order = "desc",
+) -> JSONResponse:
+    page = await svc.items(tenant, conversation_id, after=after, limit=limit, order=order)
+    return JSONResponse(page)

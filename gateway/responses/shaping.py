@@ -1,0 +1,164 @@
+"""The Responses API's objects and stream events, from a turn's generation."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from gateway.shaping import cached_tokens
+
+
+def response_usage(usage: dict[str, Any]) -> dict[str, Any]:
+    """Chat usage in the Responses shape. `cache_write_tokens`: the prompt tokens whose KV
+    this turn computed and cached (the ones not read from the cache)."""
+    prompt, out = int(usage["prompt_tokens"]), int(usage["completion_tokens"])
+    cached = cached_tokens(usage)
+    return {
+        "input_tokens": prompt,
+        "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": prompt - cached},
+        "output_tokens": out,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": prompt + out,
+    }
+
+
+def message_item(item_id: str, role: str, text: str, status: str = "completed") -> dict[str, Any]:
+    """A message item as OpenAI lists it (input items, conversation items, output)."""
+    if role == "assistant":
+        part: dict[str, Any] = {"type": "output_text", "text": text, "annotations": []}
+    else:
+        part = {"type": "input_text", "text": text}
+    return {
+        "id": item_id,
+        "type": "message",
+        "role": role,
+        "status": status,
+        "content": [part] if text or role != "assistant" else [],
+    }
+
+
+def list_page(
+    items: list[dict[str, Any]], *, after: str | None, limit: int, order: str
+) -> dict[str, Any]:
+    """OpenAI's cursor page over items (oldest first in `items`)."""
+    ordered = items if order == "asc" else items[::-1]
+    if after is not None:
+        ids = [i["id"] for i in ordered]
+        ordered = ordered[ids.index(after) + 1 :] if after in ids else []
+    page = ordered[:limit]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": len(ordered) > limit,
+    }
+
+
+@dataclass
+class ResponseDraft:
+    """A response before its text is known: everything the request fixed, and its ids."""
+
+    id: str
+    model: str
+    output_id: str
+    request: dict[str, Any]  # instructions, sampling, metadata, previous id, conversation
+    created_at: int = field(default_factory=lambda: int(time.time()))
+
+    def object(
+        self,
+        *,
+        text: str | None,
+        finish_reason: str | None = None,
+        usage: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """The response object: in progress (`text` None) or finished."""
+        done = text is not None
+        incomplete = done and finish_reason == "length"
+        status = "incomplete" if incomplete else "completed" if done else "in_progress"
+        output = [message_item(self.output_id, "assistant", text or "")] if done else []
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "background": False,
+            "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+            "model": self.model,
+            "output": output,
+            "parallel_tool_calls": True,
+            "reasoning": {"effort": None, "summary": None},
+            "text": {"format": {"type": "text"}},
+            "tool_choice": "auto",
+            "tools": [],
+            "truncation": "disabled",
+            "usage": response_usage(usage) if usage is not None else None,
+            "user": None,
+            **self.request,
+        }
+
+
+class ResponseEvents:
+    """The Responses SSE sequence around a worker's stream (`gateway.shaping.Shaper`):
+    created, in_progress, output_item.added, content_part.added, output_text.delta...,
+    output_text.done, content_part.done, output_item.done, completed (with usage)."""
+
+    end = b""
+
+    def __init__(self, draft: ResponseDraft) -> None:
+        self.draft = draft
+        self.seq = 0
+        self.text: list[str] = []
+
+    def _event(self, kind: str, **fields: Any) -> bytes:
+        payload = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(payload) + b"\n\n"
+
+    def _where(self) -> dict[str, Any]:
+        return {"item_id": self.draft.output_id, "output_index": 0, "content_index": 0}
+
+    def start(self) -> bytes:
+        started = self.draft.object(text=None)
+        item = message_item(self.draft.output_id, "assistant", "", status="in_progress")
+        return b"".join(
+            [
+                self._event("response.created", response=started),
+                self._event("response.in_progress", response=started),
+                self._event("response.output_item.added", output_index=0, item=item),
+                self._event(
+                    "response.content_part.added",
+                    **self._where(),
+                    part={"type": "output_text", "text": "", "annotations": []},
+                ),
+            ]
+        )
+
+    def content(self, choice: dict[str, Any]) -> bytes:
+        delta = choice.get("text") or ""
+        if not delta:
+            return b""
+        self.text.append(delta)
+        return self._event("response.output_text.delta", **self._where(), delta=delta, logprobs=[])
+
+    def usage(self, usage: dict[str, Any], final: dict[str, Any]) -> bytes:
+        """The closing events; `final` is the finished response object (as stored)."""
+        text = "".join(self.text)
+        item = final["output"][0]
+        last = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
+        return b"".join(
+            [
+                self._event("response.output_text.done", **self._where(), text=text, logprobs=[]),
+                self._event(
+                    "response.content_part.done",
+                    **self._where(),
+                    part={"type": "output_text", "text": text, "annotations": []},
+                ),
+                self._event("response.output_item.done", output_index=0, item=item),
+                self._event(last, response=final),
+            ]
+        )
