@@ -14,8 +14,10 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import redis
 
 from ctxcache.net import free_port, wait_http
+from ctxcache.redis_server import RedisServer
 from tests.utils import require_vllm
 
 
@@ -46,7 +48,7 @@ def alive(pid: int) -> bool:
 
 
 def start_serve(
-    data: Path, port: int, log: Path, engine: str = "builtin"
+    data: Path, port: int, log: Path, engine: str = "builtin", *extra: str
 ) -> subprocess.Popen[bytes]:
     with open(log, "ab") as out:
         proc = subprocess.Popen(
@@ -61,6 +63,7 @@ def start_serve(
                 str(data),
                 "--engine",
                 engine,
+                *extra,
             ],
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -75,9 +78,10 @@ def start_serve(
     return proc
 
 
-def stop_serve(proc: subprocess.Popen[bytes]) -> None:
+def stop_serve(proc: subprocess.Popen[bytes], bundled_redis: bool = True) -> None:
     children = descendants(proc.pid)
-    assert len(children) >= 4  # redis, sidecar, worker, gateway (and their own children)
+    # redis (unless external), sidecar, worker, gateway (and their own children)
+    assert len(children) >= 3 + bundled_redis
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=60) == 0
     deadline = time.monotonic() + 10
@@ -135,6 +139,30 @@ def _serve_restart(client: openai.OpenAI, data: Path, port: int, log: Path) -> N
         assert httpx.get(f"http://127.0.0.1:{port}/v1/context/{sid}").json()["turns"] == 5
     finally:
         stop_serve(proc)
+
+
+def test_serve_with_redis_url_keeps_sessions_in_that_redis(
+    tmp_path: Path, own_redis: RedisServer
+) -> None:
+    """`--redis-url`: no bundled Redis is started; the sessions live in the given one."""
+    data, port, log = tmp_path / "data", free_port(), tmp_path / "serve.log"
+    proc = start_serve(data, port, log, "builtin", "--redis-url", own_redis.url)
+    try:
+        names = {Path(f"/proc/{p}/comm").read_text().strip() for p in descendants(proc.pid)}
+        assert not any("redis" in n for n in names), names
+        r = httpx.post(
+            f"http://127.0.0.1:{port}/v1/context",
+            json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]},
+        )
+        assert r.status_code == 200, r.text
+        sid = r.json()["session_id"]
+        client = redis.Redis(port=own_redis.port)
+        try:
+            assert client.hget(f"ctx:{{{sid}}}", "tenant") is not None
+        finally:
+            client.close()
+    finally:
+        stop_serve(proc, bundled_redis=False)
 
 
 def test_ctrl_c_during_start_up_stops_cleanly(tmp_path: Path) -> None:
