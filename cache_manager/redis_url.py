@@ -55,7 +55,7 @@ def parse_store_url(url: str) -> StoreURL:
     scheme, sep, rest = url.partition("://")
     base, _, topology = scheme.lower().partition("+")
     known = base in ("redis", "rediss") or (base == "unix" and not topology)
-    if not sep or not known or topology not in _TOPOLOGIES:
+    if not sep or not known or topology not in ("", "cluster", "sentinel"):
         raise ValueError(
             f"store URL scheme {scheme!r}: use redis://, rediss://, unix://, "
             "redis+cluster://, rediss+cluster://, redis+sentinel:// or rediss+sentinel://"
@@ -132,17 +132,11 @@ def _common(timeout_s: float) -> dict[str, Any]:
     }
 
 
-@contextlib.asynccontextmanager
-async def _single(url: str, parsed: StoreURL, timeout_s: float) -> AsyncIterator[StoreRedis]:
-    client = aioredis.Redis.from_url(url, max_connections=256, **_common(timeout_s))
-    try:
-        yield client
-    finally:
-        await client.aclose()
+def _single(url: str, parsed: StoreURL, timeout_s: float) -> _Clients:
+    return aioredis.Redis.from_url(url, max_connections=256, **_common(timeout_s)), []
 
 
-@contextlib.asynccontextmanager
-async def _cluster(url: str, parsed: StoreURL, timeout_s: float) -> AsyncIterator[StoreRedis]:
+def _cluster(url: str, parsed: StoreURL, timeout_s: float) -> _Clients:
     client = RedisCluster(
         startup_nodes=[ClusterNode(h, p) for h, p in parsed.hosts],
         ssl=parsed.tls,
@@ -150,15 +144,10 @@ async def _cluster(url: str, parsed: StoreURL, timeout_s: float) -> AsyncIterato
         **parsed.options,
         **_common(timeout_s),
     )
-    try:
-        yield client
-    finally:
-        await client.aclose()
+    return client, []
 
 
-@contextlib.asynccontextmanager
-async def _sentinel(url: str, parsed: StoreURL, timeout_s: float) -> AsyncIterator[StoreRedis]:
-    common = _common(timeout_s)
+def _sentinel(url: str, parsed: StoreURL, timeout_s: float) -> _Clients:
     sentinel_kwargs = {
         "socket_timeout": timeout_s,
         "socket_connect_timeout": timeout_s,
@@ -168,26 +157,27 @@ async def _sentinel(url: str, parsed: StoreURL, timeout_s: float) -> AsyncIterat
     sentinel = Sentinel(parsed.hosts, sentinel_kwargs=sentinel_kwargs)
     extra: dict[str, Any] = {"connection_class": SentinelManagedSSLConnection} if parsed.tls else {}
     client = sentinel.master_for(
-        parsed.service, max_connections=256, **parsed.options, **common, **extra
+        parsed.service, max_connections=256, **parsed.options, **_common(timeout_s), **extra
     )
+    return client, list(sentinel.sentinels)  # the connections to the Sentinels close too
+
+
+# (the store's client, and other clients it made that must be closed with it)
+_Clients = tuple[StoreRedis, list[aioredis.Redis]]
+_TOPOLOGIES: dict[str, Callable[[str, StoreURL, float], _Clients]] = {
+    "single": _single,
+    "cluster": _cluster,
+    "sentinel": _sentinel,
+}
+
+
+@contextlib.asynccontextmanager
+async def open_store_redis(url: str, *, timeout_s: float) -> AsyncIterator[StoreRedis]:
+    """The client for the URL's topology, closed when the context ends."""
+    parsed = parse_store_url(url)
+    client, others = _TOPOLOGIES[parsed.topology](url, parsed, timeout_s)
     try:
         yield client
     finally:
-        await client.aclose()
-        for s in sentinel.sentinels:
-            await s.aclose()
-
-
-_TOPOLOGIES: dict[
-    str, Callable[[str, StoreURL, float], contextlib.AbstractAsyncContextManager[StoreRedis]]
-] = {"": _single, "cluster": _cluster, "sentinel": _sentinel}
-
-
-def open_store_redis(
-    url: str, *, timeout_s: float
-) -> contextlib.AbstractAsyncContextManager[StoreRedis]:
-    """The client for the URL's topology, closed when the context ends."""
-    parsed = parse_store_url(url)
-    return _TOPOLOGIES["" if parsed.topology == "single" else parsed.topology](
-        url, parsed, timeout_s
-    )
+        for c in (client, *others):
+            await c.aclose()

@@ -166,31 +166,13 @@ class TurnService:
             if early is not None and not early.task.done():
                 early.task.cancel()
 
-    async def plan(
-        self,
-        tenant: str,
-        session_id: str,
-        kind: str,
-        body: dict[str, Any],
-        state: SessionState,
-        early: Early | None = None,
-    ) -> Turn:
-        """Plan a turn on a loaded session (`state`; a lock it holds is released if the
-        plan fails). `gateway.responses` passes states of its own: a session cut at a
-        stored response, to fork from it."""
-        try:
-            return await self._plan(tenant, session_id, kind, body, state, early)
-        except BaseException:
-            await self.release_now(tenant, state)
-            raise
-
     def _start_early(self, kind: str, session_id: str, body: dict[str, Any]) -> Early | None:
         """Start the turn's `/tokenize` calls while the manager loads and locks the
         session: one round trip off the turn's latency. A completion turn's new text does
         not depend on the session. A chat turn renders from the history this gateway saw
         at the end of the session's previous turn (`gateway.recent`), if it ran it. Any
         worker serving the model tokenizes alike. If an early call fails, or the session
-        moved past the version it rendered, `_plan` tokenizes the usual way (errors then
+        moved past the version it rendered, `plan` tokenizes the usual way (errors then
         come in the usual order: an unknown session before an unknown model, and so on)."""
         model = body["model"]
         version: int | None = None
@@ -202,7 +184,7 @@ class TurnService:
         try:
             worker = self.pool.pick(model)
         except (ModelNotFound, BackendUnavailable):
-            return None  # reported in order by `_plan`
+            return None  # reported in order by `plan`
 
         async def run() -> Any:
             async with self.pool.lease(worker):
@@ -216,7 +198,7 @@ class TurnService:
         task.add_done_callback(_consume_exception)
         return Early(task, version, previous)
 
-    async def _plan(
+    async def plan(
         self,
         tenant: str,
         session_id: str,
@@ -225,49 +207,56 @@ class TurnService:
         state: SessionState,
         early: Early | None = None,
     ) -> Turn:
-        info = state.info
-        model = body["model"]
-        if info.model and model != info.model:  # a conversation takes its first turn's model
-            raise SessionModelMismatch(
-                f"this session uses model {info.model!r}, the request names {model!r}",
-                param="model",
-            )
-        if info.kind != kind:
-            other = "/v1/chat/completions" if info.kind == "chat" else "/v1/completions"
-            raise InvalidRequest(
-                f"this is a {info.kind} session: continue it on {other}", param="session_id"
-            )
-        new_msgs = body["messages"] if kind == "chat" else []
-        ready, history = None, state.messages
-        if early is not None and early.version in (None, info.version):
-            ready = await _result_or_none(early.task)
-            if early.version is not None:  # begin sent no messages: we hold this version's
-                history = early.history
+        """Plan a turn on a loaded session (`state`; a lock it holds is released if the
+        plan fails). `gateway.responses` passes states of its own: a session cut at a
+        stored response, to fork from it."""
+        try:
+            info = state.info
+            model = body["model"]
+            if info.model and model != info.model:  # a conversation takes its first turn's model
+                raise SessionModelMismatch(
+                    f"this session uses model {info.model!r}, the request names {model!r}",
+                    param="model",
+                )
+            if info.kind != kind:
+                other = "/v1/chat/completions" if info.kind == "chat" else "/v1/completions"
+                raise InvalidRequest(
+                    f"this is a {info.kind} session: continue it on {other}", param="session_id"
+                )
+            new_msgs = body["messages"] if kind == "chat" else []
+            ready, history = None, state.messages
+            if early is not None and early.version in (None, info.version):
+                ready = await _result_or_none(early.task)
+                if early.version is not None:  # begin sent no messages: we hold this version's
+                    history = early.history
 
-        async def build(worker: Worker) -> tuple[list[int], int]:
-            tokenized = ready or await self._tokenize(worker, kind, model, history, body)
-            if kind == "chat":
-                return await self.prompts.delta(worker, model, state.tokens, history, tokenized)
-            return tokenized  # type: ignore[no-any-return]
+            async def build(worker: Worker) -> tuple[list[int], int]:
+                tokenized = ready or await self._tokenize(worker, kind, model, history, body)
+                if kind == "chat":
+                    return await self.prompts.delta(worker, model, state.tokens, history, tokenized)
+                return tokenized  # type: ignore[no-any-return]
 
-        (new_tokens, window), worker = await self.failover(model, build, affinity=info.affinity)
-        turn = Turn(
-            kind=kind,
-            model=model,
-            tenant=tenant,
-            prompt=state.tokens + new_tokens,
-            new_tokens=new_tokens,
-            new_messages=new_msgs,
-            history=history,
-            window=window or worker.models.get(model, 0),
-            state=state,
-            session_id=session_id,
-            worker=worker,
-            sampling=sampling_fields(body),
-            kv_key=info.kv_key or None,
-        )
-        self.check_window(turn)
-        return turn
+            (new_tokens, window), worker = await self.failover(model, build, affinity=info.affinity)
+            turn = Turn(
+                kind=kind,
+                model=model,
+                tenant=tenant,
+                prompt=state.tokens + new_tokens,
+                new_tokens=new_tokens,
+                new_messages=new_msgs,
+                history=history,
+                window=window or worker.models.get(model, 0),
+                state=state,
+                session_id=session_id,
+                worker=worker,
+                sampling=sampling_fields(body),
+                kv_key=info.kv_key or None,
+            )
+            self.check_window(turn)
+            return turn
+        except BaseException:
+            await self.release_now(tenant, state)
+            raise
 
     async def _tokenize(
         self,

@@ -11,7 +11,7 @@ from gateway.auth import TenantDep
 from gateway.conversations.service import ConversationService
 from gateway.requests import body_doc, read_json
 from gateway.responses.protocol import ConversationCreate, ConversationUpdate
-from gateway.responses.router import After, Limit, Order
+from gateway.responses.router import PageDep
 
 
 async def get_service(request: Request) -> ConversationService:
@@ -48,12 +48,6 @@ async def delete(conversation_id: str, tenant: TenantDep, svc: ServiceDep) -> JS
 
 @router.get("/{conversation_id}/items")
 async def items(
-    conversation_id: str,
-    tenant: TenantDep,
-    svc: ServiceDep,
-    limit: Limit = 20,
-    after: After = None,
-    order: Order = "desc",
+    conversation_id: str, tenant: TenantDep, svc: ServiceDep, page: PageDep
 ) -> JSONResponse:
-    page = await svc.items(tenant, conversation_id, after=after, limit=limit, order=order)
-    return JSONResponse(page)
+    return JSONResponse(await svc.items(tenant, conversation_id, page))

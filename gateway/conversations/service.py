@@ -16,7 +16,7 @@ from gateway.responses.protocol import (
     item_id,
     parse_conversation_id,
 )
-from gateway.responses.shaping import list_page, message_item
+from gateway.responses.shaping import Page, message_item
 from gateway.settings import GatewaySettings
 from gateway.turns import TurnService
 
@@ -90,9 +90,7 @@ class ConversationService:
         self.turns.recent.drop(info.session_id)
         return {"id": conv, "object": "conversation.deleted", "deleted": True}
 
-    async def items(
-        self, tenant: str, conv: str, *, after: str | None, limit: int, order: str
-    ) -> dict[str, Any]:
+    async def items(self, tenant: str, conv: str, page: Page) -> dict[str, Any]:
         sid = self._session(conv)
         try:
             state = await self.manager.begin(
@@ -106,4 +104,4 @@ class ConversationService:
             message_item(item_id(sid, i), m["role"], str(m.get("content") or ""))
             for i, m in enumerate(state.messages)
         ]
-        return list_page(items, after=after, limit=limit, order=order)
+        return page.of(items)

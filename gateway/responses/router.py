@@ -12,16 +12,24 @@ from gateway.completions.router import STREAMS
 from gateway.requests import body_doc
 from gateway.responses.protocol import ResponseCreate
 from gateway.responses.service import ResponseService
+from gateway.responses.shaping import Page
 
 
 async def get_service(request: Request) -> ResponseService:
     return request.app.state.responses  # type: ignore[no-any-return]
 
 
+def page_query(
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    after: Annotated[str | None, Query(max_length=256)] = None,
+    order: Annotated[Literal["asc", "desc"], Query()] = "desc",
+) -> Page:
+    """A list endpoint's `limit`, `after` and `order` (OpenAI's names and defaults)."""
+    return Page(limit, after, order)
+
+
 ServiceDep = Annotated[ResponseService, Depends(get_service)]
-Limit = Annotated[int, Query(ge=1, le=100)]
-After = Annotated[str | None, Query(max_length=256)]
-Order = Annotated[Literal["asc", "desc"], Query()]
+PageDep = Annotated[Page, Depends(page_query)]
 router = APIRouter(prefix="/v1/responses")
 
 
@@ -42,12 +50,6 @@ async def delete(response_id: str, tenant: TenantDep, svc: ServiceDep) -> JSONRe
 
 @router.get("/{response_id}/input_items")
 async def input_items(
-    response_id: str,
-    tenant: TenantDep,
-    svc: ServiceDep,
-    limit: Limit = 20,
-    after: After = None,
-    order: Order = "desc",
+    response_id: str, tenant: TenantDep, svc: ServiceDep, page: PageDep
 ) -> JSONResponse:
-    page = await svc.input_items(tenant, response_id, after=after, limit=limit, order=order)
-    return JSONResponse(page)
+    return JSONResponse(await svc.input_items(tenant, response_id, page))

@@ -55,7 +55,7 @@ from gateway.responses.protocol import (
     parse_conversation_id,
     parse_response_id,
 )
-from gateway.responses.shaping import ResponseDraft, ResponseEvents, list_page, message_item
+from gateway.responses.shaping import Page, ResponseDraft, ResponseEvents, message_item
 from gateway.settings import GatewaySettings
 from gateway.turns import Generation, Turn, TurnService
 
@@ -399,8 +399,6 @@ class ResponseService:
                 pass
         return {"id": response_id, "object": "response", "deleted": True}
 
-    async def input_items(
-        self, tenant: str, response_id: str, *, after: str | None, limit: int, order: str
-    ) -> dict[str, Any]:
+    async def input_items(self, tenant: str, response_id: str, page: Page) -> dict[str, Any]:
         _, _, record = await self._record(tenant, response_id)
-        return list_page(record["input"], after=after, limit=limit, order=order)
+        return page.of(record["input"])

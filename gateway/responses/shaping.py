@@ -40,22 +40,29 @@ def message_item(item_id: str, role: str, text: str, status: str = "completed") 
     }
 
 
-def list_page(
-    items: list[dict[str, Any]], *, after: str | None, limit: int, order: str
-) -> dict[str, Any]:
-    """OpenAI's cursor page over items (oldest first in `items`)."""
-    ordered = items if order == "asc" else items[::-1]
-    if after is not None:
-        ids = [i["id"] for i in ordered]
-        ordered = ordered[ids.index(after) + 1 :] if after in ids else []
-    page = ordered[:limit]
-    return {
-        "object": "list",
-        "data": page,
-        "first_id": page[0]["id"] if page else None,
-        "last_id": page[-1]["id"] if page else None,
-        "has_more": len(ordered) > limit,
-    }
+@dataclass(frozen=True)
+class Page:
+    """Which part of a list to answer: OpenAI's `limit`, `after` and `order` (the list
+    endpoints' query, `gateway.responses.router.PageDep`)."""
+
+    limit: int = 20
+    after: str | None = None
+    order: str = "desc"
+
+    def of(self, items: list[dict[str, Any]]) -> dict[str, Any]:
+        """OpenAI's cursor page over items (oldest first in `items`)."""
+        ordered = items if self.order == "asc" else items[::-1]
+        if self.after is not None:
+            ids = [i["id"] for i in ordered]
+            ordered = ordered[ids.index(self.after) + 1 :] if self.after in ids else []
+        page = ordered[: self.limit]
+        return {
+            "object": "list",
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": len(ordered) > self.limit,
+        }
 
 
 @dataclass
