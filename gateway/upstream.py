@@ -34,21 +34,33 @@ class WorkerDown(Exception):
         self.worker = worker
 
 
+def mapped(worker: Worker, exc: Exception) -> Exception:
+    """The error-table exception a failed call to `worker` stands for (`exc` itself if
+    it is none of the transport's)."""
+    if isinstance(
+        exc,
+        ConnectionLost
+        | aiohttp.ClientConnectorError
+        | aiohttp.ServerDisconnectedError
+        | aiohttp.ConnectionTimeoutError,
+    ):
+        return WorkerDown(worker, type(exc).__name__)
+    if isinstance(exc, TimeoutError):
+        return BackendTimeout()
+    if isinstance(exc, aiohttp.ClientError):
+        return BackendUnavailable(f"worker error: {type(exc).__name__}")
+    return exc
+
+
 @contextlib.asynccontextmanager
 async def mapped_errors(worker: Worker) -> AsyncIterator[None]:
     try:
         yield
-    except (
-        ConnectionLost,
-        aiohttp.ClientConnectorError,
-        aiohttp.ServerDisconnectedError,
-        aiohttp.ConnectionTimeoutError,
-    ) as exc:
-        raise WorkerDown(worker, type(exc).__name__) from exc
-    except TimeoutError as exc:
-        raise BackendTimeout() from exc
-    except aiohttp.ClientError as exc:
-        raise BackendUnavailable(f"worker error: {type(exc).__name__}") from exc
+    except Exception as exc:
+        error = mapped(worker, exc)
+        if error is exc:
+            raise
+        raise error from exc
 
 
 def _raise_for(status: int, payload: bytes) -> None:
@@ -68,9 +80,14 @@ def _content(body: dict[str, Any] | bytes) -> bytes:
 
 async def post_raw(worker: Worker, path: str, body: dict[str, Any] | bytes) -> tuple[int, bytes]:
     """Pass-through: the worker's status and body, as they are."""
-    if worker.fast is not None:
-        async with mapped_errors(worker):
+    if worker.fast is not None:  # (the hot path: no context manager to enter and leave)
+        try:
             return await worker.fast.post(path, _content(body))
+        except Exception as exc:
+            error = mapped(worker, exc)
+            if error is exc:
+                raise
+            raise error from exc
     async with (
         mapped_errors(worker),
         worker.http.post(path, data=_content(body), headers=_JSON) as r,
@@ -89,11 +106,16 @@ class SSEStream:
     """An open streaming response from a worker: its body as it arrives."""
 
     def __init__(
-        self, worker: Worker, chunks: AsyncIterator[bytes], close: Callable[[], object]
+        self,
+        worker: Worker,
+        chunks: AsyncIterator[bytes],
+        close: Callable[[], object],
+        framed: Callable[[], AsyncIterator[bytes]] | None = None,
     ) -> None:
         self.worker = worker
         self._chunks = chunks
         self._close = close
+        self.framed = framed  # a chunked body with its framing kept (`Response.framed`)
 
     async def raw(self) -> AsyncIterator[bytes]:
         """The bytes as they come (pass-through)."""
@@ -124,7 +146,8 @@ async def open_stream(worker: Worker, path: str, body: dict[str, Any] | bytes) -
             answer = await worker.fast.stream(path, _content(body))
             if answer.status >= 400:
                 _raise_for(answer.status, await answer.read())
-            return SSEStream(worker, answer.chunks(), answer.close)
+            framed = answer.framed if answer.chunked else None
+            return SSEStream(worker, answer.chunks(), answer.close, framed)
         response = await worker.http.post(path, data=_content(body), headers=_JSON)
         if response.status >= 400:
             payload = await response.read()

@@ -13,6 +13,7 @@ from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
 from ctxcache.errors import InvalidRequest
+from ctxcache.http_server import raw_transport
 from ctxcache.responses import JSONResponse
 from gateway.pool import Worker, WorkerPool
 from gateway.protocol import ChatBody, CompletionBody
@@ -48,7 +49,7 @@ class SSERelay(Response):
         self.pool, self.worker, self.upstream = pool, worker, upstream
         self.status_code = 200
         self.background = None
-        self.init_headers(SSE_HEADERS)
+        self.raw_headers = _SSE_RAW_HEADERS  # built once (`init_headers` on every stream cost)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         relay = asyncio.current_task()
@@ -65,11 +66,7 @@ class SSERelay(Response):
         watch.add_done_callback(on_leave)
         try:
             async with self.pool.lease(self.worker):
-                await send(
-                    {"type": "http.response.start", "status": 200, "headers": self.raw_headers}
-                )
-                async for chunk in self.upstream.raw():
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                await self._relay(scope, send)
                 relaying = False
         except asyncio.CancelledError:
             if not client_left:
@@ -81,6 +78,33 @@ class SSERelay(Response):
             watch.cancel()
             await self.upstream.aclose()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _relay(self, scope: Scope, send: Send) -> None:
+        """The worker's body, passed on. A chunked one keeps the worker's framing and goes
+        straight to the client's connection where the server allows it
+        (`ctxcache.http_server.raw_transport`); otherwise each piece goes through `send`,
+        which frames it again."""
+        framed = self.upstream.framed
+        transport = None if framed is None else raw_transport(scope)
+        if framed is None or transport is None:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            async for chunk in self.upstream.raw():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": _SSE_CHUNKED})
+        async for part in framed():
+            transport.write(part)
+            if transport.get_write_buffer_size() > _WRITE_HIGH_WATER:
+                await send(_NOTHING_MORE_YET)  # the server waits until the client catches up
+
+
+_SSE_RAW_HEADERS = [
+    *((k.encode(), v.encode()) for k, v in SSE_HEADERS.items()),
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+]
+_SSE_CHUNKED = [*_SSE_RAW_HEADERS, (b"transfer-encoding", b"chunked")]
+_WRITE_HIGH_WATER = 1 << 16
+_NOTHING_MORE_YET = {"type": "http.response.body", "body": b"", "more_body": True}
 
 
 async def _disconnect(receive: Receive) -> None:

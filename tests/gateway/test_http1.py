@@ -7,8 +7,8 @@ import itertools
 
 import pytest
 
-from gateway.http1 import ConnectionLost, Dechunker, Http1Pool
-from tests.gateway.rawhttp import chunk, read_request, server
+from gateway.http1 import ChunkScanner, ConnectionLost, Dechunker, Http1Pool
+from tests.gateway.rawhttp import CHUNKED_HEAD, chunk, read_request, server
 
 
 def pool(port: int, timeout: float = 5.0) -> Http1Pool:
@@ -23,7 +23,7 @@ async def test_keep_alive_reuses_one_connection_and_reads_chunked_bodies() -> No
         connections += 1
         while body := await read_request(reader):
             if body == b'"chunked"':
-                writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+                writer.write(CHUNKED_HEAD)
                 writer.write(b"3\r\nabc\r\n2;x=y\r\nde\r\n0\r\n\r\n")
             else:
                 writer.write(
@@ -105,6 +105,47 @@ def test_dechunker_rejects_bad_framing_and_notices_bytes_after_the_end() -> None
         Dechunker().feed(b"3\r\nabcd\r\n")  # longer than its size
 
 
+FRAMED = BODY[: BODY.index(b"0\r\nTrailer")]  # what a relay passes on: all but the last chunk
+
+
+def test_chunk_scanner_passes_on_all_but_the_last_chunk_however_the_bytes_arrive() -> None:
+    for a, b in itertools.combinations(range(1, len(BODY)), 2):  # every cut in three pieces
+        scan = ChunkScanner()
+        out = [scan.feed(BODY[:a]), scan.feed(BODY[a:b])]
+        assert not scan.done
+        out.append(scan.feed(BODY[b:]))
+        assert b"".join(out) == FRAMED and scan.done and scan.clean, (a, b)
+        assert Dechunker().feed(b"".join(out) + b"0\r\n\r\n") == PAYLOAD
+
+
+def test_chunk_scanner_rejects_bad_framing_and_notices_bytes_after_the_end() -> None:
+    scan = ChunkScanner()
+    assert scan.feed(BODY + b"HTTP/1.1") == FRAMED and scan.done and not scan.clean
+    with pytest.raises(ValueError):
+        ChunkScanner().feed(b"zz\r\nabc\r\n")
+    with pytest.raises(ValueError):
+        ChunkScanner().feed(b"3\r\nabcd\r\n0\r\n\r\n")  # longer than its size
+
+
+async def test_a_framed_stream_keeps_its_framing_and_its_connection() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while await read_request(reader):
+            writer.write(CHUNKED_HEAD + BODY[:5])
+            await writer.drain()
+            await asyncio.sleep(0.01)
+            writer.write(BODY[5:])
+            await writer.drain()
+
+    async with server(handler) as port:
+        p = pool(port)
+        for _ in range(2):
+            answer = await p.stream("/s", b"{}")
+            assert answer.chunked
+            assert b"".join([part async for part in answer.framed()]) == FRAMED
+        assert len(p._idle) == 1  # one connection, back in the pool after each stream
+        await p.aclose()
+
+
 async def test_a_stream_arrives_chunk_by_chunk_then_its_connection_is_reused() -> None:
     connections = 0
     go_on = asyncio.Event()
@@ -113,7 +154,7 @@ async def test_a_stream_arrives_chunk_by_chunk_then_its_connection_is_reused() -
         nonlocal connections
         connections += 1
         while await read_request(reader):
-            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+            writer.write(CHUNKED_HEAD)
             writer.write(chunk(b"data: 1\n\n"))
             await writer.drain()
             await go_on.wait()  # the rest only once the client has the first chunk
@@ -146,7 +187,7 @@ async def test_a_stream_closed_early_drops_its_connection() -> None:
         nonlocal connections
         connections += 1
         await read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        writer.write(CHUNKED_HEAD)
         try:
             while True:
                 writer.write(chunk(b"data: token\n\n"))
@@ -172,7 +213,7 @@ async def test_a_stream_closed_early_drops_its_connection() -> None:
 async def test_a_stream_that_stalls_or_breaks_off() -> None:
     async def stalls(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + chunk(b"a"))
+        writer.write(CHUNKED_HEAD + chunk(b"a"))
         await writer.drain()
         await asyncio.sleep(10)
 
@@ -185,7 +226,7 @@ async def test_a_stream_that_stalls_or_breaks_off() -> None:
 
     async def breaks_off(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + chunk(b"a"))
+        writer.write(CHUNKED_HEAD + chunk(b"a"))
         await writer.drain()
         writer.close()
 

@@ -7,17 +7,19 @@ import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import pytest
 from starlette.types import Message
 
+from ctxcache.http_server import RAW_BODY
 from gateway.completions.service import SSERelay
 from gateway.http1 import Http1Pool
 from gateway.pool import Worker, WorkerPool
 from gateway.settings import WorkerEndpoint
 from gateway.upstream import open_stream
+from tests.gateway.rawhttp import CHUNKED_HEAD as HEAD
 from tests.gateway.rawhttp import Handler, chunk, read_request, server
 
 EVENTS = [b'data: {"choices": [{"text": "a"}]}\n\n', b'data: {"choices": []}\n\n']
-HEAD = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
 
 
 @asynccontextmanager
@@ -102,3 +104,54 @@ async def test_a_client_leaving_mid_stream_closes_the_workers_stream() -> None:
         await asyncio.wait_for(worker_saw_close.wait(), 5)
         assert worker.inflight == 0 and not worker.fast._idle
         assert all(m.get("more_body", True) for m in sent)  # no end: nobody to answer
+
+
+class Recorder:
+    """The client's connection as `ctxcache.http_server` lends it to a relay."""
+
+    def __init__(self, buffered: int = 0) -> None:
+        self.written: list[bytes] = []
+        self.buffered = buffered  # what the connection says it has not sent yet
+
+    def write(self, data: bytes) -> None:
+        self.written.append(data)
+
+    def get_write_buffer_size(self) -> int:
+        return self.buffered
+
+
+@pytest.mark.parametrize("client_is_slow", [False, True])
+async def test_a_chunked_stream_goes_on_in_the_workers_own_framing(client_is_slow: bool) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while await read_request(reader):
+            writer.write(HEAD + chunk(EVENTS[0]))
+            await writer.drain()
+            await asyncio.sleep(0.01)
+            writer.write(chunk(EVENTS[1]) + b"0\r\n\r\n")
+            await writer.drain()
+
+    connection = Recorder(buffered=1 << 20 if client_is_slow else 0)
+    scope = {"type": "http", "extensions": {RAW_BODY: {"transport": connection}}}
+    answered = asyncio.Event()
+    sent: list[Message] = []
+
+    async def receive() -> Message:
+        await answered.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+        if not message.get("more_body", True):
+            answered.set()
+
+    async with worker_at(handler) as (pool, worker):
+        upstream = await open_stream(worker, "/v1/completions", b"{}")
+        await SSERelay(pool, worker, upstream)(scope, receive, send)
+        assert (b"transfer-encoding", b"chunked") in sent[0]["headers"]
+        # the worker's framing, all but its last chunk (the server writes its own)
+        assert b"".join(connection.written) == chunk(EVENTS[0]) + chunk(EVENTS[1])
+        assert sent[-1] == {"type": "http.response.body", "body": b"", "more_body": False}
+        # a slow client: after each part, an empty one, so the server waits for the client
+        waits = [m for m in sent[1:-1] if m == {**m, "body": b"", "more_body": True}]
+        assert len(waits) == (len(connection.written) if client_is_slow else 0)
+        assert worker.inflight == 0 and len(worker.fast._idle) == 1
