@@ -3,10 +3,10 @@
 uvicorn writes a response's head, each body part and a chunked stream's end marker with a
 `transport.write` each, and each is a `send` of its own: a plain JSON answer goes out as
 two TCP segments (the client wakes for the head, then again for the body), a streamed one
-as three or more. Here the protocol's transport holds a write until the next one or the
-end of the loop's turn (`CoalescingTransport`): head and body of a plain answer go out in
-one call, and a stream's head with its first events. docs/benchmarks.md, "Gateway hot
-path", has what it saves.
+as one per event and more. Here the protocol's transport sends the writes of one event-loop
+turn together (`CoalescingTransport`): head and body of a plain answer in one call, a
+stream's head with its first events, and events that arrived together in one call.
+docs/benchmarks.md, "Gateway (`ctxcache bench gateway`)", has what it saves.
 
 Every ctxcache service serves through it (`ctxcache.settings.serve_app`).
 """
@@ -21,37 +21,39 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 
 class CoalescingTransport:
-    """A transport that holds a write until the next one or the end of the loop's turn,
-    whichever comes first, and then sends what it holds in one `writelines`.
+    """A transport that sends the writes of one event-loop turn together.
 
-    A response's head is held until its body's first part is written (a plain answer's
-    whole body; a stream's first events, when they are already in) and both go out
-    together, at once; a write with nothing after it in its turn waits only for the
-    running task to yield. Everything but `write`, `close` and `get_write_buffer_size` is
-    the real transport's (flow control included: the real buffer still pauses the protocol).
+    Within a turn, the first two writes go out together as soon as the second is made: a
+    response's head and its body (a plain answer's whole body; a stream's first events),
+    so a client waits for neither. Every other write is held until the turn ends (until the
+    running task yields), then sent with the rest in one `writelines`: a burst of stream
+    events that arrived together leaves as one send. Everything but `write`, `close` and
+    `get_write_buffer_size` is the real transport's (flow control included: the real buffer
+    still pauses the protocol).
     """
 
     def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
         self._transport = transport
         self._loop = loop
         self._held: list[bytes] = []
-        self._flush_due = False
+        self._turn_started = False  # a write was made in this turn (a flush is due at its end)
+        self._pair_sent = False  # this turn's first two writes went out already
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         if not data or self._transport.is_closing():
             return  # (a closed connection drops what is written to it, as asyncio's do)
-        if self._held:  # the write it waited for: both go out now
-            held, self._held = self._held, []
-            held.append(bytes(data))
-            self._transport.writelines(held)
-            return
-        self._held.append(bytes(data))
-        if not self._flush_due:
-            self._flush_due = True
+        held = self._held
+        held.append(bytes(data))
+        if not self._turn_started:
+            self._turn_started = True
             self._loop.call_soon(self._flush)
+        elif len(held) == 2 and not self._pair_sent:  # a head and its body: both go now
+            self._pair_sent = True
+            self._held = []
+            self._transport.writelines(held)
 
     def _flush(self) -> None:
-        self._flush_due = False
+        self._turn_started = self._pair_sent = False
         held, self._held = self._held, []
         if held and not self._transport.is_closing():
             self._transport.writelines(held)

@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
 import orjson
 from fastapi import Response
-from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
-from starlette.types import Receive, Scope, Send
 
 from ctxcache.errors import InvalidRequest
-from ctxcache.http_server import raw_transport
 from ctxcache.responses import JSONResponse
-from gateway.pool import Worker, WorkerPool
+from gateway.completions.streams import SSERelay, TurnStream
+from gateway.pool import WorkerPool
 from gateway.protocol import ChatBody, CompletionBody
 from gateway.requests import parse_json, session_id_of
 from gateway.shaping import (
@@ -26,118 +22,11 @@ from gateway.shaping import (
     text_completion,
 )
 from gateway.turns import Generation, Turn, TurnService
-from gateway.upstream import SSEStream, open_stream, post_raw
+from gateway.upstream import open_stream, post_raw
 
 PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 KINDS = {path: kind for kind, path in PATHS.items()}
 BODIES: dict[str, type[BaseModel]] = {"chat": ChatBody, "completion": CompletionBody}
-SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
-
-
-class SSERelay(Response):
-    """A stream without a session: the worker's bytes, passed on as they arrive.
-
-    Nothing is parsed or re-serialised, and no task group runs beside it (Starlette's
-    `StreamingResponse` starts one per response to watch for the client leaving, which
-    cost more than the relaying): one task waits for the client to leave, and if it does
-    the worker's stream is closed, so the worker stops generating for nobody.
-    """
-
-    media_type = "text/event-stream"
-
-    def __init__(self, pool: WorkerPool, worker: Worker, upstream: SSEStream) -> None:
-        self.pool, self.worker, self.upstream = pool, worker, upstream
-        self.status_code = 200
-        self.background = None
-        self.raw_headers = _SSE_RAW_HEADERS  # built once (`init_headers` on every stream cost)
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        relay = asyncio.current_task()
-        assert relay is not None
-        relaying, client_left = True, False
-
-        def on_leave(_: object) -> None:
-            nonlocal client_left
-            if relaying:  # (after the last byte, `receive` says disconnect too)
-                client_left = True
-                relay.cancel()
-
-        watch = asyncio.ensure_future(_disconnect(receive))
-        watch.add_done_callback(on_leave)
-        try:
-            async with self.pool.lease(self.worker):
-                await self._relay(scope, send)
-                relaying = False
-        except asyncio.CancelledError:
-            if not client_left:
-                raise
-            relay.uncancel()  # the client left: nobody is left to answer
-            return
-        finally:
-            relaying = False
-            watch.cancel()
-            await self.upstream.aclose()
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-    async def _relay(self, scope: Scope, send: Send) -> None:
-        """The worker's body, passed on. A chunked one keeps the worker's framing and goes
-        straight to the client's connection where the server allows it
-        (`ctxcache.http_server.raw_transport`); otherwise each piece goes through `send`,
-        which frames it again."""
-        framed = self.upstream.framed
-        transport = None if framed is None else raw_transport(scope)
-        if framed is None or transport is None:
-            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-            async for chunk in self.upstream.raw():
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            return
-        await send({"type": "http.response.start", "status": 200, "headers": _SSE_CHUNKED})
-        async for part in framed():
-            transport.write(part)
-            if transport.get_write_buffer_size() > _WRITE_HIGH_WATER:
-                await send(_NOTHING_MORE_YET)  # the server waits until the client catches up
-
-
-_SSE_RAW_HEADERS = [
-    *((k.encode(), v.encode()) for k, v in SSE_HEADERS.items()),
-    (b"content-type", b"text/event-stream; charset=utf-8"),
-]
-_SSE_CHUNKED = [*_SSE_RAW_HEADERS, (b"transfer-encoding", b"chunked")]
-_WRITE_HIGH_WATER = 1 << 16
-_NOTHING_MORE_YET = {"type": "http.response.body", "body": b"", "more_body": True}
-
-
-async def _disconnect(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-class TurnStream(StreamingResponse):
-    """A session turn's SSE answer. The event generator releases the turn when it ends;
-    a client that leaves before the first byte means it never starts, and then nothing
-    would: `never_started` does it here."""
-
-    def __init__(
-        self, events: AsyncGenerator[bytes, None], never_started: Callable[[], Awaitable[None]]
-    ) -> None:
-        self.events, self.never_started = events, never_started
-        self.started = False
-        super().__init__(self._body(), media_type="text/event-stream", headers=SSE_HEADERS)
-
-    async def _body(self) -> AsyncGenerator[bytes, None]:
-        self.started = True
-        try:
-            async for chunk in self.events:
-                yield chunk
-        finally:
-            await self.events.aclose()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            if not self.started:
-                await self.never_started()
 
 
 class CompletionService:
@@ -193,7 +82,7 @@ class CompletionService:
         out["session"] = session
         return out
 
-    async def _stream(self, turn: Turn, body: dict[str, Any]) -> StreamingResponse:
+    async def _stream(self, turn: Turn, body: dict[str, Any]) -> TurnStream:
         shaper = ChunkShaper(turn.kind, turn.model, bool(body.get("return_token_ids")))
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
 

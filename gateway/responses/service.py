@@ -45,7 +45,7 @@ from ctxcache.errors import (
 from ctxcache.lmcache_keys import session_key
 from ctxcache.logs import bind_session
 from ctxcache.responses import JSONResponse
-from gateway.completions.service import TurnStream
+from gateway.completions.streams import TurnStream
 from gateway.metrics import GatewayMetrics
 from gateway.requests import parse_json
 from gateway.responses.protocol import (

@@ -36,26 +36,29 @@ class Recording:
         return 0
 
 
-async def test_a_write_waits_for_the_next_one_or_the_end_of_the_turn() -> None:
+async def test_a_turns_writes_go_out_together() -> None:
     sent = Recording()
     t = CoalescingTransport(sent, asyncio.get_running_loop())  # type: ignore[arg-type]
     t.write(b"head")
     assert sent.sends == []  # held: a body may follow in this turn
     t.write(b"body")
-    assert sent.sends == [[b"head", b"body"]]  # together, at once
-    t.write(b"")
+    assert sent.sends == [[b"head", b"body"]]  # the first two together, at once
+    for event in (b"e1", b"", b"e2", b"e3"):
+        t.write(event)
+    assert t.get_write_buffer_size() == 6 and len(sent.sends) == 1  # the rest: held
+    await asyncio.sleep(0)  # the turn ends: what is held goes, in one call
+    assert sent.sends[1:] == [[b"e1", b"e2", b"e3"]]
     t.write(b"alone")
-    assert t.get_write_buffer_size() == len(b"alone")
-    await asyncio.sleep(0)  # the turn ends: what is held goes
-    assert sent.sends == [[b"head", b"body"], [b"alone"]]
+    await asyncio.sleep(0)
+    assert sent.sends[2:] == [[b"alone"]]  # a write with nothing after it waits for no one
     t.write(b"last words")
     t.close()  # what was written before close goes out first
-    assert sent.sends[-1] == [b"last words"] and sent.closed
+    assert sent.sends[3:] == [[b"last words"]] and sent.closed
     await asyncio.sleep(0)
-    assert len(sent.sends) == 3  # nothing twice
+    assert len(sent.sends) == 4  # nothing twice
     t.write(b"to nobody")  # the client is gone: dropped, as asyncio's transports do
     await asyncio.sleep(0)
-    assert len(sent.sends) == 3
+    assert len(sent.sends) == 4
 
 
 async def app(scope: Scope, receive: Receive, send: Send) -> None:

@@ -78,7 +78,13 @@ def test_tenant_isolation_on_every_endpoint(stack: Stack) -> None:
         )
         assert sid not in {c["session_id"] for c in b.get("/v1/context").json()["data"]}
         assert sid in {c["session_id"] for c in a.get("/v1/context").json()["data"]}
-        assert a.get(f"/v1/context/{sid}").json() == before
+        # all but what the sidecar holds, which may still be filling from the create's prefill
+        after = a.get(f"/v1/context/{sid}").json()
+        assert _without_kv(after) == _without_kv(before)
+
+
+def _without_kv(info: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in info.items() if k not in ("kv_tokens", "kv_bytes")}
 
 
 def test_bad_requests_are_400_envelopes_never_422(stack: Stack) -> None:

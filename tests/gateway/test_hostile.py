@@ -507,7 +507,10 @@ class Canaries:
                 f"/v1/context/{sid}", headers={"authorization": f"Bearer {self.keys[placeholder]}"}
             )
             assert r.status_code == 200, r.text
-            out[placeholder] = r.json()
+            # all but what the sidecar holds: that may still be filling from a prefill
+            out[placeholder] = {
+                k: v for k, v in r.json().items() if k not in ("kv_tokens", "kv_bytes")
+            }
         return out
 
 

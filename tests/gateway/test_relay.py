@@ -11,7 +11,7 @@ import pytest
 from starlette.types import Message
 
 from ctxcache.http_server import RAW_BODY
-from gateway.completions.service import SSERelay
+from gateway.completions.streams import SSERelay
 from gateway.http1 import Http1Pool
 from gateway.pool import Worker, WorkerPool
 from gateway.settings import WorkerEndpoint

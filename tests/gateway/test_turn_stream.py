@@ -1,4 +1,5 @@
-"""A streamed session turn whose client leaves before the first byte still gives the turn back.
+"""A streamed session turn gives its turn back however its client leaves: before the first
+byte (`never_started`), or mid-stream (the event generator's own `finally`).
 
 (The end-to-end case — a client leaving mid-stream — runs against real processes in
 test_errors_e2e.py; the moment before the first byte is too short to hit from outside.)
@@ -6,12 +7,13 @@ test_errors_e2e.py; the moment before the first byte is too short to hit from ou
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncGenerator
 
 from starlette.types import Message
 
-from gateway.completions.service import TurnStream
+from gateway.completions.streams import TurnStream
 
 
 async def test_a_client_gone_before_the_first_byte_releases_the_turn() -> None:
@@ -46,3 +48,35 @@ async def test_a_client_gone_before_the_first_byte_releases_the_turn() -> None:
 
     await TurnStream(events(), never_started)(scope, receive, record)
     assert released == ["by the stream"] and sent[0]["type"] == "http.response.start"
+
+
+async def test_a_client_leaving_mid_stream_ends_the_stream_and_its_turn() -> None:
+    released: list[str] = []
+
+    async def endless() -> AsyncGenerator[bytes, None]:
+        try:
+            while True:
+                yield b"data: {}\n\n"
+                await asyncio.sleep(0.01)
+        finally:
+            released.append("by the stream")
+
+    async def never_started() -> None:
+        released.append("by the response")
+
+    left = asyncio.Event()
+    sent: list[Message] = []
+
+    async def receive() -> Message:
+        await left.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+        if len(sent) == 3:  # the head and two events: then the client goes
+            left.set()
+
+    scope = {"type": "http", "asgi": {"spec_version": "2.3"}}
+    await asyncio.wait_for(TurnStream(endless(), never_started)(scope, receive, send), 5)
+    assert released == ["by the stream"]
+    assert all(m.get("more_body", True) for m in sent)  # no end: nobody to answer
