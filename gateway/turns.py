@@ -446,8 +446,8 @@ class TurnService:
                 usage: dict[str, Any] | None = None
                 first = True
                 async for data in upstream.events():
-                    if data == b"[DONE]":
-                        break
+                    if data == b"[DONE]":  # the body ends right after it: reading it to its
+                        continue  # end keeps the worker's connection for the next call
                     event = orjson.loads(data)
                     if event.get("usage") and not event.get("choices"):
                         usage = event["usage"]

@@ -15,13 +15,16 @@ import pytest
 
 from cache_manager.protocol import AppendTurn, BeginTurn, SessionInfo, SessionState
 from ctxcache.errors import SessionNotFound
+from gateway.http1 import Http1Pool
 from gateway.metrics import GatewayMetrics
 from gateway.pool import Worker, WorkerPool
 from gateway.prompts import FALLBACK_TURNS, PromptBuilder
 from gateway.recent import RecentHistories
 from gateway.settings import WorkerEndpoint
-from gateway.turns import Generation, TurnService
-from gateway.upstream import WorkerDown
+from gateway.shaping import ChunkShaper
+from gateway.turns import Generation, Turn, TurnService
+from gateway.upstream import WorkerDown, open_stream
+from tests.gateway.rawhttp import CHUNKED_HEAD, chunk, read_request, server
 
 SID = "ctx_" + "a" * 32
 HISTORY = [1, 2, 3]
@@ -267,3 +270,39 @@ def test_recent_histories_forget_expired_sessions_and_can_keep_none() -> None:
     none = RecentHistories(max_sessions=0)  # CTX_GATEWAY_RECENT_CHAT_SESSIONS=0
     none.put("a", 1, one, LATER)
     assert none.get("a") is None and len(none) == 0
+
+
+async def test_a_streamed_turn_reads_its_answer_to_the_end_and_keeps_the_connection() -> None:
+    """The events end at `[DONE]`, the body just after it: a turn that stopped reading at
+    `[DONE]` left the rest unread, so its connection was dropped, and every streamed turn
+    opened a new one."""
+    connections = 0
+    event = b'data: {"choices": [{"index": 0, "text": "a", "finish_reason": "length"}]}\n\n'
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        while await read_request(reader):
+            writer.write(CHUNKED_HEAD + chunk(event) + chunk(b"data: [DONE]\n\n"))
+            await writer.drain()
+            await asyncio.sleep(0.01)  # the body's end comes in a read of its own
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+
+    async def on_done(gen: Generation) -> dict[str, Any]:
+        assert gen.text == "a"
+        return {"session_id": SID}
+
+    prompts = Prompts()
+    turns = service(prompts, Manager(prompts))
+    async with server(handler) as port:
+        worker = turns.pool.workers[0]
+        worker.fast = Http1Pool("127.0.0.1", port, connect_timeout_s=1, request_timeout_s=5)
+        turn = Turn("completion", "m", "t", [1], [1], [], [], 4096, worker=worker)
+        for _ in range(3):
+            upstream = await open_stream(worker, "/v1/completions", b"{}")
+            shaper = ChunkShaper("completion", "m", False)
+            sent = [e async for e in turns.stream(turn, upstream, shaper, False, on_done)]
+            assert sent[-1] == shaper.end
+        assert connections == 1 and len(worker.fast._idle) == 1
+        await worker.fast.aclose()
