@@ -87,9 +87,9 @@ RAW_BODY = "ctxcache.raw_body"
 
 def raw_transport(scope: Scope) -> asyncio.Transport | None:
     """Where a response whose head declared `transfer-encoding: chunked` may write body
-    bytes already in chunked framing, unframed again by nobody (a relay passes a worker's
-    stream on this way); None when the app is not served by this protocol (tests that
-    call it in process). The response still ends with an ASGI body message with
+    bytes that are already in chunked framing, to go out as they are (a relay passes a
+    worker's stream on this way); None when the app is not served by this protocol (tests
+    that call it in process). The response still ends with an ASGI body message with
     `more_body: False`, which writes the last chunk."""
     extension = scope.get("extensions", {}).get(RAW_BODY)
     return None if extension is None else extension["transport"]  # type: ignore[no-any-return]
