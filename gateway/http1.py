@@ -172,22 +172,39 @@ class Response:
         self._release()
         return body
 
-    async def chunks(self) -> AsyncIterator[bytes]:
+    def chunks(self) -> AsyncIterator[bytes]:
         """The body as it arrives, the chunked framing removed: what one read from the
         socket brought, in one piece (a worker's SSE events written back to back come out
         together). `ConnectionLost` if the connection ends first."""
+        return self._chunked(Dechunker()) if self.chunked else self._unframed()
+
+    def framed(self) -> AsyncIterator[bytes]:
+        """A chunked body as it arrives with its framing kept, up to (not including) the
+        last, empty chunk: what a relay whose own server writes that last chunk passes on
+        untouched (`ChunkScanner`)."""
+        return self._chunked(ChunkScanner())
+
+    async def _chunked(self, decoder: Dechunker | ChunkScanner) -> AsyncIterator[bytes]:
+        """A chunked body, each read through `decoder`."""
         reader = self._conn[0]
         try:
-            if self.chunked:
-                dechunk = Dechunker()
-                while not dechunk.done:
-                    data = await reader.read(READ_SIZE)
-                    if not data:
-                        raise asyncio.IncompleteReadError(b"", None)
-                    if payload := dechunk.feed(data):
-                        yield payload
-                self.keep = self.keep and dechunk.clean
-            elif self.length is not None:
+            while not decoder.done:
+                data = await reader.read(READ_SIZE)
+                if not data:
+                    raise asyncio.IncompleteReadError(b"", None)
+                if out := decoder.feed(data):
+                    yield out
+            self.keep = self.keep and decoder.clean
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+        self._release()
+
+    async def _unframed(self) -> AsyncIterator[bytes]:
+        """A body of `Content-Length` bytes, or one that runs to the end of the connection."""
+        reader = self._conn[0]
+        try:
+            if self.length is not None:
                 left = self.length
                 while left:
                     data = await reader.read(min(left, READ_SIZE))
@@ -198,25 +215,6 @@ class Response:
             else:
                 while data := await reader.read(READ_SIZE):
                     yield data
-        except BaseException as exc:
-            self._fail(exc)
-            raise
-        self._release()
-
-    async def framed(self) -> AsyncIterator[bytes]:
-        """A chunked body as it arrives with its framing kept, up to (not including) the
-        last, empty chunk: what a relay whose own server writes that last chunk passes on
-        untouched (`ChunkScanner`)."""
-        reader = self._conn[0]
-        scan = ChunkScanner()
-        try:
-            while not scan.done:
-                data = await reader.read(READ_SIZE)
-                if not data:
-                    raise asyncio.IncompleteReadError(b"", None)
-                if part := scan.feed(data):
-                    yield part
-            self.keep = self.keep and scan.clean
         except BaseException as exc:
             self._fail(exc)
             raise

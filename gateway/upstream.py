@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import aiohttp
 import orjson
@@ -34,9 +34,16 @@ class WorkerDown(Exception):
         self.worker = worker
 
 
-def mapped(worker: Worker, exc: Exception) -> Exception:
-    """The error-table exception a failed call to `worker` stands for (`exc` itself if
-    it is none of the transport's)."""
+def reraise_mapped(worker: Worker, exc: Exception) -> NoReturn:
+    """Raise the error-table exception a failed call to `worker` stands for (`exc` itself
+    if it is none of the transport's)."""
+    error = _mapped(worker, exc)
+    if error is exc:
+        raise exc
+    raise error from exc
+
+
+def _mapped(worker: Worker, exc: Exception) -> Exception:
     if isinstance(
         exc,
         ConnectionLost
@@ -57,10 +64,7 @@ async def mapped_errors(worker: Worker) -> AsyncIterator[None]:
     try:
         yield
     except Exception as exc:
-        error = mapped(worker, exc)
-        if error is exc:
-            raise
-        raise error from exc
+        reraise_mapped(worker, exc)
 
 
 def _raise_for(status: int, payload: bytes) -> None:
@@ -84,10 +88,7 @@ async def post_raw(worker: Worker, path: str, body: dict[str, Any] | bytes) -> t
         try:
             return await worker.fast.post(path, _content(body))
         except Exception as exc:
-            error = mapped(worker, exc)
-            if error is exc:
-                raise
-            raise error from exc
+            reraise_mapped(worker, exc)
     async with (
         mapped_errors(worker),
         worker.http.post(path, data=_content(body), headers=_JSON) as r,

@@ -8,7 +8,6 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import pytest
-from starlette.types import Message
 
 from ctxcache.http_server import RAW_BODY
 from gateway.completions.streams import SSERelay
@@ -16,6 +15,7 @@ from gateway.http1 import Http1Pool
 from gateway.pool import Worker, WorkerPool
 from gateway.settings import WorkerEndpoint
 from gateway.upstream import open_stream
+from tests.gateway.asgiclient import Client
 from tests.gateway.rawhttp import CHUNKED_HEAD as HEAD
 from tests.gateway.rawhttp import Handler, chunk, read_request, server
 
@@ -48,21 +48,12 @@ async def test_the_workers_bytes_go_through_as_they_are() -> None:
             writer.write(HEAD + b"".join(chunk(e) for e in EVENTS) + b"0\r\n\r\n")
             await writer.drain()
 
-    answered = asyncio.Event()
-    sent: list[Message] = []
-
-    async def receive() -> Message:  # as uvicorn: "disconnect" once the answer is complete
-        await answered.wait()
-        return {"type": "http.disconnect"}
-
-    async def send(message: Message) -> None:
-        sent.append(message)
-        if not message.get("more_body", True):
-            answered.set()
+    client = Client()  # as uvicorn: "disconnect" once the answer is complete
+    sent = client.sent
 
     async with worker_at(handler) as (pool, worker):
         upstream = await open_stream(worker, "/v1/completions", b"{}")
-        await SSERelay(pool, worker, upstream)({"type": "http"}, receive, send)
+        await SSERelay(pool, worker, upstream)({"type": "http"}, client.receive, client.send)
         assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 200
         assert (b"content-type", b"text/event-stream; charset=utf-8") in sent[0]["headers"]
         assert b"".join(m.get("body", b"") for m in sent[1:]) == b"".join(EVENTS)
@@ -85,22 +76,14 @@ async def test_a_client_leaving_mid_stream_closes_the_workers_stream() -> None:
             worker_saw_close.set()
             raise
 
-    left = asyncio.Event()
-    sent: list[Message] = []
-
-    async def receive() -> Message:
-        await left.wait()
-        return {"type": "http.disconnect"}
-
-    async def send(message: Message) -> None:
-        sent.append(message)
-        if len(sent) == 3:  # the head and two chunks: then the client goes
-            left.set()
+    client = Client(leave_after=3)  # the head and two chunks: then the client goes
+    sent = client.sent
 
     async with worker_at(endless) as (pool, worker):
         upstream = await open_stream(worker, "/v1/completions", b"{}")
         relay = SSERelay(pool, worker, upstream)
-        await asyncio.wait_for(relay({"type": "http"}, receive, send), 5)  # ends quietly
+        # ends quietly
+        await asyncio.wait_for(relay({"type": "http"}, client.receive, client.send), 5)
         await asyncio.wait_for(worker_saw_close.wait(), 5)
         assert worker.inflight == 0 and not worker.fast._idle
         assert all(m.get("more_body", True) for m in sent)  # no end: nobody to answer
@@ -132,21 +115,12 @@ async def test_a_chunked_stream_goes_on_in_the_workers_own_framing(client_is_slo
 
     connection = Recorder(buffered=1 << 20 if client_is_slow else 0)
     scope = {"type": "http", "extensions": {RAW_BODY: {"transport": connection}}}
-    answered = asyncio.Event()
-    sent: list[Message] = []
-
-    async def receive() -> Message:
-        await answered.wait()
-        return {"type": "http.disconnect"}
-
-    async def send(message: Message) -> None:
-        sent.append(message)
-        if not message.get("more_body", True):
-            answered.set()
+    client = Client()
+    sent = client.sent
 
     async with worker_at(handler) as (pool, worker):
         upstream = await open_stream(worker, "/v1/completions", b"{}")
-        await SSERelay(pool, worker, upstream)(scope, receive, send)
+        await SSERelay(pool, worker, upstream)(scope, client.receive, client.send)
         assert (b"transfer-encoding", b"chunked") in sent[0]["headers"]
         # the worker's framing, all but its last chunk (the server writes its own)
         assert b"".join(connection.written) == chunk(EVENTS[0]) + chunk(EVENTS[1])

@@ -14,6 +14,7 @@ from collections.abc import AsyncGenerator
 from starlette.types import Message
 
 from gateway.completions.streams import TurnStream
+from tests.gateway.asgiclient import Client
 
 
 async def test_a_client_gone_before_the_first_byte_releases_the_turn() -> None:
@@ -64,19 +65,9 @@ async def test_a_client_leaving_mid_stream_ends_the_stream_and_its_turn() -> Non
     async def never_started() -> None:
         released.append("by the response")
 
-    left = asyncio.Event()
-    sent: list[Message] = []
-
-    async def receive() -> Message:
-        await left.wait()
-        return {"type": "http.disconnect"}
-
-    async def send(message: Message) -> None:
-        sent.append(message)
-        if len(sent) == 3:  # the head and two events: then the client goes
-            left.set()
-
+    client = Client(leave_after=3)  # the head and two events: then the client goes
     scope = {"type": "http", "asgi": {"spec_version": "2.3"}}
-    await asyncio.wait_for(TurnStream(endless(), never_started)(scope, receive, send), 5)
+    stream = TurnStream(endless(), never_started)
+    await asyncio.wait_for(stream(scope, client.receive, client.send), 5)
     assert released == ["by the stream"]
-    assert all(m.get("more_body", True) for m in sent)  # no end: nobody to answer
+    assert all(m.get("more_body", True) for m in client.sent)  # no end: nobody to answer
