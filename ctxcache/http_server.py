@@ -14,10 +14,13 @@ Every ctxcache service serves through it (`ctxcache.settings.serve_app`).
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+import logging
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from starlette.types import Scope
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 
 class CoalescingTransport:
@@ -58,6 +61,18 @@ class CoalescingTransport:
         if held and not self._transport.is_closing():
             self._transport.writelines(held)
 
+    def write_now(self, data: bytes) -> None:
+        """Send `data` now (after what is held), not at the end of the turn: for a caller
+        that gathered a turn's writes itself."""
+        if self._transport.is_closing():
+            return
+        held, self._held = self._held, []
+        if held:
+            held.append(data)
+            self._transport.writelines(held)
+        else:
+            self._transport.write(data)
+
     def get_write_buffer_size(self) -> int:
         return self._transport.get_write_buffer_size() + sum(map(len, self._held))
 
@@ -69,20 +84,152 @@ class CoalescingTransport:
         return getattr(self._transport, name)
 
 
+class EarlyAnswers(Protocol):
+    """What an app may offer the server as its `early_answers` attribute: requests it
+    answers from the protocol's callbacks, without an ASGI task (`Exchange`)."""
+
+    def wants(self, scope: Scope) -> bool:
+        """Whether to hold this request's ASGI task until its body is in (and ask `take`)."""
+        ...
+
+    def take(self, exchange: Exchange, body: bytes) -> bool:
+        """Answer the request (True), or leave it to the ASGI app (False)."""
+        ...
+
+
+class Exchange:
+    """One request an `EarlyAnswers` took: its scope, the connection to answer on, and the
+    calls that end it. Until it writes, it may still hand the request to the ASGI app
+    (`to_app`); once it wrote, it ends with `finish` or `abort`."""
+
+    __slots__ = ("_app", "_cycle", "_protocol", "on_client_left", "on_writable", "transport")
+
+    def __init__(
+        self, protocol: CoalescingHttpToolsProtocol, cycle: RequestResponseCycle, app: Any
+    ) -> None:
+        self._protocol, self._cycle, self._app = protocol, cycle, app
+        self.transport = protocol.transport
+        self.on_client_left: Callable[[], None] | None = None
+        self.on_writable: Callable[[], None] | None = None  # the client caught up
+
+    @property
+    def scope(self) -> Scope:
+        return self._cycle.scope  # type: ignore[return-value]
+
+    @property
+    def default_headers(self) -> list[tuple[bytes, bytes]]:
+        """The server's own headers (date, server), for the answer's head."""
+        return self._cycle.default_headers
+
+    @property
+    def keep_alive(self) -> bool:
+        return self._cycle.keep_alive
+
+    def write_now(self, data: bytes) -> None:
+        """Write `data` to the client at once (`CoalescingTransport.write_now`)."""
+        self.transport.write_now(data)
+
+    @property
+    def write_paused(self) -> bool:
+        """The client is not keeping up: stop reading what is to go to it until
+        `on_writable`."""
+        return self._protocol.flow.write_paused
+
+    def to_app(self) -> None:
+        """Nothing was written: the ASGI app answers instead, as if this never took it."""
+        self._protocol.exchange = None
+        self._protocol.start_app(self._cycle, self._app)
+
+    def finish(self) -> None:
+        """The answer is written whole: the connection serves the next request (or closes,
+        if it is not kept alive), as after an ASGI answer."""
+        protocol = self._protocol
+        protocol.exchange = None
+        self._cycle.response_complete = True
+        self._cycle.message_event.set()
+        if not self._cycle.keep_alive:
+            self.transport.close()
+        protocol.on_response_complete()
+
+    def abort(self) -> None:
+        """The answer cannot be completed: the client's connection is closed (so the
+        client sees a cut answer, never a complete-looking one)."""
+        self._protocol.exchange = None
+        self._cycle.response_complete = True
+        self.transport.close()
+
+
 class CoalescingHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol on a `CoalescingTransport`, which each request's scope
-    names under `extensions[RAW_BODY]["transport"]` (see `raw_transport`)."""
+    names under `extensions[RAW_BODY]["transport"]` (see `raw_transport`); and, if the
+    app offers `early_answers`, the requests it wants go there first (`EarlyAnswers`)."""
+
+    exchange: Exchange | None = None  # the request an `EarlyAnswers` is answering
+    _held: tuple[RequestResponseCycle, Any] | None = None  # a task held for its body
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         coalescing = CoalescingTransport(transport, asyncio.get_running_loop())
         super().connection_made(coalescing)  # type: ignore[arg-type]
+        self._early: EarlyAnswers | None = getattr(self.app, "early_answers", None)
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self.scope["extensions"] = {RAW_BODY: {"transport": self.transport}}
 
+    def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
+        if (
+            self._early is None
+            or app is not self.app  # (uvicorn's own answer: over its concurrency limit)
+            or cycle.waiting_for_100_continue  # the client sends its body once the app reads
+            or not self._early.wants(cycle.scope)
+        ):
+            super()._start_asgi_task(cycle, app)
+        elif cycle.more_body:
+            self._held = (cycle, app)  # until its body is in (`on_message_complete`)
+        else:  # a pipelined request, read whole while the one before it was answered
+            self._offer(cycle, app)
+
+    def start_app(self, cycle: RequestResponseCycle, app: Any) -> None:
+        super()._start_asgi_task(cycle, app)
+
+    def on_body(self, body: bytes) -> None:
+        super().on_body(body)
+        if self._held is not None and len(self._held[0].body) > HIGH_WATER_LIMIT:
+            held, self._held = self._held, None  # too big to hold: the app reads it
+            self.start_app(*held)
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        if self._held is not None:
+            held, self._held = self._held, None
+            self._offer(*held)
+
+    def _offer(self, cycle: RequestResponseCycle, app: Any) -> None:
+        assert self._early is not None
+        self.exchange = Exchange(self, cycle, app)
+        try:
+            taken = self._early.take(self.exchange, bytes(cycle.body))
+        except Exception:  # a bug there must not leave the client waiting: the app answers
+            log.exception("early answer failed on %s", cycle.scope["path"])
+            taken = False
+        if not taken:
+            self.exchange = None
+            self.start_app(cycle, app)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        exchange, self.exchange = self.exchange, None
+        if exchange is not None and exchange.on_client_left is not None:
+            exchange.on_client_left()
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self.exchange is not None and self.exchange.on_writable is not None:
+            self.exchange.on_writable()
+
 
 RAW_BODY = "ctxcache.raw_body"
+log = logging.getLogger(__name__)
 
 
 def raw_transport(scope: Scope) -> asyncio.Transport | None:

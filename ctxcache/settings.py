@@ -44,13 +44,26 @@ def check_ttl(ttl: int | None, *, default: int, low: int, high: int) -> int:
 
 
 def serve_app(app: Any, *, host: str, port: int) -> None:
-    """Serve an ASGI app the way every ctxcache service does: uvloop, httptools (a
-    response's head and body sent together: `ctxcache.http_server`), our logging."""
+    """Serve an ASGI app the way every ctxcache service does (`server_config`)."""
+    import sys
+
+    import uvicorn
+
+    server = uvicorn.Server(server_config(app, host=host, port=port))
+    server.run()
+    if not server.started:  # (as `uvicorn.run`: the port is taken, the lifespan failed...)
+        sys.exit(3)
+
+
+def server_config(app: Any, *, host: str, port: int) -> Any:
+    """The uvicorn config of every ctxcache service: uvloop, httptools (a response's head
+    and body sent together, and an app's `early_answers` asked first:
+    `ctxcache.http_server`), our logging; the app itself, wrapped in no middleware."""
     import uvicorn
 
     from ctxcache.http_server import CoalescingHttpToolsProtocol
 
-    uvicorn.run(
+    return uvicorn.Config(
         app,
         host=host,
         port=port,

@@ -32,6 +32,7 @@ from gateway.pool import WorkerPool
 from gateway.prompts import PromptBuilder
 from gateway.protocol import ChatBody, CompletionBody, ContextCreate
 from gateway.recent import RecentHistories
+from gateway.relay import StreamRelay
 from gateway.responses.protocol import ConversationCreate, ConversationUpdate, ResponseCreate
 from gateway.responses.router import router as responses_router
 from gateway.responses.service import ResponseService
@@ -50,9 +51,13 @@ def create_asgi(settings: GatewaySettings) -> FastPath:
     layer; everything else (and the lifespan) goes to the app unchanged.
     """
     app = create_app(settings)
-    return FastPath(
+    fast = FastPath(
         app, state=app.state, metrics=app.state.metrics, max_body_bytes=settings.max_body_bytes
     )
+    # streams without a session, answered from the server's protocol callbacks (the
+    # server asks `early_answers` first: `ctxcache.http_server.EarlyAnswers`)
+    fast.early_answers = app.state.relay
+    return fast
 
 
 def create_app(settings: GatewaySettings) -> FastAPI:
@@ -90,6 +95,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             recent = RecentHistories(max_sessions=settings.recent_chat_sessions)
             turns = TurnService(manager, pool, metrics, PromptBuilder(), salt, recent)
             stack.push_async_callback(turns.background.drain)
+            stack.callback(app.state.relay.close)
             app.state.keys = KeyRing(settings.api_keys)
             app.state.manager = manager
             app.state.pool = pool
@@ -114,6 +120,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         default_response_class=JSONResponse,
     )
     app.state.metrics = metrics
+    app.state.relay = StreamRelay(app.state, metrics, max_body_bytes=settings.max_body_bytes)
     install_error_handlers(app)
     app.include_router(context_router)
     app.include_router(completions_router)

@@ -25,6 +25,7 @@ import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ctxcache.errors import CtxError, InvalidRequest, PayloadTooLarge, error_response
+from ctxcache.http_server import EarlyAnswers
 from gateway.auth import authorization
 from gateway.completions.service import KINDS
 from gateway.metrics import GatewayMetrics
@@ -36,6 +37,8 @@ log = logging.getLogger(__name__)
 
 
 class FastPath:
+    early_answers: EarlyAnswers | None = None  # for the server (`create_asgi` sets it)
+
     def __init__(
         self, app: ASGIApp, *, state: Any, metrics: GatewayMetrics, max_body_bytes: int
     ) -> None:
@@ -62,11 +65,11 @@ class FastPath:
             if body is None:  # over the limit
                 raise PayloadTooLarge()
             tenant = self.state.keys.tenant_for(authorization(scope["headers"]))
-            session_header = _header(scope["headers"], b"x-session-id")
-            doc = _parse(body)
+            session_header = first_header(scope["headers"], b"x-session-id")
+            doc = parse_body(body)
             completions = self.state.completions
             kind = KINDS[scope["path"]]
-            if doc is None or session_header is not None or not _routable(doc):
+            if doc is None or session_header is not None or not routable(doc):
                 # a session turn, or a body to validate in full (parsed once)
                 response = await completions.answer(tenant, kind, body, session_header, parsed=doc)
             elif doc.get("stream"):
@@ -117,7 +120,7 @@ class FastPath:
                 return b"".join(chunks)
 
 
-def _parse(body: bytes) -> dict[str, Any] | None:
+def parse_body(body: bytes) -> dict[str, Any] | None:
     """The body as a JSON object, or None (the full validation then says what is wrong)."""
     try:
         doc = orjson.loads(body)
@@ -126,7 +129,7 @@ def _parse(body: bytes) -> dict[str, Any] | None:
     return doc if isinstance(doc, dict) else None
 
 
-def _routable(doc: dict[str, Any]) -> bool:
+def routable(doc: dict[str, Any]) -> bool:
     """A request with a model and no session, streaming or not: only routed."""
     stream = doc.get("stream")
     if not (stream is None or type(stream) is bool):
@@ -137,7 +140,7 @@ def _routable(doc: dict[str, Any]) -> bool:
     return isinstance(model, str) and bool(model)
 
 
-def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> str | None:
+def first_header(headers: list[tuple[bytes, bytes]], name: bytes) -> str | None:
     """The first value of a header, as Starlette's `request.headers.get` reads it."""
     for key, value in headers:
         if key == name:

@@ -56,6 +56,11 @@ class GatewayMetrics:
         self.cached_tokens = Counter(
             "ctxcache_gateway_cached_tokens_total", "prompt tokens whose KV was reused", registry=r
         )
+        self.relayed_streams = Counter(
+            "ctxcache_gateway_relayed_streams_total",
+            "streams without a session relayed from the server's callbacks (gateway/relay.py)",
+            registry=r,
+        )
         self.sessions_created = Counter(
             "ctxcache_gateway_sessions_created_total",
             "sessions created through this gateway",

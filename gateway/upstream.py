@@ -67,15 +67,21 @@ async def mapped_errors(worker: Worker) -> AsyncIterator[None]:
         reraise_mapped(worker, exc)
 
 
-def _raise_for(status: int, payload: bytes) -> None:
+def worker_error(status: int, payload: bytes) -> CtxError:
+    """The error a worker's error answer stands for: its own envelope's, if it is one we
+    know; otherwise a worker-side failure."""
     try:
         body = orjson.loads(payload)
     except orjson.JSONDecodeError:
         body = None
     err = error_from_envelope(status, body)
-    if type(err) is CtxError:  # not an envelope we know: a worker-side failure
-        raise BackendUnavailable(f"worker answered {status}")
-    raise err
+    if type(err) is CtxError:
+        return BackendUnavailable(f"worker answered {status}")
+    return err
+
+
+def _raise_for(status: int, payload: bytes) -> NoReturn:
+    raise worker_error(status, payload)
 
 
 def _content(body: dict[str, Any] | bytes) -> bytes:

@@ -1,0 +1,367 @@
+"""Streams without a session, relayed from the server protocol's callbacks.
+
+A stream with no session is only routed: the worker's events go to the client as they
+are. Through the ASGI app that still cost a task, a dozen coroutine frames, ASGI message
+dicts and a watcher task per request before the first event went out, which doubled the
+time to the first token against the worker alone (docs/benchmarks.md, "Gateway"). Here
+the request is answered from the callbacks of the two connections, as a splice would be:
+
+* the client's request, once its body is in (`ctxcache.http_server.EarlyAnswers`), is
+  checked and routed exactly as `FastPath` does (key, model, `cache_salt`), and written to
+  an idle keep-alive connection to the least-loaded worker;
+* the worker's answer is parsed by httptools as it arrives: each piece of its body goes to
+  the client at once, in chunked framing of its own.
+
+Whatever is not the plain case goes the regular way (`FastPath`, then the FastAPI app),
+where it is validated and answered, errors included: a request this does not take (a bad
+key, a session, a body to validate, no healthy worker for the model, a client waiting for
+`100 Continue`), and one whose worker could not be reached or closed before answering
+(nothing was written to the client yet; the regular path marks the worker down and fails
+over). A worker's error answer becomes our error envelope, as on the regular path; a
+deadline (`request_timeout_s`) that passes before the head is a `backend_timeout`, after
+it the client's connection is cut (as on the regular path: a stream cannot change its
+status once it started). A client that leaves closes the worker's connection, so the
+worker stops generating for nobody; a slow client pauses reading from the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import httptools
+import orjson
+
+from ctxcache.errors import BackendTimeout, CtxError, error_response
+from ctxcache.http_server import Exchange
+from gateway.auth import authorization
+from gateway.completions.streams import SSE_HEADERS
+from gateway.fastpath import first_header, parse_body, routable
+from gateway.metrics import GatewayMetrics
+from gateway.pool import Worker
+from gateway.upstream import worker_error
+
+PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+_CHUNKED = [*SSE_HEADERS, (b"transfer-encoding", b"chunked")]
+_HEAD = b"HTTP/1.1 200 OK\r\n" + b"".join(n + b": " + v + b"\r\n" for n, v in _CHUNKED)
+_MAX_IDLE = 64  # idle connections kept per worker
+HEAD_HOLD_S = 0.05  # how long a head waits for the first event, to go out with it
+log = logging.getLogger(__name__)
+
+
+class StreamRelay:
+    """`EarlyAnswers` for the gateway: streams without a session (see the module)."""
+
+    def __init__(self, state: Any, metrics: GatewayMetrics, *, max_body_bytes: int) -> None:
+        self.state = state  # the app's: keys, pool, turns (set in its lifespan)
+        self.metrics = metrics
+        self.max_body_bytes = max_body_bytes
+        self._idle: dict[str, list[Upstream]] = {}  # worker id -> idle connections
+
+    def wants(self, scope: dict[str, Any]) -> bool:
+        return scope["method"] == "POST" and scope["path"] in PATHS
+
+    def take(self, exchange: Exchange, body: bytes) -> bool:
+        state = self.state
+        scope = exchange.scope
+        if len(body) > self.max_body_bytes:
+            return False
+        headers = scope["headers"]
+        try:
+            tenant = state.keys.tenant_for(authorization(headers))
+        except CtxError:
+            return False
+        if first_header(headers, b"x-session-id") is not None:
+            return False
+        doc = parse_body(body)
+        if doc is None or doc.get("stream") is not True or not routable(doc):
+            return False
+        try:
+            worker = state.pool.pick(doc["model"])
+        except CtxError:
+            return False
+        if worker.fast is None:  # https or a path prefix: aiohttp's
+            return False
+        try:
+            if state.turns.salt.apply(tenant, doc):
+                body = orjson.dumps(doc)
+        except CtxError:  # a bad cache_salt: the regular path says so
+            return False
+        self.metrics.relayed_streams.inc()
+        _Stream(self, exchange, worker, scope["path"], body).start()
+        return True
+
+    def idle(self, worker: Worker) -> list[Upstream]:
+        return self._idle.setdefault(worker.id, [])
+
+    def close(self) -> None:
+        """Close the idle connections (at shutdown)."""
+        idle, self._idle = self._idle, {}
+        for upstreams in idle.values():
+            for upstream in upstreams:
+                upstream.close()
+
+
+class _Stream:
+    """One relayed stream, from the request to its last chunk."""
+
+    def __init__(
+        self, relay: StreamRelay, exchange: Exchange, worker: Worker, path: str, body: bytes
+    ) -> None:
+        self.relay, self.exchange, self.worker, self.path = relay, exchange, worker, path
+        fast = worker.fast
+        assert fast is not None
+        self.fast = fast
+        self.request = b"".join(
+            (
+                b"POST ",
+                path.encode(),
+                b" HTTP/1.1\r\nHost: ",
+                f"{fast.host}:{fast.port}".encode(),
+                b"\r\nContent-Type: application/json\r\nContent-Length: ",
+                str(len(body)).encode(),
+                b"\r\n\r\n",
+                body,
+            )
+        )
+        self.t0 = time.perf_counter()
+        self.loop = asyncio.get_running_loop()
+        self.upstream: Upstream | None = None
+        self.connecting: asyncio.Task[None] | None = None
+        self.status = 0  # the worker's, once its head is in
+        self.error = bytearray()  # the body of an error answer
+        self.started = False  # the worker's head was a 200: ours is written, or held
+        self.out: list[bytes] = []  # for the client, from the read being parsed
+        self.body_sent = False  # ... (and whether anything went out yet)
+        self.head_timer: asyncio.TimerHandle | None = None
+        self.done = False
+        self.deadline = self.loop.call_later(fast.request_timeout_s, self._timed_out)
+
+    def start(self) -> None:
+        self.worker.inflight += 1
+        self.exchange.on_client_left = self._client_left
+        self.exchange.on_writable = self._writable
+        idle = self.relay.idle(self.worker)
+        while idle:
+            upstream = idle.pop()
+            if not upstream.transport.is_closing():
+                self._send(upstream)
+                return
+        self.connecting = self.loop.create_task(self._connect())
+
+    async def _connect(self) -> None:
+        try:
+            async with asyncio.timeout(self.fast.connect_timeout_s):
+                _, upstream = await self.loop.create_connection(
+                    lambda: Upstream(self.relay, self.worker), self.fast.host, self.fast.port
+                )
+        except (OSError, TimeoutError):
+            self._to_app()  # the regular path fails over (or says the worker is down)
+            return
+        finally:
+            self.connecting = None
+        if self.done:  # the client left meanwhile
+            upstream.close()
+            return
+        self._send(upstream)
+
+    def _send(self, upstream: Upstream) -> None:
+        self.upstream = upstream
+        upstream.stream = self
+        upstream.transport.write(self.request)
+
+    # the worker's answer (`Upstream`'s parser callbacks)
+
+    def head(self, status: int) -> None:
+        self.status = status
+        if status != 200:
+            return  # an error: its body is read whole (`body`, `end`)
+        exchange = self.exchange
+        head = [_HEAD]
+        head += [name + b": " + value + b"\r\n" for name, value in exchange.default_headers]
+        if not exchange.keep_alive:
+            head.append(b"connection: close\r\n")
+        head.append(b"\r\n")
+        self.out.append(b"".join(head))
+        self.started = True
+
+    def body(self, data: bytes) -> None:
+        if self.status != 200:
+            self.error += data
+        else:
+            self.out.append(b"%x\r\n%b\r\n" % (len(data), data))
+
+    def read_done(self) -> None:
+        """What one read from the worker brought is relayed: in one write to the client.
+        A head with no event yet waits for the first event (a client wakes once for
+        both), at most `HEAD_HOLD_S` (a long prefill must not hold the head back)."""
+        if len(self.out) == 1 and self.body_sent is False:
+            if self.head_timer is None:
+                self.head_timer = self.loop.call_later(HEAD_HOLD_S, self._flush)
+            return
+        if self.out:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self.head_timer is not None:
+            self.head_timer.cancel()
+        self.body_sent = True
+        out, self.out = self.out, []
+        if not out or self.done:
+            return
+        self.exchange.write_now(b"".join(out))
+        if self.exchange.write_paused and self.upstream is not None:
+            self.upstream.transport.pause_reading()  # until the client catches up
+
+    def end(self, keep_alive: bool) -> None:
+        """The worker's answer is complete."""
+        upstream = self.upstream
+        assert upstream is not None
+        upstream.stream = None
+        idle = self.relay.idle(self.worker)
+        if keep_alive and len(idle) < _MAX_IDLE:
+            idle.append(upstream)
+        else:
+            upstream.close()
+        if self.status == 200:
+            self.out.append(b"0\r\n\r\n")
+            self._flush()
+            self._finish(self.exchange.finish)
+        else:
+            self._answer_error(worker_error(self.status, bytes(self.error)))
+
+    def upstream_lost(self) -> None:
+        """The worker's connection closed (or sent what is not HTTP) before its answer
+        was complete."""
+        if self.done:
+            return
+        if not self.started:
+            # nothing was written to the client: the regular path takes the request (a
+            # reused connection the worker had closed; or the worker is down, and that
+            # path marks it down and fails over)
+            self._to_app()
+            return
+        log.warning("worker %s closed a stream mid-answer: the client's is cut", self.worker.id)
+        self._finish(self.exchange.abort)
+
+    # the client
+
+    def _client_left(self) -> None:
+        if self.done:
+            return
+        if self.connecting is not None:
+            self.connecting.cancel()
+        if self.upstream is not None:
+            self.upstream.stream = None
+            self.upstream.close()  # the worker stops generating for nobody
+        self._finish(lambda: None)
+
+    def _writable(self) -> None:
+        if self.upstream is not None and not self.done:
+            self.upstream.transport.resume_reading()
+
+    def _timed_out(self) -> None:
+        if self.done:
+            return
+        if self.connecting is not None:
+            self.connecting.cancel()
+        if self.upstream is not None:
+            self.upstream.stream = None
+            self.upstream.close()
+        if self.started:
+            log.warning("worker %s: a stream ran past the request timeout", self.worker.id)
+            self._finish(self.exchange.abort)
+        else:
+            self._answer_error(BackendTimeout())
+
+    # ends
+
+    def _answer_error(self, exc: CtxError) -> None:
+        response = error_response(exc)
+        self.status = response.status_code
+        head = [b"HTTP/1.1 %d %b\r\n" % (response.status_code, _reason(response.status_code))]
+        head += [name + b": " + value + b"\r\n" for name, value in response.raw_headers]
+        head += [name + b": " + value + b"\r\n" for name, value in self.exchange.default_headers]
+        if not self.exchange.keep_alive:
+            head.append(b"connection: close\r\n")
+        head += [b"\r\n", response.body]
+        self.exchange.transport.write(b"".join(head))
+        self._finish(self.exchange.finish)
+
+    def _to_app(self) -> None:
+        if self.upstream is not None:
+            self.upstream.stream = None
+            self.upstream.close()
+        self._finish(self.exchange.to_app, observe=False)
+
+    def _finish(self, end: Any, *, observe: bool = True) -> None:
+        self.done = True
+        self.deadline.cancel()
+        if self.head_timer is not None:
+            self.head_timer.cancel()
+        self.worker.inflight -= 1
+        if observe:
+            self.relay.metrics.observe(self.path, self.status or 200, time.perf_counter() - self.t0)
+        end()
+
+
+class Upstream(asyncio.Protocol):
+    """A keep-alive connection to a worker; the answer to each request written on it goes
+    to the `_Stream` that wrote it."""
+
+    def __init__(self, relay: StreamRelay, worker: Worker) -> None:
+        self.relay, self.worker = relay, worker
+        self.stream: _Stream | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.transport: asyncio.Transport
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # (uvloop's is no subclass)
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            self.close()
+            self._lost()
+            return
+        if self.stream is not None:
+            self.stream.read_done()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._lost()
+
+    def _lost(self) -> None:
+        idle = self.relay.idle(self.worker)
+        if self in idle:
+            idle.remove(self)
+        stream, self.stream = self.stream, None
+        if stream is not None:
+            stream.upstream_lost()
+
+    def close(self) -> None:
+        self.transport.close()
+
+    # httptools' callbacks
+    def on_headers_complete(self) -> None:
+        if self.stream is not None:
+            self.stream.head(self.parser.get_status_code())
+
+    def on_body(self, body: bytes) -> None:
+        if self.stream is not None:
+            self.stream.body(body)
+
+    def on_message_complete(self) -> None:
+        if self.stream is not None:
+            self.stream.end(self.parser.should_keep_alive())
+
+
+def _reason(status: int) -> bytes:
+    from http import HTTPStatus
+
+    try:
+        return HTTPStatus(status).phrase.encode()
+    except ValueError:
+        return b""

@@ -1,0 +1,341 @@
+"""Streams without a session, relayed from the server protocol's callbacks (gateway/relay.py),
+on a real server: the gateway app served by uvicorn with our protocol, as `ctxcache gateway`
+serves it, in front of scripted workers whose every byte the test chooses."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+
+import httpx
+import orjson
+import pytest
+import uvicorn
+
+from ctxcache.net import free_port
+from ctxcache.settings import server_config
+from gateway.app import create_asgi
+from gateway.settings import GatewaySettings
+from tests.gateway.rawhttp import chunk
+
+KEY = "relay-key"
+AUTH = {"authorization": f"Bearer {KEY}"}
+EVENTS = [b'data: {"choices": [{"text": "a"}]}\n\n', b'data: {"choices": []}\n\n']
+EVENTS.append(b"data: [DONE]\n\n")
+HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+
+
+def answer(status: int, payload: bytes) -> bytes:
+    """A JSON answer, whole."""
+    head = b"HTTP/1.1 %d X\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
+    return head % (status, len(payload)) + payload
+
+
+Reply = Callable[[asyncio.StreamReader, asyncio.StreamWriter, dict], Awaitable[None]]
+
+
+async def stream_reply(_: asyncio.StreamReader, w: asyncio.StreamWriter, body: dict) -> None:
+    """The events, each in a write of its own (as uvicorn sends a worker's stream)."""
+    w.write(HEAD)
+    for event in EVENTS:
+        await asyncio.sleep(0)
+        w.write(chunk(event))
+    w.write(b"0\r\n\r\n")
+
+
+@dataclass
+class Worker:
+    """A scripted worker on a thread of its own: health, models, and `reply` for each
+    completion request (it sees each request's body)."""
+
+    reply: Reply = stream_reply
+    port: int = field(default_factory=free_port)
+    requests: list[dict] = field(default_factory=list)
+    streams_on: set[int] = field(default_factory=set)  # connections that served a stream
+    closed: threading.Event = field(default_factory=threading.Event)  # a client hung up
+
+    async def _serve(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await r.readuntil(b"\r\n\r\n")
+                path = head.split(b" ")[1]
+                length = 0
+                for line in head.split(b"\r\n"):
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":")[1])
+                body = orjson.loads(await r.readexactly(length)) if length else {}
+                if path == b"/health":
+                    w.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                elif path == b"/v1/models":
+                    models = orjson.dumps({"data": [{"id": "m", "max_model_len": 4096}]})
+                    w.write(answer(200, models))
+                else:
+                    self.requests.append(body)
+                    self.streams_on.add(id(w))
+                    await self.reply(r, w, body)
+                await w.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            self.closed.set()
+        finally:
+            w.close()
+
+    def start(self) -> Worker:
+        ready = threading.Event()
+
+        async def main() -> None:
+            server = await asyncio.start_server(self._serve, "127.0.0.1", self.port)
+            ready.set()
+            async with server:
+                await server.serve_forever()
+
+        threading.Thread(target=asyncio.run, args=(main(),), daemon=True).start()
+        assert ready.wait(5)
+        return self
+
+
+@pytest.fixture
+def serve(redis_url: str) -> Iterator[Callable[..., str]]:
+    """`serve(worker, ...)`: the gateway in front of those workers, on uvicorn with our
+    protocol (as `ctxcache gateway` runs it); its base URL."""
+    servers: list[tuple[uvicorn.Server, threading.Thread]] = []
+
+    def start(*workers: Worker, **settings: object) -> str:
+        port = free_port()
+        app = create_asgi(
+            GatewaySettings(
+                port=port,
+                redis_url=redis_url,
+                workers=[f"http://127.0.0.1:{w.port}" for w in workers],
+                api_keys={KEY: "tenant"},
+                health_interval_s=0.2,
+                **settings,
+            )
+        )
+        server = uvicorn.Server(server_config(app, host="127.0.0.1", port=port))
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        servers.append((server, thread))
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 10
+        last = None
+        while True:  # up, and its workers listed
+            try:
+                last = httpx.get(f"{url}/v1/models", headers=AUTH)
+                if last.json()["data"]:
+                    return url
+            except httpx.HTTPError as e:
+                last = e
+            assert time.monotonic() < deadline, f"the gateway did not come up {last!r}"
+            time.sleep(0.05)
+
+    yield start
+    for server, thread in servers:
+        server.should_exit = True
+        thread.join(10)
+
+
+def stream(url: str, client: httpx.Client | None = None, **extra: object) -> httpx.Response:
+    body = {"model": "m", "prompt": "hi", "max_tokens": 3, "stream": True, **extra}
+    if client is None:
+        return httpx.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=10)
+    return client.post(f"{url}/v1/completions", json=body, headers=AUTH)
+
+
+def test_a_stream_is_relayed_as_the_worker_sent_it(serve: Callable[..., str]) -> None:
+    worker = Worker().start()
+    url = serve(worker)
+    with httpx.Client(timeout=10) as client:  # one connection to the gateway, kept alive
+        for _ in range(3):
+            r = stream(url, client)
+            assert r.status_code == 200
+            assert r.headers["content-type"] == "text/event-stream; charset=utf-8"
+            assert r.headers["transfer-encoding"] == "chunked"
+            assert r.content == b"".join(EVENTS)
+    assert len(worker.streams_on) == 1  # the worker's connection was kept alive and reused
+    assert relayed(url) == 3  # ... by the relay, not the regular path
+    # the tenant's cache_salt was added, as on every worker request without a session
+    assert all(isinstance(req.get("cache_salt"), str) for req in worker.requests)
+    assert len(worker.requests) == 3
+
+
+def relayed(url: str) -> float:
+    """How many streams the gateway relayed (`ctxcache_gateway_relayed_streams_total`)."""
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith("ctxcache_gateway_relayed_streams_total "):
+            return float(line.split()[1])
+    raise AssertionError("no relayed-streams counter")
+
+
+def test_pipelined_streams_come_back_whole_and_in_order(serve: Callable[..., str]) -> None:
+    async def numbered(_: asyncio.StreamReader, w: asyncio.StreamWriter, body: dict) -> None:
+        w.write(HEAD + chunk(b"data: %s\n\n" % body["prompt"].encode()) + b"0\r\n\r\n")
+
+    url = serve(Worker(numbered).start())
+    port = int(url.rsplit(":", 1)[1])
+    requests = b""
+    for i in range(3):
+        payload = orjson.dumps({"model": "m", "prompt": f"n{i}", "stream": True})
+        requests += (
+            b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"authorization: Bearer %b\r\ncontent-length: %d\r\n\r\n%b"
+            % (KEY.encode(), len(payload), payload)
+        )
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(requests)  # all three at once, before any answer
+        got = b""
+        while got.count(b"0\r\n\r\n") < 3:
+            data = sock.recv(65536)
+            assert data, got
+            got += data
+    assert got.count(b"HTTP/1.1 200 OK") == 3
+    assert got.index(b"data: n0") < got.index(b"data: n1") < got.index(b"data: n2")
+    assert relayed(url) == 3
+
+
+def test_a_worker_error_is_our_envelope(serve: Callable[..., str]) -> None:
+    async def too_long(_: asyncio.StreamReader, w: asyncio.StreamWriter, body: dict) -> None:
+        error = {
+            "error": {
+                "message": "too long",
+                "type": "invalid_request_error",
+                "param": None,
+                "code": "context_length_exceeded",
+            }
+        }
+        payload = orjson.dumps(error)
+        w.write(answer(400, payload))
+
+    url = serve(Worker(too_long).start())
+    for _ in range(2):  # and the connection serves the next one
+        r = stream(url)
+        assert r.status_code == 400
+        assert r.json()["error"]["code"] == "context_length_exceeded"
+    assert relayed(url) == 2
+
+
+def test_a_worker_that_hangs_up_before_answering_fails_over(serve: Callable[..., str]) -> None:
+    async def hang_up(_: asyncio.StreamReader, w: asyncio.StreamWriter, body: dict) -> None:
+        raise ConnectionResetError  # (the worker closes the connection)
+
+    dead, alive = Worker(hang_up).start(), Worker().start()
+    url = serve(dead, alive)
+    for _ in range(4):  # whichever the relay picks, the answer is the live worker's stream
+        r = stream(url)
+        assert r.status_code == 200 and r.content == b"".join(EVENTS)
+    assert relayed(url) == 4
+
+
+def test_a_worker_that_never_answers_is_a_backend_timeout(serve: Callable[..., str]) -> None:
+    async def silent(r: asyncio.StreamReader, w: asyncio.StreamWriter, body: dict) -> None:
+        await r.read()  # until the gateway gives up and closes
+
+    worker = Worker(silent).start()
+    url = serve(worker, request_timeout_s=0.5)
+    r = stream(url)
+    assert r.status_code == 504
+    assert r.json()["error"]["code"] == "backend_timeout"
+    assert worker.closed.wait(5)
+    assert relayed(url) == 1
+
+
+def test_a_stream_the_worker_cuts_is_cut_for_the_client(serve: Callable[..., str]) -> None:
+    async def cut(_: asyncio.StreamReader, w: asyncio.StreamWriter, body: dict) -> None:
+        w.write(HEAD + chunk(EVENTS[0]))
+        await w.drain()
+        raise ConnectionResetError
+
+    url = serve(Worker(cut).start())
+    with pytest.raises(httpx.RemoteProtocolError):  # never a complete-looking answer
+        stream(url)
+    assert relayed(url) == 1
+
+
+def test_a_client_that_leaves_closes_the_workers_stream(serve: Callable[..., str]) -> None:
+    async def endless(_: asyncio.StreamReader, w: asyncio.StreamWriter, body: dict) -> None:
+        w.write(HEAD)
+        while True:
+            w.write(chunk(EVENTS[0]))
+            await w.drain()
+            await asyncio.sleep(0.02)
+
+    worker = Worker(endless).start()
+    url = serve(worker)
+    body = {"model": "m", "prompt": "hi", "stream": True}
+    with (
+        httpx.Client(timeout=10) as client,
+        client.stream("POST", f"{url}/v1/completions", json=body, headers=AUTH) as r,
+    ):
+        assert r.status_code == 200
+        next(r.iter_bytes())
+    assert worker.closed.wait(5)  # the gateway hung up on the worker
+    assert relayed(url) == 1
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["bad key", "expect 100-continue", "body over 64 KiB", "bad cache_salt", "unknown model"],
+)
+def test_what_the_relay_does_not_take_is_answered_the_regular_way(
+    serve: Callable[..., str], case: str
+) -> None:
+    url = serve(Worker().start())
+    body: dict[str, object] = {"model": "m", "prompt": "hi", "stream": True}
+    headers = dict(AUTH)
+    if case == "bad key":
+        headers["authorization"] = "Bearer nope"
+    elif case == "expect 100-continue":
+        headers["expect"] = "100-continue"
+    elif case == "body over 64 KiB":
+        body["prompt"] = "x" * 100_000
+    elif case == "bad cache_salt":
+        body["cache_salt"] = 7
+    else:
+        body["model"] = "nope"
+    r = httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=10)
+    expected = {
+        "bad key": (401, None),
+        "expect 100-continue": (200, b"".join(EVENTS)),
+        "body over 64 KiB": (200, b"".join(EVENTS)),
+        "bad cache_salt": (400, None),
+        "unknown model": (404, None),
+    }[case]
+    assert r.status_code == expected[0], r.text
+    assert relayed(url) == 0
+    if expected[1] is not None:
+        assert r.content == expected[1]
+    else:
+        assert "error" in r.json()
+
+
+def test_the_head_goes_out_before_a_slow_first_event(serve: Callable[..., str]) -> None:
+    """The relay holds a worker's head back a moment, to send it with the first event; a
+    long prefill must not hold it back (the worker here sends its first event only once
+    the client has the head)."""
+    client_has_head = threading.Event()
+
+    async def slow(_: asyncio.StreamReader, w: asyncio.StreamWriter, body: dict) -> None:
+        w.write(HEAD)
+        await w.drain()
+        await asyncio.to_thread(client_has_head.wait)
+        w.write(b"".join(chunk(e) for e in EVENTS) + b"0\r\n\r\n")
+
+    def give_up() -> None:  # (without the head, the test fails after 10 s, not hangs)
+        if not client_has_head.wait(10):
+            client_has_head.set()
+
+    threading.Thread(target=give_up, daemon=True).start()
+    url = serve(Worker(slow).start())
+    body = {"model": "m", "prompt": "hi", "stream": True}
+    with (
+        httpx.Client(timeout=20) as client,
+        client.stream("POST", f"{url}/v1/completions", json=body, headers=AUTH) as r,
+    ):
+        assert not client_has_head.is_set()  # the head came before any event
+        client_has_head.set()
+        assert r.status_code == 200
+        assert r.read() == b"".join(EVENTS)
+    assert relayed(url) == 1
