@@ -8,6 +8,11 @@ turn together (`CoalescingTransport`): head and body of a plain answer in one ca
 stream's head with its first events, and events that arrived together in one call.
 docs/benchmarks.md, "Gateway (`ctxcache bench gateway`)", has what it saves.
 
+An app may also answer some requests from the protocol's callbacks, with no ASGI task:
+the requests its `early_answers` wants (`EarlyAnswers`) are held until their body is in
+and offered to it first; what it does not take goes to the app as usual. The gateway
+relays streams without a session this way (gateway/relay.py).
+
 Every ctxcache service serves through it (`ctxcache.settings.serve_app`).
 """
 
@@ -108,7 +113,7 @@ class Exchange:
         self, protocol: CoalescingHttpToolsProtocol, cycle: RequestResponseCycle, app: Any
     ) -> None:
         self._protocol, self._cycle, self._app = protocol, cycle, app
-        self.transport = protocol.transport
+        self.transport: CoalescingTransport = protocol.transport  # type: ignore[assignment]
         self.on_client_left: Callable[[], None] | None = None
         self.on_writable: Callable[[], None] | None = None  # the client caught up
 

@@ -58,7 +58,8 @@ class GatewayMetrics:
         )
         self.relayed_streams = Counter(
             "ctxcache_gateway_relayed_streams_total",
-            "streams without a session relayed from the server's callbacks (gateway/relay.py)",
+            "streams without a session taken by the relay (gateway/relay.py); one whose "
+            "worker could not be reached is then answered the regular way",
             registry=r,
         )
         self.sessions_created = Counter(

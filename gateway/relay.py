@@ -197,7 +197,7 @@ class _Stream:
         """What one read from the worker brought is relayed: in one write to the client.
         A head with no event yet waits for the first event (a client wakes once for
         both), at most `HEAD_HOLD_S` (a long prefill must not hold the head back)."""
-        if len(self.out) == 1 and self.body_sent is False:
+        if len(self.out) == 1 and not self.body_sent:
             if self.head_timer is None:
                 self.head_timer = self.loop.call_later(HEAD_HOLD_S, self._flush)
             return
@@ -316,6 +316,7 @@ class Upstream(asyncio.Protocol):
         self.stream: _Stream | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.transport: asyncio.Transport
+        self.framed = False  # the answer has a length or chunks (else it ends with the connection)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # (uvloop's is no subclass)
@@ -338,13 +339,24 @@ class Upstream(asyncio.Protocol):
         if self in idle:
             idle.remove(self)
         stream, self.stream = self.stream, None
-        if stream is not None:
+        if stream is None:
+            return
+        if stream.status and not self.framed:  # a body that ends with the connection: whole
+            stream.end(keep_alive=False)
+        else:
             stream.upstream_lost()
 
     def close(self) -> None:
         self.transport.close()
 
     # httptools' callbacks
+    def on_message_begin(self) -> None:
+        self.framed = False
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if name.lower() in (b"content-length", b"transfer-encoding"):
+            self.framed = True
+
     def on_headers_complete(self) -> None:
         if self.stream is not None:
             self.stream.head(self.parser.get_status_code())

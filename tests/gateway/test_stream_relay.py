@@ -242,6 +242,22 @@ def test_a_worker_that_never_answers_is_a_backend_timeout(serve: Callable[..., s
     assert relayed(url) == 1
 
 
+def test_a_stream_that_ends_with_the_workers_connection_is_whole(
+    serve: Callable[..., str],
+) -> None:
+    async def unframed(_: asyncio.StreamReader, w: asyncio.StreamWriter, body: dict) -> None:
+        w.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\n")
+        w.write(b"".join(EVENTS))
+        await w.drain()
+        raise ConnectionResetError  # (no length, no chunks: the body ends when this closes)
+
+    url = serve(Worker(unframed).start())
+    for _ in range(2):
+        r = stream(url)
+        assert r.status_code == 200 and r.content == b"".join(EVENTS)
+    assert relayed(url) == 2
+
+
 def test_a_stream_the_worker_cuts_is_cut_for_the_client(serve: Callable[..., str]) -> None:
     async def cut(_: asyncio.StreamReader, w: asyncio.StreamWriter, body: dict) -> None:
         w.write(HEAD + chunk(EVENTS[0]))
