@@ -9,17 +9,18 @@ the request is answered from the callbacks of the two connections, as a splice w
 * the client's request, once its body is in (`ctxcache.http_server.EarlyAnswers`), is
   checked and routed exactly as `FastPath` does (key, model, `cache_salt`), and written to
   an idle keep-alive connection to the least-loaded worker;
-* the worker's answer is parsed by httptools as it arrives: each piece of its body goes to
-  the client at once, in chunked framing of its own.
+* the worker's answer is parsed by httptools as it arrives: what each read brought goes to
+  the client in one write, in chunked framing of its own (the head waits for the first
+  event, at most `HEAD_HOLD_S`, so the client wakes once for both).
 
 Whatever is not the plain case goes the regular way (`FastPath`, then the FastAPI app),
 where it is validated and answered, errors included: a request this does not take (a bad
 key, a session, a body to validate, no healthy worker for the model, a client waiting for
-`100 Continue`), and one whose worker could not be reached or closed before answering
-(nothing was written to the client yet; the regular path marks the worker down and fails
-over). A worker's error answer becomes our error envelope, as on the regular path; a
-deadline (`request_timeout_s`) that passes before the head is a `backend_timeout`, after
-it the client's connection is cut (as on the regular path: a stream cannot change its
+`100 Continue`, a body over 64 KiB), and one whose worker could not be reached or closed
+before answering (nothing was written to the client yet; the regular path marks the worker
+down and fails over). A worker's error answer becomes our error envelope, as on the regular
+path; a deadline (`request_timeout_s`) that passes before the head is a `backend_timeout`,
+after it the client's connection is cut (as on the regular path: a stream cannot change its
 status once it started). A client that leaves closes the worker's connection, so the
 worker stops generating for nobody; a slow client pauses reading from the worker.
 """
@@ -29,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from http import HTTPStatus
 from typing import Any
 
 import httptools
@@ -38,12 +40,11 @@ from ctxcache.errors import BackendTimeout, CtxError, error_response
 from ctxcache.http_server import Exchange
 from gateway.auth import authorization
 from gateway.completions.streams import SSE_HEADERS
-from gateway.fastpath import first_header, parse_body, routable
+from gateway.fastpath import FAST_PATHS, first_header, parse_body, routable
 from gateway.metrics import GatewayMetrics
 from gateway.pool import Worker
 from gateway.upstream import worker_error
 
-PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 _CHUNKED = [*SSE_HEADERS, (b"transfer-encoding", b"chunked")]
 _HEAD = b"HTTP/1.1 200 OK\r\n" + b"".join(n + b": " + v + b"\r\n" for n, v in _CHUNKED)
 _MAX_IDLE = 64  # idle connections kept per worker
@@ -61,7 +62,7 @@ class StreamRelay:
         self._idle: dict[str, list[Upstream]] = {}  # worker id -> idle connections
 
     def wants(self, scope: dict[str, Any]) -> bool:
-        return scope["method"] == "POST" and scope["path"] in PATHS
+        return scope["method"] == "POST" and scope["path"] in FAST_PATHS
 
     def take(self, exchange: Exchange, body: bytes) -> bool:
         state = self.state
@@ -371,8 +372,6 @@ class Upstream(asyncio.Protocol):
 
 
 def _reason(status: int) -> bytes:
-    from http import HTTPStatus
-
     try:
         return HTTPStatus(status).phrase.encode()
     except ValueError:
