@@ -355,3 +355,37 @@ def test_the_head_goes_out_before_a_slow_first_event(serve: Callable[..., str]) 
         assert r.status_code == 200
         assert r.read() == b"".join(EVENTS)
     assert relayed(url) == 1
+
+
+def test_a_slow_client_pauses_reading_from_the_worker(serve: Callable[..., str]) -> None:
+    """The relay reads the worker no faster than the client takes the stream: what it holds
+    for a client that stopped reading stays bounded by the sockets' buffers."""
+    piece = chunk(b"data: " + b"x" * 65_536 + b"\n\n")
+    written = [0]
+
+    async def firehose(_: asyncio.StreamReader, w: asyncio.StreamWriter, body: dict) -> None:
+        w.write(HEAD)
+        while written[0] < 1 << 30:
+            w.write(piece)
+            await w.drain()  # blocks while the gateway does not read
+            written[0] += len(piece)
+        w.write(b"0\r\n\r\n")
+
+    worker = Worker(firehose).start()
+    url = serve(worker)
+    body = {"model": "m", "prompt": "hi", "stream": True}
+    with (
+        httpx.Client(timeout=10) as client,
+        client.stream("POST", f"{url}/v1/completions", json=body, headers=AUTH) as r,
+    ):
+        pieces = r.iter_raw()
+        next(pieces)
+        time.sleep(1.0)  # the client stops reading; the worker could write ~1 GB meanwhile
+        stalled_at = written[0]
+        time.sleep(0.5)
+        assert written[0] == stalled_at < 64 << 20  # stopped, after the buffers filled
+        for _ in pieces:  # reading again resumes the worker
+            if written[0] > stalled_at + (8 << 20):
+                break
+        assert written[0] > stalled_at
+    assert worker.closed.wait(5)
