@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 
 from ctxcache.lmcache_keys import session_key
@@ -153,6 +154,31 @@ def test_a_session_less_request_stores_nothing(vllm_stack: VllmStack) -> None:
     assert r.status_code == 200, r.text
     time.sleep(1.0)
     assert blocks() == before
+
+
+def test_a_stream_without_a_session_is_relayed_as_vllm_sent_it(vllm_stack: VllmStack) -> None:
+    """vLLM's own stream through the gateway's protocol-level relay (gateway/relay.py): the
+    same text as its answer in one piece, and its usage chunk."""
+
+    def relayed() -> float:
+        for line in vllm_stack.http.get("/metrics").text.splitlines():
+            if line.startswith("ctxcache_gateway_relayed_streams_total "):
+                return float(line.split()[1])
+        raise AssertionError("no relayed-streams counter")
+
+    before = relayed()
+    body = {"model": "tiny", "prompt": document(3), "max_tokens": 8, "temperature": 0}
+    whole = vllm_stack.http.post("/v1/completions", json=body).json()
+    stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    with vllm_stack.http.stream("POST", "/v1/completions", json=stream) as r:
+        assert r.status_code == 200
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [orjson.loads(e) for e in events[:-1]]
+    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    assert text == whole["choices"][0]["text"]
+    assert chunks[-1]["usage"]["completion_tokens"] == whole["usage"]["completion_tokens"]
+    assert relayed() == before + 1
 
 
 def test_a_killed_sidecar_costs_speed_only(vllm_stack: VllmStack) -> None:
