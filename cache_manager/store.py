@@ -149,6 +149,10 @@ _UNAVAILABLE = (
 def _unavailable(exc: BaseException) -> bool:
     if isinstance(exc, _UNAVAILABLE):
         return True
+    if isinstance(exc, RuntimeError) and "the handler is closed" in str(exc):
+        # uvloop's answer to a write on a connection a killed node had just closed (seen
+        # when redis-py reconnected to a cluster master killed mid-run)
+        return True
     # the cluster client found none of its nodes reachable
     return isinstance(exc, rexc.RedisClusterException) and isinstance(exc.__cause__, _UNAVAILABLE)
 

@@ -6,6 +6,7 @@ import pytest
 
 from cache_manager.protocol import AppendTurn, BeginTurn, CreateSession, UpdateSession
 from cache_manager.sidecar_link import BackgroundLink, headroom
+from cache_manager.store import redis_errors
 from ctxcache.errors import StoreUnavailable
 from ctxcache.lmcache_keys import session_key
 from ctxcache.redis_server import RedisServer
@@ -40,6 +41,22 @@ async def test_sessions_survive_a_redis_restart_with_aof(
         state = await manager.begin(infos[0].session_id, BeginTurn(tenant="acme", lock=False))
         assert state.tokens == [1, 2, 3, 4] and state.info.version == 2
         assert len((await manager.list("acme", limit=100)).data) == 20
+
+
+async def test_a_write_on_a_connection_uvloop_closed_is_store_unavailable() -> None:
+    """What uvloop raises when redis-py writes on a connection that a killed node had just
+    closed is a store outage (503, retried), not an internal error; other RuntimeErrors are
+    not (tests/faults/test_topologies.py kills a cluster master mid-run for the real path)."""
+    closed = RuntimeError(
+        "unable to perform operation on <TCPTransport closed=True reading=False 0x55fd36>; "
+        "the handler is closed"
+    )
+    with pytest.raises(StoreUnavailable):
+        async with redis_errors():
+            raise closed
+    with pytest.raises(RuntimeError, match="something else"):
+        async with redis_errors():
+            raise RuntimeError("something else")
 
 
 async def test_redis_down_gives_store_unavailable_then_recovers(
