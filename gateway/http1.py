@@ -59,11 +59,9 @@ class Http1Pool:
         arrives with `Response.chunks`, and `close` it when done with it."""
         return await self._open(path, body)
 
-    async def _open(self, path: str, body: bytes) -> Response:
-        """Send the request and read the answer's head, on an idle connection if there is one."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.request_timeout_s
-        request = b"".join(
+    def request(self, path: str, body: bytes) -> bytes:
+        """`POST path` with a JSON body, as bytes to write on a connection to the worker."""
+        return b"".join(
             (
                 b"POST ",
                 path.encode(),
@@ -75,6 +73,12 @@ class Http1Pool:
                 body,
             )
         )
+
+    async def _open(self, path: str, body: bytes) -> Response:
+        """Send the request and read the answer's head, on an idle connection if there is one."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.request_timeout_s
+        request = self.request(path, body)
         while True:
             reused = bool(self._idle)
             conn = self._idle.pop() if reused else await self._connect()

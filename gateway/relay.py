@@ -45,8 +45,13 @@ from gateway.metrics import GatewayMetrics
 from gateway.pool import Worker
 from gateway.upstream import worker_error
 
+
+def _lines(headers: list[tuple[bytes, bytes]]) -> list[bytes]:
+    return [name + b": " + value + b"\r\n" for name, value in headers]
+
+
 _CHUNKED = [*SSE_HEADERS, (b"transfer-encoding", b"chunked")]
-_HEAD = b"HTTP/1.1 200 OK\r\n" + b"".join(n + b": " + v + b"\r\n" for n, v in _CHUNKED)
+_HEAD = b"HTTP/1.1 200 OK\r\n" + b"".join(_lines(_CHUNKED))
 _MAX_IDLE = 64  # idle connections kept per worker
 HEAD_HOLD_S = 0.05  # how long a head waits for the first event, to go out with it
 log = logging.getLogger(__name__)
@@ -115,30 +120,23 @@ class _Stream:
         fast = worker.fast
         assert fast is not None
         self.fast = fast
-        self.request = b"".join(
-            (
-                b"POST ",
-                path.encode(),
-                b" HTTP/1.1\r\nHost: ",
-                f"{fast.host}:{fast.port}".encode(),
-                b"\r\nContent-Type: application/json\r\nContent-Length: ",
-                str(len(body)).encode(),
-                b"\r\n\r\n",
-                body,
-            )
-        )
+        self.request = fast.request(path, body)
         self.t0 = time.perf_counter()
         self.loop = asyncio.get_running_loop()
         self.upstream: Upstream | None = None
         self.connecting: asyncio.Task[None] | None = None
         self.status = 0  # the worker's, once its head is in
         self.error = bytearray()  # the body of an error answer
-        self.started = False  # the worker's head was a 200: ours is written, or held
         self.out: list[bytes] = []  # for the client, from the read being parsed
         self.body_sent = False  # ... (and whether anything went out yet)
         self.head_timer: asyncio.TimerHandle | None = None
         self.done = False
         self.deadline = self.loop.call_later(fast.request_timeout_s, self._timed_out)
+
+    @property
+    def started(self) -> bool:
+        """The worker's head was a 200: ours is written (or held for its first event)."""
+        return self.status == 200
 
     def start(self) -> None:
         self.worker.inflight += 1
@@ -179,17 +177,10 @@ class _Stream:
         self.status = status
         if status != 200:
             return  # an error: its body is read whole (`body`, `end`)
-        exchange = self.exchange
-        head = [_HEAD]
-        head += [name + b": " + value + b"\r\n" for name, value in exchange.default_headers]
-        if not exchange.keep_alive:
-            head.append(b"connection: close\r\n")
-        head.append(b"\r\n")
-        self.out.append(b"".join(head))
-        self.started = True
+        self.out.append(self._head(_HEAD))
 
     def body(self, data: bytes) -> None:
-        if self.status != 200:
+        if not self.started:
             self.error += data
         else:
             self.out.append(b"%x\r\n%b\r\n" % (len(data), data))
@@ -226,7 +217,7 @@ class _Stream:
             idle.append(upstream)
         else:
             upstream.close()
-        if self.status == 200:
+        if self.started:
             self.out.append(b"0\r\n\r\n")
             self._flush()
             self._finish(self.exchange.finish)
@@ -252,11 +243,7 @@ class _Stream:
     def _client_left(self) -> None:
         if self.done:
             return
-        if self.connecting is not None:
-            self.connecting.cancel()
-        if self.upstream is not None:
-            self.upstream.stream = None
-            self.upstream.close()  # the worker stops generating for nobody
+        self._drop_worker()  # the worker stops generating for nobody
         self._finish(lambda: None)
 
     def _writable(self) -> None:
@@ -266,11 +253,7 @@ class _Stream:
     def _timed_out(self) -> None:
         if self.done:
             return
-        if self.connecting is not None:
-            self.connecting.cancel()
-        if self.upstream is not None:
-            self.upstream.stream = None
-            self.upstream.close()
+        self._drop_worker()
         if self.started:
             log.warning("worker %s: a stream ran past the request timeout", self.worker.id)
             self._finish(self.exchange.abort)
@@ -282,20 +265,30 @@ class _Stream:
     def _answer_error(self, exc: CtxError) -> None:
         response = error_response(exc)
         self.status = response.status_code
-        head = [b"HTTP/1.1 %d %b\r\n" % (response.status_code, _reason(response.status_code))]
-        head += [name + b": " + value + b"\r\n" for name, value in response.raw_headers]
-        head += [name + b": " + value + b"\r\n" for name, value in self.exchange.default_headers]
-        if not self.exchange.keep_alive:
-            head.append(b"connection: close\r\n")
-        head += [b"\r\n", response.body]
-        self.exchange.transport.write(b"".join(head))
+        status = b"HTTP/1.1 %d %b\r\n" % (response.status_code, _reason(response.status_code))
+        head = self._head(status + b"".join(_lines(response.raw_headers)))
+        self.exchange.transport.write(head + response.body)
         self._finish(self.exchange.finish)
 
+    def _head(self, start: bytes) -> bytes:
+        """An answer's head: `start` (its status line and own headers), then the server's."""
+        head = [start, *_lines(self.exchange.default_headers)]
+        if not self.exchange.keep_alive:
+            head.append(b"connection: close\r\n")
+        head.append(b"\r\n")
+        return b"".join(head)
+
     def _to_app(self) -> None:
+        self._drop_worker()
+        self._finish(self.exchange.to_app, observe=False)
+
+    def _drop_worker(self) -> None:
+        """Stop whatever is under way with the worker: a connect, or its answer."""
+        if self.connecting is not None:
+            self.connecting.cancel()
         if self.upstream is not None:
             self.upstream.stream = None
             self.upstream.close()
-        self._finish(self.exchange.to_app, observe=False)
 
     def _finish(self, end: Any, *, observe: bool = True) -> None:
         self.done = True

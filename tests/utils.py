@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from ctxcache.net import free_port, wait_http
 from ctxcache.vllm_engine import VllmLaunch
@@ -201,3 +202,21 @@ def check_png(path: Path) -> None:
         assert image.format == "PNG" and image.size == (width, height)
         image.load()  # decodes every pixel: a truncated file fails here
         assert image.getextrema() != ((255, 255),) * len(image.getbands())  # not blank
+
+
+def metric(text: str, name: str) -> float:
+    """The sum of a Prometheus exposition's samples whose name starts with `name`."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and not line.startswith("#"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def relayed_streams(http: Any, base_url: str = "") -> float:
+    """How many streams a gateway's protocol-level relay took (gateway/relay.py), read from
+    its `/metrics` with `http` (an httpx client or module)."""
+    text = http.get(f"{base_url}/metrics").text
+    name = "ctxcache_gateway_relayed_streams_total"
+    assert f"\n{name} " in text, "no relayed-streams counter"
+    return metric(text, name)

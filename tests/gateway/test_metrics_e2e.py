@@ -5,14 +5,7 @@ from __future__ import annotations
 import httpx
 
 from tests.gateway.conftest import Stack
-
-
-def metric(text: str, name: str) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name) and not line.startswith("#"):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+from tests.utils import metric
 
 
 def test_metrics_count_turns_tokens_and_sessions(stack: Stack) -> None:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
 from tests.gateway.conftest import Stack
+from tests.utils import relayed_streams
 
 DOC = " ".join(
     f"Section {i}: the cache keeps the history of every turn on the server." for i in range(40)
@@ -173,7 +175,7 @@ async def test_a_stream_without_a_session_is_the_workers_own(stack: Stack, chat:
     """Relayed as the worker's bytes (by the protocol-level relay, gateway/relay.py): the
     same text as the answer in one piece, the worker's usage chunk when asked for, and
     nothing of ours (no `session`)."""
-    relayed_before = relayed_streams(stack)
+    relayed_before = relayed_streams(httpx, stack.url)
     client = openai.AsyncOpenAI(base_url=f"{stack.url}/v1", api_key="key-a", max_retries=0)
     common: dict[str, Any] = {"model": "tiny", "max_tokens": 8, "temperature": 0}
     if chat:
@@ -196,12 +198,4 @@ async def test_a_stream_without_a_session_is_the_workers_own(stack: Stack, chat:
     assert last.usage.completion_tokens == whole.usage.completion_tokens
     assert extra(last, "session") is None
     await client.close()
-    assert relayed_streams(stack) == relayed_before + 1
-
-
-def relayed_streams(stack: Stack) -> float:
-    with stack.client() as http:
-        for line in http.get("/metrics").text.splitlines():
-            if line.startswith("ctxcache_gateway_relayed_streams_total "):
-                return float(line.split()[1])
-    raise AssertionError("no relayed-streams counter")
+    assert relayed_streams(httpx, stack.url) == relayed_before + 1

@@ -9,6 +9,7 @@ import socket
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import httpx
@@ -21,6 +22,7 @@ from ctxcache.settings import server_config
 from gateway.app import create_asgi
 from gateway.settings import GatewaySettings
 from tests.gateway.rawhttp import chunk
+from tests.utils import relayed_streams
 
 KEY = "relay-key"
 AUTH = {"authorization": f"Bearer {KEY}"}
@@ -163,11 +165,18 @@ def test_a_stream_is_relayed_as_the_worker_sent_it(serve: Callable[..., str]) ->
 
 
 def relayed(url: str) -> float:
-    """How many streams the gateway relayed (`ctxcache_gateway_relayed_streams_total`)."""
-    for line in httpx.get(f"{url}/metrics").text.splitlines():
-        if line.startswith("ctxcache_gateway_relayed_streams_total "):
-            return float(line.split()[1])
-    raise AssertionError("no relayed-streams counter")
+    return relayed_streams(httpx, url)
+
+
+@contextmanager
+def streaming(url: str) -> Iterator[httpx.Response]:
+    """A stream request whose answer is read as the test goes."""
+    body = {"model": "m", "prompt": "hi", "stream": True}
+    with (
+        httpx.Client(timeout=20) as client,
+        client.stream("POST", f"{url}/v1/completions", json=body, headers=AUTH) as r,
+    ):
+        yield r
 
 
 def test_pipelined_streams_come_back_whole_and_in_order(serve: Callable[..., str]) -> None:
@@ -280,11 +289,7 @@ def test_a_client_that_leaves_closes_the_workers_stream(serve: Callable[..., str
 
     worker = Worker(endless).start()
     url = serve(worker)
-    body = {"model": "m", "prompt": "hi", "stream": True}
-    with (
-        httpx.Client(timeout=10) as client,
-        client.stream("POST", f"{url}/v1/completions", json=body, headers=AUTH) as r,
-    ):
+    with streaming(url) as r:
         assert r.status_code == 200
         next(r.iter_bytes())
     assert worker.closed.wait(5)  # the gateway hung up on the worker
@@ -345,11 +350,7 @@ def test_the_head_goes_out_before_a_slow_first_event(serve: Callable[..., str]) 
 
     threading.Thread(target=give_up, daemon=True).start()
     url = serve(Worker(slow).start())
-    body = {"model": "m", "prompt": "hi", "stream": True}
-    with (
-        httpx.Client(timeout=20) as client,
-        client.stream("POST", f"{url}/v1/completions", json=body, headers=AUTH) as r,
-    ):
+    with streaming(url) as r:
         assert not client_has_head.is_set()  # the head came before any event
         client_has_head.set()
         assert r.status_code == 200
@@ -373,11 +374,7 @@ def test_a_slow_client_pauses_reading_from_the_worker(serve: Callable[..., str])
 
     worker = Worker(firehose).start()
     url = serve(worker)
-    body = {"model": "m", "prompt": "hi", "stream": True}
-    with (
-        httpx.Client(timeout=10) as client,
-        client.stream("POST", f"{url}/v1/completions", json=body, headers=AUTH) as r,
-    ):
+    with streaming(url) as r:
         pieces = r.iter_raw()
         next(pieces)
         time.sleep(1.0)  # the client stops reading; the worker could write ~1 GB meanwhile

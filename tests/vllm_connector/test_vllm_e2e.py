@@ -18,6 +18,7 @@ import pytest
 from ctxcache.lmcache_keys import session_key
 from sidecar.client import KVClient
 from sidecar.protocol import DTYPE_BFLOAT16, FMT_KV_2LTD
+from tests.utils import relayed_streams
 from tests.vllm_connector.conftest import VLLM_TIMEOUT, VllmStack
 
 pytestmark = pytest.mark.timeout(VLLM_TIMEOUT)
@@ -159,14 +160,7 @@ def test_a_session_less_request_stores_nothing(vllm_stack: VllmStack) -> None:
 def test_a_stream_without_a_session_is_relayed_as_vllm_sent_it(vllm_stack: VllmStack) -> None:
     """vLLM's own stream through the gateway's protocol-level relay (gateway/relay.py): the
     same text as its answer in one piece, and its usage chunk."""
-
-    def relayed() -> float:
-        for line in vllm_stack.http.get("/metrics").text.splitlines():
-            if line.startswith("ctxcache_gateway_relayed_streams_total "):
-                return float(line.split()[1])
-        raise AssertionError("no relayed-streams counter")
-
-    before = relayed()
+    before = relayed_streams(vllm_stack.http)
     body = {"model": "tiny", "prompt": document(3), "max_tokens": 8, "temperature": 0}
     whole = vllm_stack.http.post("/v1/completions", json=body).json()
     stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
@@ -178,7 +172,7 @@ def test_a_stream_without_a_session_is_relayed_as_vllm_sent_it(vllm_stack: VllmS
     text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
     assert text == whole["choices"][0]["text"]
     assert chunks[-1]["usage"]["completion_tokens"] == whole["usage"]["completion_tokens"]
-    assert relayed() == before + 1
+    assert relayed_streams(vllm_stack.http) == before + 1
 
 
 def test_a_killed_sidecar_costs_speed_only(vllm_stack: VllmStack) -> None:
