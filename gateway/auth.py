@@ -17,11 +17,18 @@ log = logging.getLogger(__name__)
 OPEN_TENANT = "default"
 
 
+_KNOWN_MAX = 1024  # Authorization values remembered as valid
+
+
 class KeyRing:
     def __init__(self, keys: dict[str, str]) -> None:
         # Compare fixed-size digests: the time taken does not depend on where a guess
         # differs, nor on the length of the real keys.
         self._keys = [(hashlib.sha256(k.encode()).digest(), t) for k, t in keys.items()]
+        # Authorization values already found valid -> tenant: a request with a known
+        # value skips the hashing (the gateway's hot path). Only valid values are kept
+        # (a guess is never remembered), at most _KNOWN_MAX of them.
+        self._known: dict[str, str] = {}
         if not self._keys:
             log.warning(
                 "NO API KEYS CONFIGURED: the gateway is OPEN, every caller is tenant "
@@ -36,6 +43,8 @@ class KeyRing:
     def tenant_for(self, authorization: str | None) -> str:
         if self.open:
             return OPEN_TENANT
+        if authorization is not None and (known := self._known.get(authorization)):
+            return known
         scheme, _, key = (authorization or "").partition(" ")
         if scheme.lower() != "bearer" or not key:
             raise InvalidAPIKey()
@@ -46,6 +55,8 @@ class KeyRing:
                 found = tenant
         if found is None:
             raise InvalidAPIKey()
+        if len(self._known) < _KNOWN_MAX:
+            self._known[authorization or ""] = found
         return found
 
 

@@ -144,8 +144,11 @@ class WorkerPool:
         self, model: str, *, affinity: str | None = None, exclude: Iterable[str] = ()
     ) -> Worker:
         excluded = set(exclude)
-        serving = [w for w in self.workers if w.healthy and model in w.models]
-        candidates = [w for w in serving if w.id not in excluded]
+        candidates = [
+            w for w in self.workers if w.healthy and model in w.models and w.id not in excluded
+        ]
+        if len(candidates) == 1:
+            return candidates[0]
         if not candidates:
             known = any(model in w.models for w in self.workers)
             if not known and any(w.healthy for w in self.workers):

@@ -38,9 +38,8 @@ import orjson
 
 from ctxcache.errors import BackendTimeout, CtxError, error_response
 from ctxcache.http_server import Exchange
-from gateway.auth import authorization
 from gateway.completions.streams import SSE_HEADERS
-from gateway.fastpath import FAST_PATHS, first_header, parse_body, routable
+from gateway.fastpath import FAST_PATHS, parse_body, routable
 from gateway.metrics import GatewayMetrics
 from gateway.pool import Worker
 from gateway.upstream import worker_error
@@ -65,21 +64,27 @@ class StreamRelay:
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
         self._idle: dict[str, list[Upstream]] = {}  # worker id -> idle connections
+        self._ok_head: tuple[object, bytes] = (None, b"")  # (server headers, head)
 
     def wants(self, scope: dict[str, Any]) -> bool:
         return scope["method"] == "POST" and scope["path"] in FAST_PATHS
 
     def take(self, exchange: Exchange, body: bytes) -> bool:
-        state = self.state
-        scope = exchange.scope
         if len(body) > self.max_body_bytes:
             return False
-        headers = scope["headers"]
+        state = self.state
+        scope = exchange.scope
+        key = None
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                if key is not None:
+                    return False  # which one? (the regular path says)
+                key = value.decode("latin-1")
+            elif name == b"x-session-id":
+                return False
         try:
-            tenant = state.keys.tenant_for(authorization(headers))
+            tenant = state.keys.tenant_for(key)
         except CtxError:
-            return False
-        if first_header(headers, b"x-session-id") is not None:
             return False
         doc = parse_body(body)
         if doc is None or doc.get("stream") is not True or not routable(doc):
@@ -95,9 +100,20 @@ class StreamRelay:
                 body = orjson.dumps(doc)
         except CtxError:  # a bad cache_salt: the regular path says so
             return False
-        self.metrics.relayed_streams.inc()
         _Stream(self, exchange, worker, scope["path"], body).start()
+        self.metrics.relayed_streams.inc()
         return True
+
+    def ok_head(self, exchange: Exchange) -> bytes:
+        """The head of a relayed stream (the same for every stream while the server's
+        own headers, date included, stay the same)."""
+        server = exchange.default_headers
+        if server is not self._ok_head[0] or not exchange.keep_alive:
+            head = _head(_HEAD, server, exchange.keep_alive)
+            if not exchange.keep_alive:
+                return head
+            self._ok_head = (server, head)
+        return self._ok_head[1]
 
     def idle(self, worker: Worker) -> list[Upstream]:
         return self._idle.setdefault(worker.id, [])
@@ -116,13 +132,13 @@ class _Stream:
     def __init__(
         self, relay: StreamRelay, exchange: Exchange, worker: Worker, path: str, body: bytes
     ) -> None:
+        self.t0 = time.perf_counter()
         self.relay, self.exchange, self.worker, self.path = relay, exchange, worker, path
         fast = worker.fast
         assert fast is not None
         self.fast = fast
         self.request = fast.request(path, body)
-        self.t0 = time.perf_counter()
-        self.loop = asyncio.get_running_loop()
+        self.write = exchange.transport.write_now  # to the client, at once
         self.upstream: Upstream | None = None
         self.connecting: asyncio.Task[None] | None = None
         self.status = 0  # the worker's, once its head is in
@@ -131,7 +147,6 @@ class _Stream:
         self.body_sent = False  # ... (and whether anything went out yet)
         self.head_timer: asyncio.TimerHandle | None = None
         self.done = False
-        self.deadline = self.loop.call_later(fast.request_timeout_s, self._timed_out)
 
     @property
     def started(self) -> bool:
@@ -139,16 +154,21 @@ class _Stream:
         return self.status == 200
 
     def start(self) -> None:
-        self.worker.inflight += 1
-        self.exchange.on_client_left = self._client_left
-        self.exchange.on_writable = self._writable
+        """Write the request to the worker (on an idle connection: at once), then set up
+        the rest: the worker starts on it meanwhile."""
         idle = self.relay.idle(self.worker)
         while idle:
             upstream = idle.pop()
             if not upstream.transport.is_closing():
                 self._send(upstream)
-                return
-        self.connecting = self.loop.create_task(self._connect())
+                break
+        self.loop = loop = asyncio.get_running_loop()
+        if self.upstream is None:
+            self.connecting = loop.create_task(self._connect())
+        self.deadline = loop.call_later(self.fast.request_timeout_s, self._timed_out)
+        self.worker.inflight += 1
+        self.exchange.on_client_left = self._client_left
+        self.exchange.on_writable = self._writable
 
     async def _connect(self) -> None:
         try:
@@ -177,13 +197,31 @@ class _Stream:
         self.status = status
         if status != 200:
             return  # an error: its body is read whole (`body`, `end`)
-        self.out.append(self._head(_HEAD))
+        self.out.append(self.relay.ok_head(self.exchange))
 
     def body(self, data: bytes) -> None:
+        """Part of the answer's body, decoded (not for chunks passed on as they are)."""
         if not self.started:
             self.error += data
         else:
             self.out.append(b"%x\r\n%b\r\n" % (len(data), data))
+
+    def chunks(self, data: bytes, *, ended: bool | None = None) -> None:
+        """The worker's chunks as they came (framing included, its last chunk too): they
+        go on unchanged. `ended`: the answer is complete (and its connection kept alive
+        or not)."""
+        if ended is None and self.body_sent and not self.out:  # the usual: one event
+            if not self.done:
+                self.write(data)
+                if self.exchange.write_paused and self.upstream is not None:
+                    self.upstream.transport.pause_reading()  # until the client catches up
+            return
+        if data:
+            self.out.append(data)
+        if ended is None:
+            self.read_done()
+        else:
+            self.end(ended, passed=True)
 
     def read_done(self) -> None:
         """What one read from the worker brought is relayed: in one write to the client.
@@ -203,12 +241,13 @@ class _Stream:
         out, self.out = self.out, []
         if not out or self.done:
             return
-        self.exchange.write_now(b"".join(out))
+        self.write(b"".join(out))
         if self.exchange.write_paused and self.upstream is not None:
             self.upstream.transport.pause_reading()  # until the client catches up
 
-    def end(self, keep_alive: bool) -> None:
-        """The worker's answer is complete."""
+    def end(self, keep_alive: bool, *, passed: bool = False) -> None:
+        """The worker's answer is complete (`passed`: its chunks were passed on as they
+        came, its last one included)."""
         upstream = self.upstream
         assert upstream is not None
         upstream.stream = None
@@ -218,7 +257,8 @@ class _Stream:
         else:
             upstream.close()
         if self.started:
-            self.out.append(b"0\r\n\r\n")
+            if not passed:
+                self.out.append(b"0\r\n\r\n")  # (else the worker's last chunk was passed on)
             self._flush()
             self._finish(self.exchange.finish)
         else:
@@ -266,17 +306,13 @@ class _Stream:
         response = error_response(exc)
         self.status = response.status_code
         status = b"HTTP/1.1 %d %b\r\n" % (response.status_code, _reason(response.status_code))
-        head = self._head(status + b"".join(_lines(response.raw_headers)))
+        head = _head(
+            status + b"".join(_lines(response.raw_headers)),
+            self.exchange.default_headers,
+            self.exchange.keep_alive,
+        )
         self.exchange.transport.write(head + response.body)
         self._finish(self.exchange.finish)
-
-    def _head(self, start: bytes) -> bytes:
-        """An answer's head: `start` (its status line and own headers), then the server's."""
-        head = [start, *_lines(self.exchange.default_headers)]
-        if not self.exchange.keep_alive:
-            head.append(b"connection: close\r\n")
-        head.append(b"\r\n")
-        return b"".join(head)
 
     def _to_app(self) -> None:
         self._drop_worker()
@@ -310,20 +346,52 @@ class Upstream(asyncio.Protocol):
         self.stream: _Stream | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.transport: asyncio.Transport
-        self.framed = False  # the answer has a length or chunks (else it ends with the connection)
+        # the answer being read:
+        self.framed = False  # it has a length or chunks (else it ends with the connection)
+        self.chunked = False  # ... chunks: a 200's go to the client as they are (`passing`)
+        self.head = bytearray()  # what was read of it while not passing (its head first)
+        self.in_head = False  # its head is being read
+        self.passing = False  # its body goes on as it came (`_Stream.chunks`)
+        self.ended: bool | None = None  # while passing: complete (keep-alive or not)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # (uvloop's is no subclass)
 
     def data_received(self, data: bytes) -> None:
+        if self.passing:  # more of a 200's chunks: on as they came
+            if self._feed(data):
+                self._pass_on(data)
+            return
+        self.head += data
+        if not self._feed(data) or self.in_head:
+            return
+        head, self.head = self.head, bytearray()
+        if self.stream is None:
+            return
+        if self.passing:  # this read completed a 200's head: its chunks follow it
+            self._pass_on(bytes(head[head.find(b"\r\n\r\n") + 4 :]))
+        else:
+            self.stream.read_done()
+
+    def _feed(self, data: bytes) -> bool:
+        """Parse `data` (False: it is not HTTP, and the connection is closed)."""
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError:
             self.close()
             self._lost()
-            return
-        if self.stream is not None:
-            self.stream.read_done()
+            return False
+        return True
+
+    def _pass_on(self, data: bytes) -> None:
+        stream = self.stream
+        assert stream is not None
+        ended = self.ended
+        if ended is None:
+            stream.chunks(data)
+        else:
+            self.passing, self.ended = False, None
+            stream.chunks(data, ended=ended)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._lost()
@@ -345,23 +413,44 @@ class Upstream(asyncio.Protocol):
 
     # httptools' callbacks
     def on_message_begin(self) -> None:
-        self.framed = False
+        self.framed = self.chunked = self.passing = False
+        self.in_head = True
+        self.ended = None
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if name.lower() in (b"content-length", b"transfer-encoding"):
+        name = name.lower()
+        if name == b"transfer-encoding":
+            self.framed = True
+            self.chunked = value.strip().lower() == b"chunked"
+        elif name == b"content-length":
             self.framed = True
 
     def on_headers_complete(self) -> None:
+        self.in_head = False
         if self.stream is not None:
-            self.stream.head(self.parser.get_status_code())
+            status = self.parser.get_status_code()
+            self.passing = status == 200 and self.chunked
+            self.stream.head(status)
 
     def on_body(self, body: bytes) -> None:
-        if self.stream is not None:
+        if self.stream is not None and not self.passing:
             self.stream.body(body)
 
     def on_message_complete(self) -> None:
-        if self.stream is not None:
-            self.stream.end(self.parser.should_keep_alive())
+        keep_alive = self.parser.should_keep_alive()
+        if self.passing:
+            self.ended = keep_alive  # ended once its last bytes are passed on (`data_received`)
+        elif self.stream is not None:
+            self.stream.end(keep_alive)
+
+
+def _head(start: bytes, server: list[tuple[bytes, bytes]], keep_alive: bool) -> bytes:
+    """An answer's head: `start` (its status line and own headers), then the server's."""
+    head = [start, *_lines(server)]
+    if not keep_alive:
+        head.append(b"connection: close\r\n")
+    head.append(b"\r\n")
+    return b"".join(head)
 
 
 def _reason(status: int) -> bytes:

@@ -164,6 +164,74 @@ def test_a_stream_is_relayed_as_the_worker_sent_it(serve: Callable[..., str]) ->
     assert len(worker.requests) == 3
 
 
+# the worker's chunks, with what a relay that re-framed them would lose: an extension and
+# a trailer on the last chunk
+CHUNKS = chunk(EVENTS[0]) + b"5;note=x\r\nhello\r\n" + chunk(EVENTS[1]) + b"0\r\nx-t: 1\r\n\r\n"
+
+
+def raw_stream(port: int, times: int) -> list[bytes]:
+    """`times` streams on one raw connection: each answer's bytes after its head."""
+    payload = orjson.dumps({"model": "m", "prompt": "hi", "stream": True})
+    request = (
+        b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"authorization: Bearer %b\r\ncontent-length: %d\r\n\r\n%b"
+        % (KEY.encode(), len(payload), payload)
+    )
+    bodies = []
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        for _ in range(times):
+            sock.sendall(request)
+            got = b""
+            while not got.endswith(b"\r\n\r\n") or b"\r\n0\r\n" not in got:
+                data = sock.recv(65536)
+                assert data, got
+                got += data
+            head, _, body = got.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 200 OK") and b"transfer-encoding: chunked" in head
+            bodies.append(body)
+    return bodies
+
+
+@pytest.mark.parametrize("piece", [1, 7, 4096])
+def test_a_workers_chunks_go_on_as_they_came_however_they_are_read(
+    serve: Callable[..., str], piece: int
+) -> None:
+    """The head (split or not) is ours; what follows it is the worker's, byte for byte,
+    whatever reads it comes in, and the connection serves the next stream."""
+
+    async def dribble(_: asyncio.StreamReader, w: asyncio.StreamWriter, body: dict) -> None:
+        whole = HEAD + CHUNKS
+        for i in range(0, len(whole), piece):
+            w.write(whole[i : i + piece])
+            await w.drain()
+            await asyncio.sleep(0.001)
+
+    worker = Worker(dribble).start()
+    url = serve(worker)
+    assert raw_stream(int(url.rsplit(":", 1)[1]), 2) == [CHUNKS, CHUNKS]
+    assert len(worker.streams_on) == 1
+    assert relayed(url) == 2
+
+
+def test_a_stream_the_worker_sent_with_a_length_is_sent_in_chunks(
+    serve: Callable[..., str],
+) -> None:
+    async def sized(_: asyncio.StreamReader, w: asyncio.StreamWriter, body: dict) -> None:
+        events = b"".join(EVENTS)
+        w.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(events))
+        w.write(events[:10])
+        await w.drain()
+        await asyncio.sleep(0.01)
+        w.write(events[10:])
+
+    url = serve(Worker(sized).start())
+    for _ in range(2):
+        r = stream(url)
+        assert r.status_code == 200 and r.content == b"".join(EVENTS)
+        assert r.headers["transfer-encoding"] == "chunked"
+    assert relayed(url) == 2
+
+
 def relayed(url: str) -> float:
     return relayed_streams(httpx, url)
 
