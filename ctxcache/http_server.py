@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import urllib.parse
 from collections.abc import Callable
 from typing import Any, Protocol
 
+import httptools
 from starlette.types import Scope
 from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
@@ -94,7 +96,8 @@ class EarlyAnswers(Protocol):
     answers from the protocol's callbacks, without an ASGI task (`Exchange`)."""
 
     def wants(self, scope: Scope) -> bool:
-        """Whether to hold this request's ASGI task until its body is in (and ask `take`)."""
+        """Whether to offer this request to `take` once its body is in (its scope has the
+        method, path and headers set; the rest may come later)."""
         ...
 
     def take(self, exchange: Exchange, body: bytes) -> bool:
@@ -107,19 +110,18 @@ class Exchange:
     calls that end it. Until it writes, it may still hand the request to the ASGI app
     (`to_app`); once it wrote, it ends with `finish` or `abort`."""
 
-    __slots__ = ("_app", "_cycle", "_protocol", "on_client_left", "on_writable", "transport")
+    __slots__ = ("_app", "_cycle", "_protocol", "on_client_left", "on_writable", "scope")
+    __slots__ += ("transport",)
 
     def __init__(
-        self, protocol: CoalescingHttpToolsProtocol, cycle: RequestResponseCycle, app: Any
+        self, protocol: CoalescingHttpToolsProtocol, cycle: RequestResponseCycle | None, app: Any
     ) -> None:
-        self._protocol, self._cycle, self._app = protocol, cycle, app
+        self._protocol, self._app = protocol, app
+        self._cycle: RequestResponseCycle = cycle  # type: ignore[assignment]  # (None: see _offer_early)
+        self.scope: Scope = protocol.scope  # type: ignore[assignment]
         self.transport: CoalescingTransport = protocol.transport  # type: ignore[assignment]
         self.on_client_left: Callable[[], None] | None = None
         self.on_writable: Callable[[], None] | None = None  # the client caught up
-
-    @property
-    def scope(self) -> Scope:
-        return self._cycle.scope  # type: ignore[return-value]
 
     @property
     def default_headers(self) -> list[tuple[bytes, bytes]]:
@@ -167,10 +169,18 @@ class Exchange:
 class CoalescingHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol on a `CoalescingTransport`, which each request's scope
     names under `extensions[RAW_BODY]["transport"]` (see `raw_transport`); and, if the
-    app offers `early_answers`, the requests it wants go there first (`EarlyAnswers`)."""
+    app offers `early_answers`, the requests it wants go there first (`EarlyAnswers`).
+
+    A wanted request that arrives while the connection answers nothing else is offered
+    before uvicorn makes its request-response cycle (`_early_body`): the cycle, made after
+    the offer, costs nothing on the way to an answer that starts within the offer (the
+    relay's write to a worker). Otherwise (a pipelined request) the request's task is held
+    until its body is in, and then offered (`_held`)."""
 
     exchange: Exchange | None = None  # the request an `EarlyAnswers` is answering
     _held: tuple[RequestResponseCycle, Any] | None = None  # a task held for its body
+    _early_body: bytearray | None = None  # the body of a wanted request with no cycle yet
+    _cycle_only = False  # uvicorn's on_headers_complete makes the cycle, starts no task
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         coalescing = CoalescingTransport(transport, asyncio.get_running_loop())
@@ -181,7 +191,45 @@ class CoalescingHttpToolsProtocol(HttpToolsProtocol):
         super().on_message_begin()
         self.scope["extensions"] = {RAW_BODY: {"transport": self.transport}}
 
+    def on_headers_complete(self) -> None:
+        early = self._early
+        if (
+            early is not None
+            and (self.cycle is None or self.cycle.response_complete)  # none being answered
+            and not self.expect_100_continue  # (the client waits for the app to read)
+            and self.limit_concurrency is None  # (uvicorn may answer 503 itself)
+            and not self.parser.should_upgrade()
+            and early.wants(self._early_scope())
+        ):
+            self._early_body = bytearray()  # offered once in (`on_message_complete`)
+        else:
+            super().on_headers_complete()
+
+    def _early_scope(self) -> Scope:
+        """The scope's method and path, as uvicorn's `on_headers_complete` sets them."""
+        scope = self.scope
+        scope["method"] = self.parser.get_method().decode("ascii")
+        path = httptools.parse_url(self.url).path.decode("ascii")
+        scope["path"] = self.root_path + (urllib.parse.unquote(path) if "%" in path else path)
+        return scope  # type: ignore[return-value]
+
+    def _make_cycle(self, body: bytes | bytearray, *, more_body: bool) -> RequestResponseCycle:
+        """The request's cycle (uvicorn's `on_headers_complete`) with the body read so
+        far; no task started."""
+        self._cycle_only = True
+        try:
+            super().on_headers_complete()
+        finally:
+            self._cycle_only = False
+        cycle = self.cycle
+        cycle.body += body
+        cycle.more_body = more_body
+        cycle.message_event.set()
+        return cycle
+
     def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
+        if self._cycle_only:
+            return
         if (
             self._early is None
             or app is not self.app  # (uvicorn's own answer: over its concurrency limit)
@@ -198,16 +246,44 @@ class CoalescingHttpToolsProtocol(HttpToolsProtocol):
         super()._start_asgi_task(cycle, app)
 
     def on_body(self, body: bytes) -> None:
+        early_body = self._early_body
+        if early_body is not None:
+            early_body += body
+            if len(early_body) > HIGH_WATER_LIMIT:  # too big to hold: the app reads it
+                self._early_body = None
+                self.start_app(self._make_cycle(early_body, more_body=True), self.app)
+                self.flow.pause_reading()  # (as uvicorn's `on_body` would: until it reads)
+            return
         super().on_body(body)
         if self._held is not None and len(self._held[0].body) > HIGH_WATER_LIMIT:
             held, self._held = self._held, None  # too big to hold: the app reads it
             self.start_app(*held)
 
     def on_message_complete(self) -> None:
+        if self._early_body is not None:
+            body, self._early_body = bytes(self._early_body), None
+            self._offer_early(body)
+            return
         super().on_message_complete()
         if self._held is not None:
             held, self._held = self._held, None
             self._offer(*held)
+
+    def _offer_early(self, body: bytes) -> None:
+        """Offer a request that has no cycle yet; make its cycle after the offer."""
+        assert self._early is not None
+        exchange = self.exchange = Exchange(self, None, self.app)
+        try:
+            taken = self._early.take(exchange, body)
+        except Exception:  # a bug there must not leave the client waiting: the app answers
+            log.exception("early answer failed on %s", self.scope["path"])
+            taken = False
+        cycle = self._make_cycle(body, more_body=False)
+        if taken:
+            exchange._cycle = cycle
+        else:
+            self.exchange = None
+            self.start_app(cycle, self.app)
 
     def _offer(self, cycle: RequestResponseCycle, app: Any) -> None:
         assert self._early is not None
