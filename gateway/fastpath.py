@@ -95,7 +95,7 @@ class FastPath:
     ) -> int:
         """A plain request, bytes in, bytes out: the worker's status."""
         turns = self.state.turns
-        out = orjson.dumps(doc) if turns.salt.apply(tenant, doc) else body
+        out = turns.salt.salted(tenant, doc, body)
         (status, payload), _ = await turns.failover(doc["model"], lambda w: post_raw(w, path, out))
         length = (b"content-length", str(len(payload)).encode())
         await send(

@@ -143,7 +143,7 @@ class WorkerPool:
     def pick(
         self, model: str, *, affinity: str | None = None, exclude: Iterable[str] = ()
     ) -> Worker:
-        excluded = set(exclude)
+        excluded = set(exclude) if exclude else ()
         candidates = [
             w for w in self.workers if w.healthy and model in w.models and w.id not in excluded
         ]

@@ -34,7 +34,6 @@ from http import HTTPStatus
 from typing import Any
 
 import httptools
-import orjson
 
 from ctxcache.errors import BackendTimeout, CtxError, error_response
 from ctxcache.http_server import Exchange
@@ -96,8 +95,7 @@ class StreamRelay:
         if worker.fast is None:  # https or a path prefix: aiohttp's
             return False
         try:
-            if state.turns.salt.apply(tenant, doc):
-                body = orjson.dumps(doc)
+            body = state.turns.salt.salted(tenant, doc, body)
         except CtxError:  # a bad cache_salt: the regular path says so
             return False
         _Stream(self, exchange, worker, scope["path"], body).start()
@@ -349,7 +347,7 @@ class Upstream(asyncio.Protocol):
         # the answer being read:
         self.framed = False  # it has a length or chunks (else it ends with the connection)
         self.chunked = False  # ... chunks: a 200's go to the client as they are (`passing`)
-        self.head = bytearray()  # what was read of it while not passing (its head first)
+        self.head = bytearray()  # what was read of its head, when that took more than one read
         self.in_head = False  # its head is being read
         self.passing = False  # its body goes on as it came (`_Stream.chunks`)
         self.ended: bool | None = None  # while passing: complete (keep-alive or not)
@@ -362,14 +360,17 @@ class Upstream(asyncio.Protocol):
             if self._feed(data):
                 self._pass_on(data)
             return
-        self.head += data
-        if not self._feed(data) or self.in_head:
+        if not self._feed(data):
             return
-        head, self.head = self.head, bytearray()
+        if self.in_head:  # the rest of the head comes in the next read
+            self.head += data
+            return
+        if self.head:  # the head came in more than one read
+            data, self.head = bytes(self.head + data), bytearray()
         if self.stream is None:
             return
         if self.passing:  # this read completed a 200's head: its chunks follow it
-            self._pass_on(bytes(head[head.find(b"\r\n\r\n") + 4 :]))
+            self._pass_on(data[data.find(b"\r\n\r\n") + 4 :])
         else:
             self.stream.read_done()
 

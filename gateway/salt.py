@@ -13,6 +13,8 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
+import orjson
+
 from ctxcache.errors import InvalidRequest
 
 
@@ -27,11 +29,15 @@ class CacheSalt:
             raise InvalidRequest("cache_salt must be a non-empty string", param="cache_salt")
         if not self.enabled:
             return client_salt
+        salt = self._of(tenant)
+        return salt if client_salt is None else f"{salt}:{client_salt}"
+
+    def _of(self, tenant: str) -> str:
         salt = self._known.get(tenant)
         if salt is None:
             salt = hashlib.sha256(b"ctxcache-tenant\0" + tenant.encode()).hexdigest()[:32]
             self._known[tenant] = salt
-        return salt if client_salt is None else f"{salt}:{client_salt}"
+        return salt
 
     def apply(self, tenant: str, body: dict[str, Any]) -> bool:
         """Set `body["cache_salt"]` for `tenant`; whether the body changed."""
@@ -40,3 +46,12 @@ class CacheSalt:
             return False
         body["cache_salt"] = salt
         return True
+
+    def salted(self, tenant: str, doc: dict[str, Any], raw: bytes) -> bytes:
+        """`raw`, the JSON of `doc`, as it goes to a worker: with `tenant`'s salt (`apply`).
+        When the client sent no salt, the salt is added to the bytes as they are, not
+        re-serialised (the gateway's hot path); `doc` is left as it was then."""
+        if not self.enabled or not doc or "cache_salt" in doc:
+            return orjson.dumps(doc) if self.apply(tenant, doc) else raw
+        end = raw.rindex(b"}")  # the object's own: only whitespace may follow it
+        return b'%b,"cache_salt":"%b"%b' % (raw[:end], self._of(tenant).encode(), raw[end:])
