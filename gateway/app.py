@@ -97,6 +97,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             stack.push_async_callback(turns.background.drain)
             stack.callback(app.state.relay.close)
             app.state.keys = KeyRing(settings.api_keys)
+            app.state.relay.start(app.state.keys, pool, salt)
             app.state.manager = manager
             app.state.pool = pool
             app.state.metrics = metrics
@@ -120,7 +121,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         default_response_class=JSONResponse,
     )
     app.state.metrics = metrics
-    app.state.relay = StreamRelay(app.state, metrics, max_body_bytes=settings.max_body_bytes)
+    app.state.relay = StreamRelay(metrics, max_body_bytes=settings.max_body_bytes)
     install_error_handlers(app)
     app.include_router(context_router)
     app.include_router(completions_router)

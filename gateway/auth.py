@@ -41,7 +41,7 @@ class KeyRing:
         return not self._keys
 
     def tenant_for(self, authorization: str | None) -> str:
-        if self.open:
+        if not self._keys:  # (open)
             return OPEN_TENANT
         if authorization is not None and (known := self._known.get(authorization)):
             return known

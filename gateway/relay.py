@@ -37,10 +37,12 @@ import httptools
 
 from ctxcache.errors import BackendTimeout, CtxError, error_response
 from ctxcache.http_server import Exchange
+from gateway.auth import KeyRing
 from gateway.completions.streams import SSE_HEADERS
 from gateway.fastpath import FAST_PATHS, parse_body, routable
 from gateway.metrics import GatewayMetrics
-from gateway.pool import Worker
+from gateway.pool import Worker, WorkerPool
+from gateway.salt import CacheSalt
 from gateway.upstream import worker_error
 
 
@@ -58,9 +60,9 @@ log = logging.getLogger(__name__)
 class StreamRelay:
     """`EarlyAnswers` for the gateway: streams without a session (see the module)."""
 
-    def __init__(self, state: Any, metrics: GatewayMetrics, *, max_body_bytes: int) -> None:
-        self.state = state  # the app's: keys, pool, turns (set in its lifespan)
+    def __init__(self, metrics: GatewayMetrics, *, max_body_bytes: int) -> None:
         self.metrics = metrics
+        self.routing: tuple[KeyRing, WorkerPool, CacheSalt] | None = None  # (`start`)
         self.max_body_bytes = max_body_bytes
         self._idle: dict[str, list[Upstream]] = {}  # worker id -> idle connections
         self._ok_head: tuple[object, bytes] = (None, b"")  # (server headers, head)
@@ -68,10 +70,14 @@ class StreamRelay:
     def wants(self, scope: dict[str, Any]) -> bool:
         return scope["method"] == "POST" and scope["path"] in FAST_PATHS
 
+    def start(self, keys: KeyRing, pool: WorkerPool, salt: CacheSalt) -> None:
+        """Take streams from now on, routed with these (the app's lifespan makes them)."""
+        self.routing = (keys, pool, salt)
+
     def take(self, exchange: Exchange, body: bytes) -> bool:
-        if len(body) > self.max_body_bytes:
+        if self.routing is None or len(body) > self.max_body_bytes:
             return False
-        state = self.state
+        keys, pool, salt = self.routing
         scope = exchange.scope
         key = None
         for name, value in scope["headers"]:
@@ -82,21 +88,18 @@ class StreamRelay:
             elif name == b"x-session-id":
                 return False
         try:
-            tenant = state.keys.tenant_for(key)
+            tenant = keys.tenant_for(key)
         except CtxError:
             return False
         doc = parse_body(body)
         if doc is None or doc.get("stream") is not True or not routable(doc):
             return False
         try:
-            worker = state.pool.pick(doc["model"])
-        except CtxError:
+            worker = pool.pick(doc["model"])
+            body = salt.salted(tenant, doc, body)
+        except CtxError:  # no worker for the model, a bad cache_salt: the regular path says
             return False
         if worker.fast is None:  # https or a path prefix: aiohttp's
-            return False
-        try:
-            body = state.turns.salt.salted(tenant, doc, body)
-        except CtxError:  # a bad cache_salt: the regular path says so
             return False
         _Stream(self, exchange, worker, scope["path"], body).start()
         self.metrics.relayed_streams.inc()
@@ -127,6 +130,10 @@ class StreamRelay:
 class _Stream:
     """One relayed stream, from the request to its last chunk."""
 
+    __slots__ = ("body_sent", "connecting", "deadline", "done", "error", "exchange", "fast")
+    __slots__ += ("head_timer", "loop", "out", "path", "relay", "request", "status", "t0")
+    __slots__ += ("upstream", "worker", "write")
+
     def __init__(
         self, relay: StreamRelay, exchange: Exchange, worker: Worker, path: str, body: bytes
     ) -> None:
@@ -140,7 +147,7 @@ class _Stream:
         self.upstream: Upstream | None = None
         self.connecting: asyncio.Task[None] | None = None
         self.status = 0  # the worker's, once its head is in
-        self.error = bytearray()  # the body of an error answer
+        self.error = b""  # the body of an error answer
         self.out: list[bytes] = []  # for the client, from the read being parsed
         self.body_sent = False  # ... (and whether anything went out yet)
         self.head_timer: asyncio.TimerHandle | None = None
