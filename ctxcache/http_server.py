@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 import httptools
 from starlette.types import Scope
-from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
+from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT, FlowControl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 
@@ -73,8 +73,8 @@ class CoalescingTransport:
         that gathered a turn's writes itself."""
         if self._transport.is_closing():
             return
-        held, self._held = self._held, []
-        if held:
+        if self._held:
+            held, self._held = self._held, []
             held.append(data)
             self._transport.writelines(held)
         else:
@@ -110,8 +110,8 @@ class Exchange:
     calls that end it. Until it writes, it may still hand the request to the ASGI app
     (`to_app`); once it wrote, it ends with `finish` or `abort`."""
 
-    __slots__ = ("_app", "_cycle", "_protocol", "on_client_left", "on_writable", "scope")
-    __slots__ += ("transport",)
+    __slots__ = ("_app", "_cycle", "_protocol", "flow", "on_client_left", "on_writable")
+    __slots__ += ("scope", "transport")
 
     def __init__(
         self, protocol: CoalescingHttpToolsProtocol, cycle: RequestResponseCycle | None, app: Any
@@ -120,6 +120,9 @@ class Exchange:
         self._cycle: RequestResponseCycle = cycle  # type: ignore[assignment]  # (None: see _offer_early)
         self.scope: Scope = protocol.scope  # type: ignore[assignment]
         self.transport: CoalescingTransport = protocol.transport  # type: ignore[assignment]
+        # `flow.write_paused`: the client is not keeping up; stop reading what is to go to
+        # it until `on_writable`
+        self.flow: FlowControl = protocol.flow
         self.on_client_left: Callable[[], None] | None = None
         self.on_writable: Callable[[], None] | None = None  # the client caught up
 
@@ -135,12 +138,6 @@ class Exchange:
     def write_now(self, data: bytes) -> None:
         """Write `data` to the client at once (`CoalescingTransport.write_now`)."""
         self.transport.write_now(data)
-
-    @property
-    def write_paused(self) -> bool:
-        """The client is not keeping up: stop reading what is to go to it until
-        `on_writable`."""
-        return self._protocol.flow.write_paused
 
     def to_app(self) -> None:
         """Nothing was written: the ASGI app answers instead, as if this never took it."""

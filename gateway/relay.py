@@ -131,6 +131,7 @@ class _Stream:
     """One relayed stream, from the request to its last chunk."""
 
     __slots__ = ("body_sent", "connecting", "deadline", "done", "error", "exchange", "fast")
+    __slots__ += ("flowing",)
     __slots__ += ("head_timer", "loop", "out", "path", "relay", "request", "status", "t0")
     __slots__ += ("upstream", "worker", "write")
 
@@ -150,6 +151,7 @@ class _Stream:
         self.error = b""  # the body of an error answer
         self.out: list[bytes] = []  # for the client, from the read being parsed
         self.body_sent = False  # ... (and whether anything went out yet)
+        self.flowing = False  # what comes now goes out as it comes (`chunks`)
         self.head_timer: asyncio.TimerHandle | None = None
         self.done = False
 
@@ -211,15 +213,14 @@ class _Stream:
         else:
             self.out.append(b"%x\r\n%b\r\n" % (len(data), data))
 
-    def chunks(self, data: bytes, *, ended: bool | None = None) -> None:
+    def chunks(self, data: bytes, ended: bool | None) -> None:
         """The worker's chunks as they came (framing included, its last chunk too): they
         go on unchanged. `ended`: the answer is complete (and its connection kept alive
         or not)."""
-        if ended is None and self.body_sent and not self.out:  # the usual: one event
-            if not self.done:
-                self.write(data)
-                if self.exchange.write_paused and self.upstream is not None:
-                    self.upstream.transport.pause_reading()  # until the client catches up
+        if self.flowing and ended is None:  # the usual: the next event
+            self.write(data)
+            if self.exchange.flow.write_paused:
+                self._pause()
             return
         if data:
             self.out.append(data)
@@ -244,11 +245,19 @@ class _Stream:
             self.head_timer.cancel()
         self.body_sent = True
         out, self.out = self.out, []
-        if not out or self.done:
+        if self.done:
+            return
+        self.flowing = True
+        if not out:
             return
         self.write(b"".join(out))
-        if self.exchange.write_paused and self.upstream is not None:
-            self.upstream.transport.pause_reading()  # until the client catches up
+        if self.exchange.flow.write_paused:
+            self._pause()
+
+    def _pause(self) -> None:
+        """The client is not keeping up: read no more from the worker until it does."""
+        if self.upstream is not None:
+            self.upstream.transport.pause_reading()
 
     def end(self, keep_alive: bool, *, passed: bool = False) -> None:
         """The worker's answer is complete (`passed`: its chunks were passed on as they
@@ -333,6 +342,7 @@ class _Stream:
 
     def _finish(self, end: Any, *, observe: bool = True) -> None:
         self.done = True
+        self.flowing = False
         self.deadline.cancel()
         if self.head_timer is not None:
             self.head_timer.cancel()
@@ -395,11 +405,9 @@ class Upstream(asyncio.Protocol):
         stream = self.stream
         assert stream is not None
         ended = self.ended
-        if ended is None:
-            stream.chunks(data)
-        else:
+        if ended is not None:  # the answer is complete: the next one is read afresh
             self.passing, self.ended = False, None
-            stream.chunks(data, ended=ended)
+        stream.chunks(data, ended)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._lost()
