@@ -101,7 +101,9 @@ class EarlyAnswers(Protocol):
         ...
 
     def take(self, exchange: Exchange, body: bytes) -> bool:
-        """Answer the request (True), or leave it to the ASGI app (False)."""
+        """Answer the request (True), or leave it to the ASGI app (False). The answer is
+        written after `take` returns (from a later callback): the exchange may not know
+        its keep-alive and the server's headers before."""
         ...
 
 
@@ -110,8 +112,16 @@ class Exchange:
     calls that end it. Until it writes, it may still hand the request to the ASGI app
     (`to_app`); once it wrote, it ends with `finish` or `abort`."""
 
-    __slots__ = ("_app", "_cycle", "_protocol", "flow", "on_client_left", "on_writable")
-    __slots__ += ("scope", "transport")
+    __slots__ = (
+        "_app",
+        "_cycle",
+        "_protocol",
+        "flow",
+        "on_client_left",
+        "on_writable",
+        "scope",
+        "transport",
+    )
 
     def __init__(
         self, protocol: CoalescingHttpToolsProtocol, cycle: RequestResponseCycle | None, app: Any

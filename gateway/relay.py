@@ -9,9 +9,10 @@ the request is answered from the callbacks of the two connections, as a splice w
 * the client's request, once its body is in (`ctxcache.http_server.EarlyAnswers`), is
   checked and routed exactly as `FastPath` does (key, model, `cache_salt`), and written to
   an idle keep-alive connection to the least-loaded worker;
-* the worker's answer is parsed by httptools as it arrives: what each read brought goes to
-  the client in one write, in chunked framing of its own (the head waits for the first
-  event, at most `HEAD_HOLD_S`, so the client wakes once for both).
+* the worker's answer is parsed by httptools as it arrives: its head is replaced by ours,
+  and what each read brought goes to the client in one write — a 200 in chunks as the
+  worker framed it, anything else decoded and sent in chunks of ours (the head waits for
+  the first event, at most `HEAD_HOLD_S`, so the client wakes once for both).
 
 Whatever is not the plain case goes the regular way (`FastPath`, then the FastAPI app),
 where it is validated and answered, errors included: a request this does not take (a bad
@@ -109,11 +110,10 @@ class StreamRelay:
         """The head of a relayed stream (the same for every stream while the server's
         own headers, date included, stay the same)."""
         server = exchange.default_headers
-        if server is not self._ok_head[0] or not exchange.keep_alive:
-            head = _head(_HEAD, server, exchange.keep_alive)
-            if not exchange.keep_alive:
-                return head
-            self._ok_head = (server, head)
+        if not exchange.keep_alive:
+            return _head(_HEAD, server, keep_alive=False)
+        if server is not self._ok_head[0]:
+            self._ok_head = (server, _head(_HEAD, server, keep_alive=True))
         return self._ok_head[1]
 
     def idle(self, worker: Worker) -> list[Upstream]:
@@ -130,10 +130,27 @@ class StreamRelay:
 class _Stream:
     """One relayed stream, from the request to its last chunk."""
 
-    __slots__ = ("body_sent", "connecting", "deadline", "done", "error", "exchange", "fast")
-    __slots__ += ("flowing",)
-    __slots__ += ("head_timer", "loop", "out", "path", "relay", "request", "status", "t0")
-    __slots__ += ("upstream", "worker", "write")
+    __slots__ = (
+        "body_sent",
+        "connecting",
+        "deadline",
+        "done",
+        "error",
+        "exchange",
+        "fast",
+        "flowing",
+        "head_timer",
+        "loop",
+        "out",
+        "path",
+        "relay",
+        "request",
+        "status",
+        "t0",
+        "upstream",
+        "worker",
+        "write",
+    )
 
     def __init__(
         self, relay: StreamRelay, exchange: Exchange, worker: Worker, path: str, body: bytes
@@ -323,7 +340,7 @@ class _Stream:
         head = _head(
             status + b"".join(_lines(response.raw_headers)),
             self.exchange.default_headers,
-            self.exchange.keep_alive,
+            keep_alive=self.exchange.keep_alive,
         )
         self.exchange.transport.write(head + response.body)
         self._finish(self.exchange.finish)
@@ -460,7 +477,7 @@ class Upstream(asyncio.Protocol):
             self.stream.end(keep_alive)
 
 
-def _head(start: bytes, server: list[tuple[bytes, bytes]], keep_alive: bool) -> bytes:
+def _head(start: bytes, server: list[tuple[bytes, bytes]], *, keep_alive: bool) -> bytes:
     """An answer's head: `start` (its status line and own headers), then the server's."""
     head = [start, *_lines(server)]
     if not keep_alive:
