@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,8 +88,9 @@ def table(data: list[dict[str, Any]]) -> str:
 
 
 def plot(path: Path, data: list[dict[str, Any]]) -> None:
-    """The gateway ÷ direct on the same request, req/s and p99 (1 = as fast as direct).
-    Session turns are left out: they do more than the direct call they are compared with."""
+    """The gateway ÷ direct on the same request, req/s, p99 and (where measured) TTFT
+    (1 = as fast as direct). Session turns are left out: they do more than the direct call
+    they are compared with."""
     from benchmarks.util import bar_plot
 
     compared = [
@@ -104,4 +106,8 @@ def plot(path: Path, data: list[dict[str, Any]]) -> None:
         "req/s ÷ direct": [d["requests_per_s_vs_direct"] for d in compared],
         "p99 ÷ direct": [d["p99_ms_vs_direct"] for d in compared],
     }
+    if any(d["ttft_ms_vs_direct"] is not None for d in compared):
+        series["TTFT ÷ direct"] = [
+            math.nan if d["ttft_ms_vs_direct"] is None else d["ttft_ms_vs_direct"] for d in compared
+        ]  # (no bar where it was not measured)
     bar_plot(path, "gateway ÷ direct, same request and round", labels, series, "ratio")
