@@ -278,13 +278,8 @@ class CoalescingHttpToolsProtocol(HttpToolsProtocol):
 
     def _offer_early(self, body: bytes) -> None:
         """Offer a request that has no cycle yet; make its cycle after the offer."""
-        assert self._early is not None
         exchange = self.exchange = Exchange(self, None, self.app)
-        try:
-            taken = self._early.take(exchange, body)
-        except Exception:  # a bug there must not leave the client waiting: the app answers
-            log.exception("early answer failed on %s", self.scope["path"])
-            taken = False
+        taken = self._take(exchange, body)
         cycle = self._make_cycle(body, more_body=False)
         if taken:
             exchange._cycle = cycle
@@ -293,16 +288,19 @@ class CoalescingHttpToolsProtocol(HttpToolsProtocol):
             self.start_app(cycle, self.app)
 
     def _offer(self, cycle: RequestResponseCycle, app: Any) -> None:
-        assert self._early is not None
         self.exchange = Exchange(self, cycle, app)
-        try:
-            taken = self._early.take(self.exchange, bytes(cycle.body))
-        except Exception:  # a bug there must not leave the client waiting: the app answers
-            log.exception("early answer failed on %s", cycle.scope["path"])
-            taken = False
-        if not taken:
+        if not self._take(self.exchange, bytes(cycle.body)):
             self.exchange = None
             self.start_app(cycle, app)
+
+    def _take(self, exchange: Exchange, body: bytes) -> bool:
+        """Offer the request to `early_answers`: whether it answers it."""
+        assert self._early is not None
+        try:
+            return self._early.take(exchange, body)
+        except Exception:  # a bug there must not leave the client waiting: the app answers
+            log.exception("early answer failed on %s", exchange.scope["path"])
+            return False
 
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)

@@ -55,8 +55,8 @@ class KeyRing:
                 found = tenant
         if found is None:
             raise InvalidAPIKey()
-        if len(self._known) < _KNOWN_MAX:
-            self._known[authorization or ""] = found
+        if authorization is not None and len(self._known) < _KNOWN_MAX:
+            self._known[authorization] = found
         return found
 
 

@@ -38,9 +38,9 @@ import httptools
 
 from ctxcache.errors import BackendTimeout, CtxError, error_response
 from ctxcache.http_server import Exchange
-from gateway.auth import KeyRing
+from gateway.auth import KeyRing, authorization
 from gateway.completions.streams import SSE_HEADERS
-from gateway.fastpath import FAST_PATHS, parse_body, routable
+from gateway.fastpath import FAST_PATHS, first_header, parse_body, routable
 from gateway.metrics import GatewayMetrics
 from gateway.pool import Worker, WorkerPool
 from gateway.salt import CacheSalt
@@ -80,17 +80,12 @@ class StreamRelay:
             return False
         keys, pool, salt = self.routing
         scope = exchange.scope
-        key = None
-        for name, value in scope["headers"]:
-            if name == b"authorization":
-                if key is not None:
-                    return False  # which one? (the regular path says)
-                key = value.decode("latin-1")
-            elif name == b"x-session-id":
-                return False
+        headers = scope["headers"]
         try:
-            tenant = keys.tenant_for(key)
+            tenant = keys.tenant_for(authorization(headers))
         except CtxError:
+            return False
+        if first_header(headers, b"x-session-id") is not None:
             return False
         doc = parse_body(body)
         if doc is None or doc.get("stream") is not True or not routable(doc):
@@ -138,7 +133,6 @@ class _Stream:
         "error",
         "exchange",
         "fast",
-        "flowing",
         "head_timer",
         "loop",
         "out",
@@ -168,7 +162,6 @@ class _Stream:
         self.error = b""  # the body of an error answer
         self.out: list[bytes] = []  # for the client, from the read being parsed
         self.body_sent = False  # ... (and whether anything went out yet)
-        self.flowing = False  # what comes now goes out as it comes (`chunks`)
         self.head_timer: asyncio.TimerHandle | None = None
         self.done = False
 
@@ -234,7 +227,7 @@ class _Stream:
         """The worker's chunks as they came (framing included, its last chunk too): they
         go on unchanged. `ended`: the answer is complete (and its connection kept alive
         or not)."""
-        if self.flowing and ended is None:  # the usual: the next event
+        if ended is None and self.body_sent and not self.done:  # the usual: the next event
             self.write(data)
             if self.exchange.flow.write_paused:
                 self._pause()
@@ -262,10 +255,7 @@ class _Stream:
             self.head_timer.cancel()
         self.body_sent = True
         out, self.out = self.out, []
-        if self.done:
-            return
-        self.flowing = True
-        if not out:
+        if not out or self.done:
             return
         self.write(b"".join(out))
         if self.exchange.flow.write_paused:
@@ -359,7 +349,6 @@ class _Stream:
 
     def _finish(self, end: Any, *, observe: bool = True) -> None:
         self.done = True
-        self.flowing = False
         self.deadline.cancel()
         if self.head_timer is not None:
             self.head_timer.cancel()
