@@ -12,6 +12,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "worker": ("benchmarks.worker", "TTFT with cached history vs full recompute"),
     "gateway": ("benchmarks.gateway", "gateway overhead vs calling the worker directly"),
     "multiturn": ("benchmarks.multiturn", "multi-turn chat replay, session vs full history"),
+    "capacity": ("benchmarks.capacity", "req/s held at a p95 TTFT target, one vLLM at a time"),
     "load": ("benchmarks.load", "concurrent sessions through the stack, then leak checks"),
 }
 

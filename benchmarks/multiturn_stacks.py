@@ -51,17 +51,18 @@ class Mode:
     url: str
     session: bool
     salt: str | None = None
+    engine: str = ""  # the engine's own URL (its /metrics), where the benchmark started it
 
 
 @contextmanager
 def start(
-    args: argparse.Namespace, modes: list[str], model: Path
+    args: argparse.Namespace, modes: list[str], model: Path, log_name: str = "servers.log"
 ) -> Iterator[tuple[list[Mode], threading.Event]]:
     """The modes' servers; with the event Ctrl-C sets (the supervisor owns SIGINT)."""
     Path(args.out).mkdir(parents=True, exist_ok=True)
     with (
-        tempfile.TemporaryDirectory(prefix="ctxcache-multiturn-") as data,
-        open(Path(args.out) / "servers.log", "w") as log_file,  # every server's output
+        tempfile.TemporaryDirectory(prefix="ctxcache-bench-") as data,
+        open(Path(args.out) / log_name, "w") as log_file,  # every server's output
         Supervisor(out=log_file) as sup,
     ):
         if args.engine == "vllm":
@@ -135,6 +136,8 @@ def _vllm(
         # for every mode, what the small cache can hold
         window = min(args.max_model_len, (args.kv_blocks - 1) * VLLM_BLOCK)  # one block: vLLM's
         argv += ["--max-model-len", str(window)]
+        if getattr(args, "reserved_cpus", None) is not None:  # the same for every mode
+            argv += ["--reserved-cpus", str(args.reserved_cpus)]
         argv += ["--", *args.vllm_arg]
         sup.start(Child(mode, argv, env={"OMP_NUM_THREADS": str(args.threads)}))
     for mode, port in engines.items():
@@ -156,9 +159,9 @@ def _vllm(
                     ready=http_ready(f"http://127.0.0.1:{port}/ready"),
                 )
             )
-            out.append(Mode(mode, f"http://127.0.0.1:{port}", session=True))
+            out.append(Mode(mode, f"http://127.0.0.1:{port}", session=True, engine=engine))
         else:
-            out.append(Mode(mode, engine, session=False))
+            out.append(Mode(mode, engine, session=False, engine=engine))
     return out
 
 

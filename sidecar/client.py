@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 from urllib.parse import urlsplit
@@ -106,6 +106,25 @@ class KVClient:
 
     def exists(self, key: str) -> bool:
         return self._simple(Command.EXIST, key)
+
+    def exists_many(self, keys: Sequence[str]) -> list[bool]:
+        """`exists` of every key in one round trip: the requests go out in one write and
+        the server answers them in order (any lm:// server that serves a connection in
+        order does, LMCache's too)."""
+        if not keys:
+            return []
+        heads = b"".join(pack_request(Command.EXIST, key) for key in keys)
+
+        def call(sock: socket.socket) -> list[bool]:
+            sock.sendall(heads)
+            replies = bytearray(REPLY.size * len(keys))
+            _recv_exact(sock, memoryview(replies))
+            return [
+                unpack_reply(replies[i : i + REPLY.size]).code == Code.SUCCESS
+                for i in range(0, len(replies), REPLY.size)
+            ]
+
+        return self._call(call)
 
     def health(self) -> bool:
         try:

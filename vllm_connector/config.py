@@ -36,6 +36,11 @@ class ConnectorConfig(StrictModel):
         None, description="the model field of the keys (default: vLLM's served model name)"
     )
     max_pending_stores: int = Field(64, ge=1, description="store jobs queued before dropping")
+    max_pending_store_bytes: int = Field(
+        512 << 20,
+        ge=1,
+        description="bytes of KV queued for the sidecar before further stores are dropped",
+    )
 
     @field_validator("sidecar_url")
     @classmethod

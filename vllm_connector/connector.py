@@ -145,7 +145,8 @@ class CtxcacheConnector(KVConnectorBase_V1):
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         assert self.scheduler is not None
-        self.scheduler.after_alloc(request, num_external_tokens)
+        groups = blocks.get_block_ids() if num_external_tokens > 0 else ([],)
+        self.scheduler.after_alloc(request, list(groups[0]), num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler is not None

@@ -96,30 +96,46 @@ class Planner:
         usable: int,
         tags: tuple[tuple[str, str], ...],
         root: int,
-        exists: Callable[[str], bool],
+        exists_many: Callable[[list[str]], list[bool]],
     ) -> Lookup:
         """Consecutive chunks from the first, then the longest tail block, up to `usable`
-        tokens (`exists` is the sidecar's EXIST; it stops at the first miss)."""
+        tokens, asked of the sidecar in one call (`exists_many`, one pipelined round trip):
+        every chunk that starts before `usable`, and the tail candidates at every chunk
+        boundary, since which boundary the run of chunks reaches is known only from the
+        answers."""
+        chunks = [(p, h) for p, h in self._chunks(ids, len(ids), tags, root) if p.begin < usable]
+        tails: list[tuple[int, list[Piece]]] = []  # (boundary, candidates longest first)
+        gran = self.tail_tokens
+        if gran:
+            prev = root
+            for i in range(len(chunks) + 1):
+                start = i * self.chunk_size
+                if start >= usable:
+                    break
+                longest = min(self.chunk_size - gran, (len(ids) - start) // gran * gran)
+                cands = [
+                    self._tail(ids, start, length, prev, tags)
+                    for length in range(longest, 0, -gran)
+                ]
+                tails.append((i, cands))
+                if i < len(chunks):
+                    prev = chunks[i][1]
+        keys = [p.key for p, _ in chunks] + [t.key for _, cands in tails for t in cands]
+        found = dict(zip(keys, exists_many(keys), strict=True)) if keys else {}
         out = Lookup()
-        prev = root
-        for piece, h in self._chunks(ids, len(ids), tags, root):
-            if out.tokens >= usable or not exists(piece.key):
+        for piece, _ in chunks:
+            if not found[piece.key]:
                 break
             out.found.add(piece.key)
             out.pieces.append(piece)
-            out.tokens, prev = piece.end, h
-        gran = self.tail_tokens
-        if gran and out.tokens < usable and out.tokens % self.chunk_size == 0:
-            start = out.tokens
-            longest = min(self.chunk_size - gran, (len(ids) - start) // gran * gran)
-            for length in range(longest, 0, -gran):
-                if start + length <= out.tokens:
-                    break
-                tail = self._tail(ids, start, length, prev, tags)
-                if exists(tail.key):
+            out.tokens = piece.end
+        run = len(out.pieces)
+        for boundary, cands in tails:
+            if boundary == run and out.tokens < usable:
+                tail = next((t for t in cands if found[t.key]), None)
+                if tail is not None:
                     out.pieces.append(tail)
                     out.tokens = tail.end
-                    break
         out.tokens = min(out.tokens, usable)
         return out
 

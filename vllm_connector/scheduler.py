@@ -1,15 +1,17 @@
 """The connector's scheduler half: finds a request's prefix in the sidecar, plans loads and
 stores, and hands them to the worker half in each step's metadata.
 
-It runs in vLLM's engine-core process, on the scheduler's thread, so a lookup is a few
-EXIST round trips on one blocking connection, and only for requests that carry a session
-tag (or every request with `store_sessionless`). A sidecar that fails or times out opens a
+It runs in vLLM's engine-core process, on the scheduler's thread, so a lookup is one
+pipelined round trip of EXISTs (every chunk key and every tail candidate) on one blocking
+connection, and only for requests that carry a session tag (or every request with
+`store_sessionless`). A sidecar that fails or times out opens a
 circuit breaker: requests then run as if the sidecar were empty, and no stores are planned.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -67,13 +69,14 @@ class SchedulerSide:
         self._stores: list[StoreSpec] = []
 
     # -- the sidecar ----------------------------------------------------------------------
-    def _exists(self, key: str) -> bool:
+    def _exists_many(self, keys: list[str]) -> list[bool]:
+        """One pipelined round trip; every key missing when the sidecar fails."""
         if not self.breaker.closed:
-            return False
+            return [False] * len(keys)
         try:
             if self._client is None:
                 self._client = self._make_client()
-            found = bool(self._client.exists(key))
+            found = [bool(f) for f in self._client.exists_many(keys)]
         except Exception as exc:
             backoff = self.breaker.failure()
             self.counters.add("sidecar_errors")
@@ -81,7 +84,7 @@ class SchedulerSide:
                 self._client.close()
                 self._client = None
             log.warning("sidecar lookup failed (%s); skipping it for %.0f s", exc, backoff)
-            return False
+            return [False] * len(keys)
         self.breaker.success()
         return found
 
@@ -111,43 +114,39 @@ class SchedulerSide:
         if cached is not None and cached[0] == num_computed:
             lookup = cached[1]
         else:
+            t0 = time.perf_counter()
             n = request.num_tokens
             ids = list(request.all_token_ids[:n])
-            lookup = self.planner.lookup(ids, n - 1, view.tags, view.root, self._exists)
+            lookup = self.planner.lookup(ids, n - 1, view.tags, view.root, self._exists_many)
             self._lookups[rid] = (num_computed, lookup)
             self._found[rid] = lookup.found
             self.counters.add("lookups")
+            self.counters.add("lookup_us", round((time.perf_counter() - t0) * 1e6))
         extra = lookup.tokens - num_computed
         if extra < self.config.min_load_tokens:
             return 0
         return extra
 
-    def after_alloc(self, request: RequestLike, num_external: int) -> None:
+    def after_alloc(self, request: RequestLike, block_ids: list[int], num_external: int) -> None:
+        """Plan the load vLLM just made room for, into the request's own blocks (all of
+        them, from its first token: vLLM's `get_blocks` at allocation)."""
         cached = self._lookups.pop(request.request_id, None)
         if num_external <= 0 or cached is None:
             return
         lookup = cached[1]
         start = lookup.tokens - num_external
         pieces = [p for p in lookup.pieces if p.end > start]
-        self._loads[request.request_id] = LoadSpec(request.request_id, start, lookup.tokens, pieces)
+        spec = LoadSpec(request.request_id, start, lookup.tokens, pieces, list(block_ids))
+        self._loads[request.request_id] = spec
         self.counters.add("load_tokens_planned", num_external)
 
     def build(self, scheduler_output: Any) -> StepPlan:
-        plan = StepPlan()
-        for new in scheduler_output.scheduled_new_reqs:
-            spec = self._loads.pop(new.req_id, None)
-            if spec is not None:
-                spec.block_ids = list(new.block_ids[0])
-                plan.loads.append(spec)
-        cached = scheduler_output.scheduled_cached_reqs
-        for i, rid in enumerate(cached.req_ids):
-            spec = self._loads.pop(rid, None)
-            if spec is not None and cached.new_block_ids[i] is not None:
-                spec.block_ids = list(cached.new_block_ids[i][0])  # a resumed request's all
-                plan.loads.append(spec)
-        for rid in list(self._loads):
-            log.warning("request %s: a planned load was not scheduled; dropped", rid)
-            del self._loads[rid]
+        """This step's plan: every load planned since the last step (vLLM schedules a
+        request in the step it allocates it, and its blocks are known since then, so no
+        planned load is left out: a load that cannot be carried out is reported as failed
+        blocks by the worker, never skipped) and the stores of finished requests."""
+        plan = StepPlan(loads=list(self._loads.values()))
+        self._loads.clear()
         plan.stores, self._stores = self._stores, []
         return plan
 

@@ -11,6 +11,7 @@ import threading
 
 COUNTERS: dict[str, str] = {
     "lookups": "session requests looked up in the sidecar",
+    "lookup_us": "microseconds the scheduler spent looking requests up in the sidecar",
     "load_tokens_planned": "tokens the scheduler planned to load from the sidecar",
     "loaded_tokens": "tokens whose KV was written into vLLM's cache from the sidecar",
     "load_ms": "milliseconds the engine waited for loads (GETs and writes into its cache)",

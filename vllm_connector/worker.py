@@ -77,6 +77,7 @@ class WorkerSide:
             kv_client_factory(self.config.sidecar_url, self.config.timeout_s),
             shape,
             max_pending=self.config.max_pending_stores,
+            max_pending_bytes=self.config.max_pending_store_bytes,
             on_error=lambda op: self.counters.add("sidecar_errors"),
         )
         log.info(

@@ -58,6 +58,16 @@ def test_payload_sizes_around_the_split_and_buffer_reuse(sidecar: Sidecar) -> No
             assert got == want
 
 
+def test_exists_many_answers_every_key_in_order_in_one_round_trip(client: KVClient) -> None:
+    keys = [f"m@1@0@{i:032x}@bfloat16@s%sess" for i in range(40)]
+    for key in keys[::3]:
+        client.put(key, b"kv", fmt=p.FMT_KV_2LTD, dtype=p.DTYPE_BFLOAT16, shape=(2, 1, 1, 1))
+    assert client.exists_many(keys) == [i % 3 == 0 for i in range(40)]
+    assert client.exists_many([]) == []
+    # the connection is still in step: the next call answers its own key
+    assert client.exists(keys[1]) is False and client.exists(keys[3]) is True
+
+
 def test_miss_and_empty_payload(client: KVClient) -> None:
     assert client.get("m@1@0@f00@half") is None
     assert not client.exists("m@1@0@f00@half")

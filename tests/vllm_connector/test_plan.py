@@ -5,6 +5,7 @@ same path in the real vLLM against the real sidecar)."""
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -53,24 +54,45 @@ def test_the_connector_names_blocks_exactly_as_the_builtin_worker_does() -> None
     planned = planner.stores(seq, 600, TAGS, root, skip=set())
     assert {p.key: p.length for p in planned} == side.keys
     # and finds all of them: all but < 16 tokens of the sequence
-    found = planner.lookup([*seq, 1, 2], 601, TAGS, root, side.keys.__contains__)
+    found = planner.lookup([*seq, 1, 2], 601, TAGS, root, many(side.keys))
     assert found.tokens == 592 and [p.length for p in found.pieces] == [256, 256, 80]
     # at vLLM's CPU block size (128) only whole chunks and 128-token tails are shared
-    coarse = Planner(KEYS, 256, 128).lookup([*seq, 1], 600, TAGS, root, side.keys.__contains__)
+    coarse = Planner(KEYS, 256, 128).lookup([*seq, 1], 600, TAGS, root, many(side.keys))
     assert coarse.tokens == 512
+
+
+def many(keys: set[str] | dict[str, int]) -> Callable[[list[str]], list[bool]]:
+    """The sidecar's pipelined EXIST over a set of stored keys."""
+    return lambda asked: [k in keys for k in asked]
+
+
+def test_a_lookup_is_one_round_trip_to_the_sidecar() -> None:
+    seq = ids(1000)
+    planner = Planner(KEYS, 256, 128)
+    stored = {p.key for p in planner.stores(seq, 1000, TAGS, 0, skip=set())}
+    calls: list[list[str]] = []
+
+    def exists_many(keys: list[str]) -> list[bool]:
+        calls.append(keys)
+        return [k in stored for k in keys]
+
+    assert planner.lookup(seq, 999, TAGS, 0, exists_many).tokens == 896
+    # one call: the 3 full chunks, and one 128-token tail candidate at each of the 4 chunk
+    # boundaries (0, 256, 512, 768)
+    assert len(calls) == 1 and len(calls[0]) == 3 + 4
 
 
 def test_lookup_stops_at_the_first_missing_chunk_and_caps_at_usable() -> None:
     seq = ids(1000)
     planner = Planner(KEYS, 256, 128)
     stored = {p.key for p in planner.stores(seq, 1000, TAGS, 0, skip=set())}
-    assert planner.lookup(seq, 999, TAGS, 0, stored.__contains__).tokens == 896  # 3 chunks + 128
-    assert planner.lookup(seq, 700, TAGS, 0, stored.__contains__).tokens == 700
+    assert planner.lookup(seq, 999, TAGS, 0, many(stored)).tokens == 896  # 3 chunks + 128
+    assert planner.lookup(seq, 700, TAGS, 0, many(stored)).tokens == 700
     first = planner.stores(seq, 1000, TAGS, 0, skip=set())[0].key
     holes = stored - {first}
-    assert planner.lookup(seq, 999, TAGS, 0, holes.__contains__).tokens == 0
-    assert planner.lookup(seq, 999, (("s", "other"),), 0, stored.__contains__).tokens == 0
-    assert planner.lookup(seq, 999, TAGS, 7, stored.__contains__).tokens == 0  # another salt
+    assert planner.lookup(seq, 999, TAGS, 0, many(holes)).tokens == 0
+    assert planner.lookup(seq, 999, (("s", "other"),), 0, many(stored)).tokens == 0
+    assert planner.lookup(seq, 999, TAGS, 7, many(stored)).tokens == 0  # another salt
 
 
 def test_stores_skip_what_the_sidecar_has_and_cut_the_tail_to_the_block_size() -> None:
@@ -105,11 +127,11 @@ class FakeClient:
     def __init__(self, keys: set[str], fail: bool = False) -> None:
         self.keys, self.fail, self.calls = keys, fail, 0
 
-    def exists(self, key: str) -> bool:
+    def exists_many(self, keys: list[str]) -> list[bool]:
         self.calls += 1
         if self.fail:
             raise ConnectionError("down")
-        return key in self.keys
+        return [key in self.keys for key in keys]
 
     def close(self) -> None:
         pass
@@ -134,17 +156,30 @@ def test_the_scheduler_loads_what_the_sidecar_has_beyond_the_local_prefix() -> N
     calls = client.calls
     assert side.matched_tokens(req, 0) == 896 and client.calls == calls  # asked again: cached
     assert side.matched_tokens(req, 512) == 384  # vLLM's prefix cache had 4 blocks
-    side.after_alloc(req, 384)
-    new = SimpleNamespace(req_id="r1", block_ids=([10, 11, 12, 13, 14, 15, 16, 17, 18],))
+    side.after_alloc(req, [10, 11, 12, 13, 14, 15, 16, 17, 18], 384)
+    (load,) = side.build(SimpleNamespace()).loads
+    assert (load.start, load.end, load.block_ids[0]) == (512, 896, 10)
+    assert [(p.begin, p.length) for p in load.pieces] == [(512, 256), (768, 128)]
+    assert side.build(SimpleNamespace()).loads == []  # planned once, sent once
+
+
+def test_a_planned_load_goes_out_whatever_the_step_lists() -> None:
+    """A load's blocks come from vLLM's allocation, so a request that a step does not list
+    among its new ones (a resumed one, say) still gets its load, never a silent drop after
+    vLLM has counted its tokens as computed."""
+    seq = ids(1100)
+    side, _ = scheduler(stored_keys(seq, 1000))
+    req = FakeRequest("r1", seq)
+    assert side.matched_tokens(req, 0) == 896
+    side.after_alloc(req, list(range(20, 29)), 896)
     plan = side.build(
         SimpleNamespace(
-            scheduled_new_reqs=[new],
-            scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[]),
+            scheduled_new_reqs=[],
+            scheduled_cached_reqs=SimpleNamespace(req_ids=["r1"], new_block_ids=[None]),
         )
     )
     (load,) = plan.loads
-    assert (load.start, load.end, load.block_ids[0]) == (512, 896, 10)
-    assert [(p.begin, p.length) for p in load.pieces] == [(512, 256), (768, 128)]
+    assert (load.start, load.end, load.block_ids) == (0, 896, list(range(20, 29)))
 
 
 def test_small_hits_session_less_requests_and_a_down_sidecar_load_nothing() -> None:

@@ -13,7 +13,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -38,6 +38,7 @@ class BlockClient(Protocol):
     ) -> None: ...
     def get(self, key: str) -> object | None: ...
     def exists(self, key: str) -> bool: ...
+    def exists_many(self, keys: Sequence[str]) -> list[bool]: ...
     def health(self) -> bool: ...
     def close(self) -> None: ...
 
@@ -85,6 +86,10 @@ class StoreJob:
     session: str
     barrier: bool = False  # answer a round trip after the PUTs before it (see drain)
 
+    @property
+    def nbytes(self) -> int:
+        return sum(kv.numel() * kv.element_size() for _, kv in self.blocks)
+
 
 class SidecarKV:
     def __init__(
@@ -93,6 +98,7 @@ class SidecarKV:
         shape: KVShape,
         *,
         max_pending: int = 64,
+        max_pending_bytes: int | None = None,
         on_error: Callable[[str], None] | None = None,
     ) -> None:
         self.shape = shape
@@ -100,6 +106,11 @@ class SidecarKV:
         self._make_client = make_client
         self._lookup_client: BlockClient | None = None
         self._jobs: queue.Queue[StoreJob | None] = queue.Queue(maxsize=max_pending)
+        # bytes of KV queued and not yet sent: a job is refused when it would go over
+        # (one job alone is always taken, however large, so nothing is never storable)
+        self._max_bytes = max_pending_bytes
+        self._queued_bytes = 0
+        self._bytes_lock = threading.Lock()
         self._on_error = on_error or (lambda op: None)
         self._storer = threading.Thread(target=self._store_loop, name="kv-storer", daemon=True)
         self._storer.start()
@@ -154,19 +165,41 @@ class SidecarKV:
 
     # -- stores (background thread) -----------------------------------------------------
     def submit(self, job: StoreJob) -> bool:
-        """Queue a store; dropped (False) when the sidecar is down or the queue is full."""
+        """Queue a store; dropped (False) when the sidecar is down or the queue is full
+        (in jobs, or in bytes: a slow sidecar never lets stores pile up in memory)."""
         if not self.breaker.closed:
             return False
-        try:
-            self._jobs.put_nowait(job)
-        except queue.Full:
-            log.warning("sidecar store queue full; dropping %d blocks", len(job.blocks))
-            return False
+        size = job.nbytes
+        with self._bytes_lock:
+            queued = self._queued_bytes
+            if self._max_bytes is not None and queued and queued + size > self._max_bytes:
+                log.warning(
+                    "sidecar store queue holds %d bytes; dropping %d blocks (%d bytes)",
+                    queued,
+                    len(job.blocks),
+                    size,
+                    extra={"session_id": job.session},
+                )
+                return False
+            try:
+                self._jobs.put_nowait(job)
+            except queue.Full:
+                log.warning(
+                    "sidecar store queue full; dropping %d blocks",
+                    len(job.blocks),
+                    extra={"session_id": job.session},
+                )
+                return False
+            self._queued_bytes += size
         return True
 
     @property
     def pending(self) -> int:
         return self._jobs.unfinished_tasks
+
+    @property
+    def pending_bytes(self) -> int:
+        return self._queued_bytes
 
     def drain(self, timeout: float = 30.0) -> None:
         """Wait until every queued store has reached the sidecar (tests, benchmarks).
@@ -199,6 +232,9 @@ class SidecarKV:
                     client.close()
                 client = None
             finally:
+                if job is not None:
+                    with self._bytes_lock:
+                        self._queued_bytes -= job.nbytes
                 self._jobs.task_done()
 
     def _store(self, client: BlockClient, job: StoreJob) -> None:
