@@ -44,6 +44,9 @@ MODES = ("vllm-full", "vllm-full-connector", "session", "roomy")
 DEFAULT_QPS = "0.25,0.5,0.75,1,1.25,1.5,2,2.5,3,4"
 
 
+DEFAULTS: dict[str, Any] = {}  # the parser's defaults (what `--quick` may replace)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
@@ -76,9 +79,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--reserved-cpus",
         type=int,
-        default=0,
+        default=None,
         help="CPUs vLLM keeps off its compute threads (VLLM_CPU_NUM_OF_RESERVED_CPU), the same "
-        "for every mode (docs/vllm.md: vLLM reserves one more when any connector is loaded)",
+        "for every mode; default: `ctxcache vllm`'s (docs/vllm.md)",
     )
     p.add_argument(
         "--vllm-arg", action="append", default=[], metavar="ARG", help="more vLLM arguments"
@@ -91,15 +94,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="CI size: the tiny preset, 3 users, 2 rounds, 2 rates, 6 requests each",
     )
     add_output_arguments(p, NAME)
+    DEFAULTS.update({name: p.get_default(name) for name in [*QUICK, "model"]})
 
 
 def main(args: Namespace) -> int:
     from benchmarks import capacity_report as report
     from ctxcache.logs import setup_logging
+    from ctxcache.vllm_engine import auto_reserved_cpus
 
     setup_logging("bench", "WARNING")
     if args.quick:
-        _quick(args)
+        _quick(args, DEFAULTS)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in MODES]
     if bad or not modes:
@@ -142,7 +147,7 @@ def main(args: Namespace) -> int:
         kv_blocks=args.kv_blocks,
         roomy_gib=args.roomy_gib,
         max_model_len=args.max_model_len,
-        reserved_cpus=args.reserved_cpus,
+        reserved_cpus=auto_reserved_cpus() if args.reserved_cpus is None else args.reserved_cpus,
         vllm_args=args.vllm_arg,
         seed=args.seed,
     )
@@ -168,11 +173,11 @@ def _sweep(
 
     out: list[tuple[Point, dict[str, Any]]] = []
     args.out = Path(args.out)
-    with start(args, [mode], model, log_name=f"servers-{mode}.log") as (stack, stopping):
+    with start(args, [mode], model, log_name=f"servers-{mode}.log") as (stack, sup):
         m = stack[0]
         name = _served_name(m.url)
         for qps in rates:
-            if stopping.is_set():
+            if sup.stopping.is_set():
                 raise KeyboardInterrupt
             driver = Driver(m.url, name, texts, session=m.session)
             before = _scrape(m.engine)
@@ -253,16 +258,28 @@ def _served_name(url: str) -> str:
     return str(r.json()["data"][0]["id"])
 
 
-def _quick(args: Namespace) -> None:
-    args.preset = "tiny"
-    if args.model == DEFAULT_MODEL / "models" / "small":
+# `--quick`: the CI size; an option given explicitly still wins
+QUICK: dict[str, Any] = {
+    "preset": "tiny",
+    "users": 3,
+    "rounds": 2,
+    "requests": 6,
+    "warmup": 2,
+    "system_tokens": 40,
+    "history_tokens": 200,
+    "question_tokens": 30,
+    "answer_tokens": 8,
+    "qps": "1,2",
+    "keep_going": True,
+}
+
+
+def _quick(args: Namespace, parser_defaults: dict[str, Any]) -> None:
+    for name, value in QUICK.items():
+        if getattr(args, name) == parser_defaults[name]:
+            setattr(args, name, value)
+    if args.model == parser_defaults["model"]:
         args.model = DEFAULT_MODEL / "models" / "tiny"
-    args.users, args.rounds, args.requests = 3, 2, 6
-    args.system_tokens, args.history_tokens, args.question_tokens = 40, 200, 30
-    args.answer_tokens = 8
-    args.qps = "1,2"
-    args.warmup = 2
-    args.keep_going = True
 
 
 def _model(args: Namespace) -> Path:

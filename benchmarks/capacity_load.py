@@ -8,8 +8,10 @@ seconds after its previous one, and never before its previous answer is in (so a
 that cannot keep up sends less: the achieved rate falls below the offered one).
 
 In the full-history modes every question carries the whole conversation. In the `session`
-mode a user's arrival is a `POST /v1/context` with its context (prefill only, timed as a
-create, not as a question), and each question is a session turn: the new message only.
+mode a user's arrival is a `POST /v1/context` with its context (prefill only), and each
+question is a session turn: the new message only. The first question's TTFT counts from
+the user's arrival, so it includes the create, as the full-history modes' first question
+includes the same prefill (creates are also reported on their own).
 
 The content is deterministic per user number, so every mode and every rate sees the same
 conversations, and greedy answers can be compared across modes.
@@ -169,6 +171,7 @@ class Driver:
             await _sleep_until(t0 + due)
             if counters["sent"] >= budget:
                 break
+            arrived = time.perf_counter()
             if self.session and sid is None:
                 sid = await self._create(http, k, context, due, t0, point)
                 if sid is None:
@@ -187,9 +190,14 @@ class Driver:
                 body |= {"messages": [user], "session_id": sid}
             else:
                 body["messages"] = [*messages, user]
-            rec = Sent(k, r, index, due, time.perf_counter() - t0)
+            rec = Sent(k, r, index, due, arrived - t0)
             point.sent.append(rec)
             await self._stream(http, body, rec)
+            # from the user's arrival: a session's first question waited for its create too
+            # (in the full-history modes the same prefill is in the question's own TTFT)
+            waited = time.perf_counter() - arrived - rec.total
+            rec.ttft += waited
+            rec.total += waited
             if progress is not None:
                 progress(1)
             if rec.error is not None:

@@ -39,7 +39,13 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
-from benchmarks.multiturn_stacks import BUILTIN_MODES, VLLM_DEFAULT_MODES, VLLM_MODES, Mode
+from benchmarks.multiturn_stacks import (
+    BUILTIN_MODES,
+    VLLM_DEFAULT_MODES,
+    VLLM_MODES,
+    Mode,
+    idle_cpu,
+)
 from benchmarks.util import add_output_arguments, plot_path, run_meta, write_outputs
 
 NAME = "multiturn"
@@ -149,17 +155,21 @@ def main(args: argparse.Namespace) -> int:
         from benchmarks.floor import Floor
 
         floor = Floor(local, args.threads)
+    idle: dict[str, float] | None = None
     if args.url:
         salts = {"session": None, "full": "fresh", "full-apc": "conversation"}
         url = args.url.rstrip("/")
         given = [Mode(m, url, m == "session", salts[m]) for m in modes]
-        servers: Any = nullcontext((given, threading.Event()))
+        servers: Any = nullcontext((given, None))
     else:
         assert local is not None
         servers = start(args, modes, local)
-    with servers as (stack, stopping):
+    with servers as (stack, sup):
+        if sup is not None:  # the modes' servers are all up: what do the idle ones cost?
+            idle = idle_cpu(sup)
+            sys.stderr.write(f"idle servers, % of one CPU over 5 s: {idle}\n")
         replay = Replay(args, stack, floor, _tokenizer(local))
-        replay.run(stopping)
+        replay.run(sup.stopping if sup is not None else threading.Event())
     rows = replay.rows()
     names = [m.name for m in stack] + (["floor"] if floor else [])
     meta = run_meta(
@@ -175,6 +185,7 @@ def main(args: argparse.Namespace) -> int:
         interleave=args.interleave,
         think_time_s=args.think_time,
         kv_blocks=args.kv_blocks if args.engine == "vllm" else None,
+        idle_cpu_percent=idle,
         threads=args.threads,
         seed=args.seed,
     )

@@ -22,9 +22,9 @@ worker (`session`, `full`, `full-apc`; the in-process floor is in `floor.py`).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -57,8 +57,9 @@ class Mode:
 @contextmanager
 def start(
     args: argparse.Namespace, modes: list[str], model: Path, log_name: str = "servers.log"
-) -> Iterator[tuple[list[Mode], threading.Event]]:
-    """The modes' servers; with the event Ctrl-C sets (the supervisor owns SIGINT)."""
+) -> Iterator[tuple[list[Mode], Supervisor]]:
+    """The modes' servers; with the event Ctrl-C sets (the supervisor owns SIGINT) and the
+    supervisor (its children: `idle_cpu`)."""
     Path(args.out).mkdir(parents=True, exist_ok=True)
     with (
         tempfile.TemporaryDirectory(prefix="ctxcache-bench-") as data,
@@ -66,9 +67,9 @@ def start(
         Supervisor(out=log_file) as sup,
     ):
         if args.engine == "vllm":
-            yield _vllm(args, modes, model, Path(data), sup), sup.stopping
+            yield _vllm(args, modes, model, Path(data), sup), sup
         else:
-            yield _builtin(args, modes, model, Path(data), sup), sup.stopping
+            yield _builtin(args, modes, model, Path(data), sup), sup
 
 
 def _builtin(
@@ -163,6 +164,36 @@ def _vllm(
         else:
             out.append(Mode(mode, engine, session=False, engine=engine))
     return out
+
+
+def idle_cpu(sup: Supervisor, seconds: float = 5.0) -> dict[str, float] | None:
+    """Each server's CPU use while nothing is sent to it, in % of one CPU over `seconds`:
+    every process of its process group (vLLM's API server, engine core and worker). This
+    is what an idle engine takes from the one being measured (None where /proc is not)."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return None
+    groups = {c.proc.pid: c.name for c in sup.children if c.proc is not None}
+
+    def ticks() -> dict[str, int]:
+        out = dict.fromkeys(groups.values(), 0)
+        for entry in proc.iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue  # gone meanwhile
+            name = groups.get(int(fields[2]))  # the process group
+            if name is not None:
+                out[name] += int(fields[11]) + int(fields[12])  # utime + stime
+        return out
+
+    before = ticks()
+    time.sleep(seconds)
+    after = ticks()
+    hz = os.sysconf("SC_CLK_TCK")
+    return {n: round((after[n] - before[n]) / hz / seconds * 100, 1) for n in groups.values()}
 
 
 def _wait(sup: Supervisor, name: str, url: str, timeout: float = 900.0) -> None:

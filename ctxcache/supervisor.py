@@ -98,11 +98,12 @@ class Supervisor:
     def _pump(self, child: Child) -> None:
         assert child.proc is not None and child.proc.stdout is not None
         prefix = f"{child.name:>8} | "
-        for raw in iter(child.proc.stdout.readline, b""):
-            line = raw.decode(errors="replace").rstrip()
-            with self._lock:
-                self.out.write(prefix + line + "\n")
-                self.out.flush()
+        with child.proc.stdout:  # closed at the child's EOF (it exited, its group killed)
+            for raw in iter(child.proc.stdout.readline, b""):
+                line = raw.decode(errors="replace").rstrip()
+                with self._lock:
+                    self.out.write(prefix + line + "\n")
+                    self.out.flush()
 
     def wait(self) -> int:
         """Block until a signal asks for a stop (0) or a child exits on its own (1)."""

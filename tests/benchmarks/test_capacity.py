@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from benchmarks import capacity_report as report
 from benchmarks.capacity_load import Point, Sent
 from tests.utils import check_png, require_vllm
@@ -58,6 +60,7 @@ def test_session_answers_are_compared_with_the_same_engines_full_history_answers
     assert got["examples"] == [{"qps": 1.0, "user": 1, "round": 1}]
 
 
+@pytest.mark.timeout(900)
 def test_quick_capacity_run_on_vllm_writes_the_documented_outputs(
     tiny_model: Path, tmp_path: Path
 ) -> None:

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks.multiturn import TARGET_CONTEXT, user_token_targets
+from benchmarks.multiturn_stacks import idle_cpu
+from ctxcache.supervisor import Child, Supervisor
 from tests.utils import check_png, require_vllm
 
 
@@ -110,3 +112,15 @@ def test_the_vllm_replay_under_kv_pressure_writes_the_documented_outputs(
     assert len(data["requests"]) == 2 * 3 * 2
     assert "| turn |" in (out / "multiturn.md").read_text()
     check_png(out / "multiturn.png")
+
+
+def test_idle_cpu_tells_a_busy_server_from_an_idle_one(tmp_path: Path) -> None:
+    """What `bench multiturn` records of the servers it keeps up: each one's CPU over a
+    window, its child processes included (vLLM's engine core and worker are children)."""
+    with (tmp_path / "out.log").open("w") as out, Supervisor(out=out) as sup:
+        spin = "import subprocess, sys; subprocess.run([sys.executable, '-c', 'while 1: pass'])"
+        sup.start(Child("busy", [sys.executable, "-c", spin]))
+        sup.start(Child("idle", [sys.executable, "-c", "import time; time.sleep(60)"]))
+        got = idle_cpu(sup, seconds=1.0)
+    assert got is not None and set(got) == {"busy", "idle"}
+    assert got["busy"] > 40 and got["idle"] < 5, got
