@@ -86,6 +86,28 @@ class KVClient:
 
         return self._call(call)
 
+    def get_many(self, keys: Sequence[str]) -> list[KVBlock | None]:
+        """`get` of every key in one round trip: the requests go out in one write, the
+        replies (each a header, then the payload on a hit) are read in order."""
+        if not keys:
+            return []
+        heads = b"".join(pack_request(Command.GET, key) for key in keys)
+
+        def call(sock: socket.socket) -> list[KVBlock | None]:
+            sock.sendall(heads)
+            out: list[KVBlock | None] = []
+            for _ in keys:
+                reply = self._read_reply(sock)
+                if reply.code != Code.SUCCESS:
+                    out.append(None)
+                    continue
+                data = bytearray(reply.length)
+                _recv_exact(sock, memoryview(data))
+                out.append(KVBlock(data, reply.fmt, reply.dtype, reply.shape))
+            return out
+
+        return self._call(call)
+
     def get_into(self, key: str, out: bytearray | memoryview) -> KVBlock | None:
         """Like `get`, but the payload lands in `out` (e.g. a tensor's memory) with no
         allocation; the block's `data` is then a view of `out`. A block larger than `out`

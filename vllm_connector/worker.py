@@ -1,9 +1,10 @@
 """The connector's worker half: writes loaded blocks into vLLM's paged cache before the
 forward pass and reads finished requests' blocks out of it for the sidecar.
 
-Loads are synchronous (the step's forward attends over them): each planned block is one
-GET, then one scatter per layer. A block that is missing, unreadable or not the KV we
-store makes the rest of that load fail: its vLLM blocks are reported to the scheduler
+Loads are synchronous (the step's forward attends over them): a load's blocks come in one
+pipelined round trip of GETs, then one scatter per layer each. A block that is missing,
+unreadable or not the KV we store makes the rest of that load fail: its vLLM blocks are
+reported to the scheduler
 (`get_block_ids_with_load_errors`), which recomputes them — a miss, never a wrong answer.
 Stores copy the blocks out with one gather per layer (the request's blocks are freed as
 soon as that copy is made) and PUT them from a background thread
@@ -101,14 +102,14 @@ class WorkerSide:
                 self._invalid.update(self._blocks_of(spec.block_ids, loaded, spec.end))
 
     def _load(self, spec: LoadSpec) -> int:
-        """Write `spec`'s tokens; returns the first token not written."""
+        """Write `spec`'s tokens; returns the first token not written. Its blocks come in
+        one pipelined round trip; the writes stop at the first that is missing."""
         assert self.sidecar is not None
+        pieces = [p for p in spec.pieces if min(spec.end, p.end) > max(spec.start, p.begin)]
+        kvs = self.sidecar.get_many([(self.key(p.key), p.length) for p in pieces])
         done = spec.start
-        for piece in spec.pieces:
+        for piece, kv in zip(pieces, kvs, strict=True):
             lo, hi = max(done, piece.begin), min(spec.end, piece.end)
-            if hi <= lo:
-                continue
-            kv = self.sidecar.get(self.key(piece.key), piece.length)
             if kv is None:
                 log.warning(
                     "request %s: block %s gone or unreadable; recomputing", spec.req_id, piece.key

@@ -68,6 +68,22 @@ def test_exists_many_answers_every_key_in_order_in_one_round_trip(client: KVClie
     assert client.exists(keys[1]) is False and client.exists(keys[3]) is True
 
 
+def test_get_many_returns_hits_and_misses_in_order_in_one_round_trip(client: KVClient) -> None:
+    payloads = {f"m@1@0@{i:032x}@bfloat16@s%sess": os.urandom(1000 + 4099 * i) for i in range(6)}
+    keys = list(payloads)
+    for key in keys[::2]:
+        client.put(
+            key, payloads[key], fmt=p.FMT_KV_2LTD, dtype=p.DTYPE_BFLOAT16, shape=(2, 1, 1, 3)
+        )
+    got = client.get_many([*keys, keys[0]])
+    assert [b is not None for b in got] == [True, False, True, False, True, False, True]
+    for key, block in zip([*keys, keys[0]], got, strict=True):
+        if block is not None:
+            assert bytes(block.data) == payloads[key] and block.shape == (2, 1, 1, 3)
+    assert client.get_many([]) == []
+    assert client.exists(keys[2]) is True  # the connection is still in step
+
+
 def test_miss_and_empty_payload(client: KVClient) -> None:
     assert client.get("m@1@0@f00@half") is None
     assert not client.exists("m@1@0@f00@half")
