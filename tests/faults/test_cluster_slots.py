@@ -67,7 +67,7 @@ async def key_writes(cluster: RedisClusterServers) -> AsyncIterator[Writes]:
     try:
         yield writes
         for sub in subs:  # a notification is sent before the command's reply: all are here
-            while (msg := await sub.get_message(ignore_subscribe_messages=True, timeout=0.3)):
+            while msg := await sub.get_message(ignore_subscribe_messages=True, timeout=0.3):
                 event = msg["data"].decode()
                 if event not in NOT_OURS:
                     writes.seen.append((msg["channel"].decode()[len(CHANNEL) :], event))
