@@ -343,6 +343,14 @@ class BlockStore:
             else:
                 self._unlink(victim, work)
                 self.metrics.evictions.labels("disk").inc()
+        if self.pin_policy == "lru" and self.disk_used + n > self.disk_bytes:
+            # pinned blocks that are in memory too give up their disk copy first: that
+            # costs a write when they leave memory again, not a recompute
+            for e in list(self._mem[True].values()):
+                if self.disk_used + n <= self.disk_bytes:
+                    break
+                if e.disk_path is not None and not e.readers:
+                    self._disk_remove(e, work)
         while self.disk_used + n > self.disk_bytes and self.pin_policy == "lru":
             victim = self._pinned_victim(self._disk[True], protect)
             if victim is None:

@@ -399,8 +399,10 @@ def test_lru_policy_never_drops_a_block_being_read_from_disk(tmp_path: Path) -> 
     during_read.append(lambda: put(store, key(0, "newcomer")))
     assert payload(store, key(0, "reader")) == wanted
     assert store.exists(key(0, "newcomer"))
-    assert store.session_info("other")["blocks"] == 0  # the droppable one went
-    assert dropped(store)[2] >= 1
+    # the oldest block that was not being read went, with its session (other1 was being
+    # spilled from memory at that moment: it stays)
+    assert not store.exists(key(0, "other"))
+    assert dropped(store) == (0, 1, 1)
 
 
 def test_reserve_policy_keeps_pinned_blocks_over_budget_when_disk_is_full(
@@ -414,3 +416,21 @@ def test_reserve_policy_keeps_pinned_blocks_over_budget_when_disk_is_full(
     assert not store.put(meta(key(2, "a"), 10 * KB), bytearray(10 * KB))
     assert dropped(store) == (0, 0, 0)
     assert store.session_info("a")["blocks"] == 2
+
+
+def test_lru_policy_drops_disk_copies_of_blocks_in_memory_before_any_session(
+    tmp_path: Path,
+) -> None:
+    store = disk_store(tmp_path, memory=20 * KB, disk=30 * KB)
+    for s in ("a", "b"):
+        store.pin(s, time.time() + 60)
+    put(store, key(0, "a"))
+    put(store, key(1, "a"))
+    put(store, key(0, "b"))
+    put(store, key(1, "b"))  # memory: b0 b1; disk: a0 a1
+    assert payload(store, key(0, "a")) is not None  # promoted: in memory, its disk copy kept
+    assert store.stats()["disk_bytes_used"] == 30 * KB  # a0 (copy), a1, b0
+    store.pin("c", time.time() + 60)
+    put(store, key(0, "c"))  # memory is full again: a block spills, the disk needs room
+    assert dropped(store) == (0, 0, 0)
+    assert all(store.session_info(s)["blocks"] == 2 for s in "ab")
