@@ -13,6 +13,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "gateway": ("benchmarks.gateway", "gateway overhead vs calling the worker directly"),
     "multiturn": ("benchmarks.multiturn", "multi-turn chat replay, session vs full history"),
     "load": ("benchmarks.load", "concurrent sessions through the stack, then leak checks"),
+    "sessions": ("benchmarks.sessions", "live sessions to 100k on one node; sidecar pin policies"),
 }
 
 

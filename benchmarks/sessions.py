@@ -1,0 +1,471 @@
+"""`ctxcache bench sessions`: one node as its live sessions grow to 100k, and the sidecar's
+pin policies as the idle working set grows past its memory tier.
+
+Part 1 (sizes, `--max`): a stack of its own — a Redis, a KV sidecar, the fake engine
+(benchmarks/fake_worker.py with `--sidecar`: no model runs, but every session turn looks up
+and stores made-up KV in the real sidecar, so hits, pins and bytes are real) and a gateway
+with its in-process manager. For each size (1k, 10k, 100k live sessions):
+
+- a new active set (`--active`, 200) is created through the gateway, as clients do, and the
+  previous one joins the idle mass;
+- the idle mass is filled up to the size in bulk, through the manager's own code
+  (`SessionService.create`, the function behind `POST /sessions`, on the same Redis): real
+  sessions the gateway serves (any of them can be read or take a turn), with the same
+  records, token ids and messages a create through the gateway writes, but no engine call,
+  so no KV and no sidecar pin (they stand for sessions whose KV the sidecar already let go);
+- then a mixed load runs through the gateway (`--ops` operations, `--concurrency` clients):
+  turns of the active sessions, creates of short-lived sessions (ttl 2–8 s: expiries go on
+  all the time), reads of random sessions (GET, which also asks the sidecar) and listings;
+- measured: Redis bytes per session (INFO `used_memory` over the baseline, and `MEMORY
+  USAGE` of sampled sessions' keys), the sidecar's bytes per session in each tier, p50/p99
+  latency of each operation from the client, Redis' expiry cycle (keys expired, CPU ms),
+  the active sessions' sidecar hit rate (cached tokens / tokens in full chunks) and the RSS
+  of every process.
+
+Part 2 (`sessions_kv.py`): the sidecar alone, driven over lm:// and its control API.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import random
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import httpx
+
+log = logging.getLogger("ctxcache.bench.sessions")
+
+KEY, TENANT, MODEL = "sessions-key", "bench", "fake"
+SIZES = (1_000, 10_000, 100_000)
+QUICK_SIZES = (300, 1_000)
+WORDS = ["cache", "token", "session", "prefix", "history", "worker", "block", "chunk"]
+CHUNK = 256
+# operation -> weight in the mixed load
+MIX = {"turn": 60, "create": 15, "get": 15, "list": 10}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from benchmarks.sessions_kv import add_kv_arguments
+    from benchmarks.util import add_output_arguments
+
+    p.add_argument("--max", type=int, default=SIZES[-1], help="largest size (live sessions)")
+    p.add_argument("--sizes", default=None, help="comma-separated sizes (default 1k,10k,100k)")
+    p.add_argument("--active", type=int, default=0, help="active sessions (200; --quick 20)")
+    p.add_argument("--ops", type=int, default=0, help="mixed operations a size (3000; quick 150)")
+    p.add_argument("--concurrency", type=int, default=4, help="clients of the mixed load")
+    p.add_argument("--bulk-concurrency", type=int, default=48, help="bulk creates in flight")
+    p.add_argument("--context-words", type=int, default=100, help="words of a session's text")
+    p.add_argument("--kv-bytes-per-token", type=int, default=128, help="the fake engine's KV")
+    p.add_argument("--sidecar-memory-mib", type=int, default=512, help="part 1's sidecar")
+    p.add_argument("--kv-only", action="store_true", help="only part 2 (the pin policies)")
+    p.add_argument("--skip-kv", action="store_true", help="only part 1 (the sizes)")
+    add_kv_arguments(p)
+    add_output_arguments(p, "sessions")
+    p.add_argument("--quick", action="store_true", help="a small run (explicit options win)")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def sizes_of(args: argparse.Namespace) -> list[int]:
+    if args.sizes:
+        return sorted(int(s) for s in args.sizes.split(","))
+    return [s for s in (QUICK_SIZES if args.quick else SIZES) if s <= args.max]
+
+
+def main(args: argparse.Namespace) -> int:
+    from benchmarks.sessions_kv import kv_policies
+    from benchmarks.sessions_report import report
+    from ctxcache.logs import setup_logging
+
+    setup_logging("bench")
+    args.active = args.active or (20 if args.quick else 200)
+    args.ops = args.ops or (150 if args.quick else 3000)
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows: list[dict[str, Any]] = []
+    kv_rows: list[dict[str, Any]] = []
+    with (args.out / "sessions-stack.log").open("w") as logs:
+        if not args.kv_only:
+            with tempfile.TemporaryDirectory() as tmp, own_stack(args, Path(tmp), logs) as stack:
+                rows = asyncio.run(grow(args, stack))
+        if not args.skip_kv:
+            kv_rows = kv_policies(args, logs)
+    return report(args, rows, kv_rows)
+
+
+# -- the stack --------------------------------------------------------------------------------
+@dataclass
+class Stack:
+    gateway: str
+    redis_url: str
+    sidecar: str
+    pids: dict[str, int] = field(default_factory=dict)
+
+
+@contextlib.contextmanager
+def own_stack(args: argparse.Namespace, tmp: Path, logs: IO[str]) -> Iterator[Stack]:
+    from ctxcache.net import free_port
+    from ctxcache.redis_server import RedisServer
+    from ctxcache.supervisor import Child, Supervisor, http_ready
+
+    cli = [sys.executable, "-m", "ctxcache.cli"]
+    with Supervisor(out=logs) as sup:
+        redis = RedisServer(tmp / "redis", appendonly=False)
+        redis.data_dir.mkdir(parents=True)
+        rc = sup.start(Child("redis", redis.argv(), ready=redis.wait_ready))
+        data_port, control_port = free_port(), free_port()
+        sidecar = f"http://127.0.0.1:{control_port}"
+        sc = sup.start(
+            Child(
+                "sidecar",
+                [
+                    *cli,
+                    "sidecar",
+                    "--port",
+                    str(data_port),
+                    "--control-port",
+                    str(control_port),
+                    "--memory-bytes",
+                    str(args.sidecar_memory_mib << 20),
+                ],
+                ready=http_ready(f"{sidecar}/health"),
+            )
+        )
+        port = free_port()
+        worker = sup.start(
+            Child(
+                "worker",
+                [
+                    sys.executable,
+                    "-m",
+                    "benchmarks.fake_worker",
+                    "--port",
+                    str(port),
+                    "--sidecar",
+                    f"lm://127.0.0.1:{data_port}",
+                    "--chunk-size",
+                    str(CHUNK),
+                    "--kv-bytes-per-token",
+                    str(args.kv_bytes_per_token),
+                ],
+                ready=http_ready(f"http://127.0.0.1:{port}/health"),
+            )
+        )
+        gw_port = free_port()
+        gw = sup.start(
+            Child(
+                "gateway",
+                [
+                    *cli,
+                    "gateway",
+                    "--port",
+                    str(gw_port),
+                    "--redis-url",
+                    redis.url,
+                    "--api-key",
+                    f"{KEY}={TENANT}",
+                    "--worker",
+                    f"w0@http://127.0.0.1:{port}={sidecar}",
+                    "--log-level",
+                    "WARNING",
+                ],
+                env={"CTX_GATEWAY_MIN_TTL": "1", "CTX_MANAGER_DEFAULT_QUOTA": QUOTA_JSON},
+                startup_timeout=120.0,
+                ready=http_ready(f"http://127.0.0.1:{gw_port}/ready"),
+            )
+        )
+        pids = {
+            c.name: c.proc.pid for c in (gw, sc, worker, rc) if c.proc is not None
+        }  # the gateway runs the manager in its process
+        yield Stack(f"http://127.0.0.1:{gw_port}", redis.url, sidecar, pids)
+
+
+QUOTA_JSON = '{"max_sessions": 1000000000, "max_context_tokens": 1000000000000000}'
+
+
+# -- the load -----------------------------------------------------------------------------------
+def context_messages(rng: random.Random, words: int) -> list[dict[str, str]]:
+    text = " ".join(rng.choice(WORDS) for _ in range(words))
+    return [
+        {"role": "system", "content": "You are a helpful assistant with a long memory."},
+        {"role": "user", "content": text},
+    ]
+
+
+def fake_ids(messages: list[dict[str, str]]) -> list[int]:
+    """The fake engine's token ids of a prefill-only chat context (its /tokenize)."""
+    return list("".join(f"<{m['role']}>{m['content']}" for m in messages).encode())
+
+
+@dataclass
+class Window:
+    """What the mixed load of one size saw."""
+
+    latencies: dict[str, list[float]] = field(default_factory=lambda: {k: [] for k in MIX})
+    errors: dict[str, int] = field(default_factory=dict)
+    cached_tokens: int = 0
+    chunk_tokens: int = 0
+
+
+@dataclass
+class Load:
+    args: argparse.Namespace
+    http: httpx.AsyncClient
+    rng: random.Random = field(default_factory=lambda: random.Random(27))
+    known: list[str] = field(default_factory=list)  # every long-lived session id
+    free: list[str] = field(default_factory=list)  # active sessions with no turn in flight
+    context: dict[str, int] = field(default_factory=dict)  # active session -> its tokens
+
+    async def call(self, w: Window, op: str, method: str, url: str, body: Any = None) -> Any:
+        t0 = time.perf_counter()
+        r = await self.http.request(method, url, json=body)
+        if r.status_code >= 400:
+            key = f"{op} {r.status_code}"
+            w.errors[key] = w.errors.get(key, 0) + 1
+            if w.errors[key] <= 3:
+                log.warning("%s %s: %s %s", method, url, r.status_code, r.text[:200])
+            return None
+        w.latencies[op].append(time.perf_counter() - t0)
+        return r.json()
+
+    def create_body(self, ttl: int) -> dict[str, Any]:
+        messages = context_messages(self.rng, self.args.context_words)
+        return {"model": MODEL, "messages": messages, "ttl": ttl, "max_tokens": 0}
+
+    async def create_active(self, w: Window) -> None:
+        out = await self.call(w, "create", "POST", "/v1/context", self.create_body(3600))
+        if out is not None:
+            self.known.append(out["session_id"])
+            self.free.append(out["session_id"])
+            self.context[out["session_id"]] = out["session"]["context_tokens"]
+
+    async def op(self, w: Window, name: str) -> None:
+        if name == "turn" and self.free:
+            sid = self.free.pop(self.rng.randrange(len(self.free)))
+            body = {
+                "model": MODEL,
+                "session_id": sid,
+                "messages": [{"role": "user", "content": f"And what about {self.rng.random()}?"}],
+                "max_tokens": 3,
+                "temperature": 0,
+            }
+            try:
+                out = await self.call(w, "turn", "POST", "/v1/chat/completions", body)
+            finally:
+                self.free.append(sid)
+            if out is not None:
+                # what the sidecar could hold: the full chunks of the context before the
+                # turn (the chunk the new tokens complete is computed, never found)
+                could = self.context[sid] // CHUNK * CHUNK
+                cached = out["usage"]["prompt_tokens_details"]["cached_tokens"]
+                w.cached_tokens += min(cached, could)
+                w.chunk_tokens += could
+                self.context[sid] = out["session"]["context_tokens"]
+        elif name == "create":
+            ttl = self.rng.randint(2, 8)  # short-lived: they expire during the run
+            await self.call(w, "create", "POST", "/v1/context", self.create_body(ttl))
+        elif name == "get":
+            sid = self.known[self.rng.randrange(len(self.known))]
+            await self.call(w, "get", "GET", f"/v1/context/{sid}")
+        elif name == "list":
+            await self.call(w, "list", "GET", "/v1/context", None)
+
+    async def mixed(self, w: Window, ops: int, bar: Any) -> None:
+        names = self.rng.choices(list(MIX), weights=list(MIX.values()), k=ops)
+        queue = iter(names)
+
+        async def client() -> None:
+            for name in queue:
+                await self.op(w, name)
+                bar.update(1)
+
+        await asyncio.gather(*(client() for _ in range(self.args.concurrency)))
+
+
+async def bulk_create(
+    args: argparse.Namespace, stack: Stack, n: int, known: list[str], bar: Any
+) -> float:
+    """`n` idle sessions through the manager's own create; returns seconds taken."""
+    from cache_manager.protocol import CreateSession
+    from cache_manager.redis_url import open_store_redis
+    from cache_manager.service import SessionService
+    from cache_manager.settings import ManagerSettings, TenantQuota
+    from cache_manager.sidecar_link import BackgroundLink, SidecarLink
+    from cache_manager.store import SessionStore
+
+    class NoPins(SidecarLink):
+        """The bulk sessions have no KV (no engine ran for them): nothing to pin."""
+
+        async def pin(self, url: str, key: str, expires_at: int) -> None:
+            return None
+
+        async def drop(self, url: str, key: str) -> None:
+            return None
+
+    settings = ManagerSettings(
+        redis_url=stack.redis_url,
+        min_ttl=1,
+        default_quota=TenantQuota(max_sessions=10**9, max_context_tokens=10**15),
+    )
+    rng = random.Random(n)
+    quiet = logging.getLogger("cache_manager.service")
+    level = quiet.level
+    quiet.setLevel(logging.WARNING)  # not a line per bulk session
+    t0 = time.perf_counter()
+    async with open_store_redis(stack.redis_url, timeout_s=10) as redis:
+        link = BackgroundLink(NoPins())
+        service = SessionService(SessionStore(redis), settings, link)
+        todo = iter(range(n))
+
+        async def creator() -> None:
+            for _ in todo:
+                messages = context_messages(rng, args.context_words)
+                info = await service.create(
+                    CreateSession(
+                        tenant=TENANT,
+                        model=MODEL,
+                        kind="chat",
+                        tokens=fake_ids(messages),
+                        messages=messages,
+                        ttl=3600,
+                        worker="w0",
+                        sidecar=stack.sidecar,
+                    )
+                )
+                known.append(info.session_id)
+                bar.update(1)
+
+        await asyncio.gather(*(creator() for _ in range(args.bulk_concurrency)))
+        await service.drain()
+        await link.aclose()
+    quiet.setLevel(level)
+    return time.perf_counter() - t0
+
+
+# -- measuring ----------------------------------------------------------------------------------
+async def redis_numbers(redis: Any, sample: list[str]) -> dict[str, float]:
+    from cache_manager.store import session_keys, tenant_keys
+
+    memory = await redis.info("memory")
+    stats = await redis.info("stats")
+    usage = 0
+    for sid in sample:
+        for k in session_keys(sid)[:3]:
+            usage += int(await redis.memory_usage(k, samples=0) or 0)
+    index = 0
+    for k in tenant_keys(TENANT)[:4]:
+        index += int(await redis.memory_usage(k, samples=5) or 0)
+    return {
+        "used_memory": float(memory["used_memory"]),
+        "expired_keys": float(stats["expired_keys"]),
+        "expire_cpu_ms": float(stats.get("expire_cycle_cpu_milliseconds", 0)),
+        "session_keys_bytes": usage / max(1, len(sample)),
+        "index_bytes": float(index),
+        "live": float(
+            await redis.zcount(tenant_keys(TENANT)[0], f"({int(time.time() * 1000)}", "+inf")
+        ),
+    }
+
+
+def rss_mib(pid: int) -> float:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+async def grow(args: argparse.Namespace, stack: Stack) -> list[dict[str, Any]]:
+    import redis.asyncio as aioredis
+    from tqdm import tqdm
+
+    from benchmarks.util import percentile
+
+    rows: list[dict[str, Any]] = []
+    headers = {"Authorization": f"Bearer {KEY}"}
+    limits = httpx.Limits(max_connections=args.concurrency * 2)
+    async with (
+        httpx.AsyncClient(base_url=stack.gateway, headers=headers, timeout=60, limits=limits) as h,
+        httpx.AsyncClient(base_url=stack.sidecar, timeout=30) as sc,
+        aioredis.Redis.from_url(stack.redis_url) as redis,
+    ):
+        base = await redis_numbers(redis, [])
+        load = Load(args, h)
+        for size in sizes_of(args):
+            w = Window()
+            load.free.clear()  # the previous active set goes idle
+            # (a burst of creates, not part of the measured mix)
+            await asyncio.gather(*(load.create_active(Window()) for _ in range(args.active)))
+            live = int((await redis_numbers(redis, []))["live"])
+            n = max(0, size - live)
+            with tqdm(
+                total=n, desc=f"bulk to {size:,}", unit="session", disable=args.no_progress
+            ) as bar:
+                bulk_s = await bulk_create(args, stack, n, load.known, bar)
+            if not rows:  # warm up the stack (connections, scripts, code paths) unmeasured
+                with tqdm(total=args.ops // 5, desc="warm-up", disable=args.no_progress) as bar:
+                    await load.mixed(Window(), args.ops // 5, bar)
+            before = await redis_numbers(redis, [])
+            sc_before = (await sc.get("/metrics")).text
+            t0 = time.perf_counter()
+            with tqdm(
+                total=args.ops, desc=f"mixed at {size:,}", unit="op", disable=args.no_progress
+            ) as bar:
+                await load.mixed(w, args.ops, bar)
+            window_s = time.perf_counter() - t0
+            after = await redis_numbers(redis, random.Random(size).sample(load.known, 200))
+            stats = (await sc.get("/stats")).json()
+            sc_after = (await sc.get("/metrics")).text
+            live = int(after["live"])
+            row: dict[str, Any] = {
+                "size": size,
+                "live_sessions": live,
+                "bulk_created": n,
+                "bulk_per_s": round(n / bulk_s, 1) if n else None,
+                "redis_bytes_per_session": round(
+                    (after["used_memory"] - base["used_memory"]) / live
+                ),
+                "redis_session_keys_bytes": round(after["session_keys_bytes"]),
+                "redis_index_bytes_per_session": round(after["index_bytes"] / live, 1),
+                "sidecar_memory_bytes_per_session": round(stats["memory_bytes_used"] / live),
+                "sidecar_disk_bytes_per_session": round(stats["disk_bytes_used"] / live),
+                "sidecar_pinned_sessions": stats["pinned_sessions"],
+                "sidecar_blocks": stats["blocks"],
+                "window_s": round(window_s, 1),
+                "expired_keys": int(after["expired_keys"] - before["expired_keys"]),
+                "expire_cpu_ms_per_s": round(
+                    (after["expire_cpu_ms"] - before["expire_cpu_ms"]) / window_s, 2
+                ),
+                "sidecar_expired_sessions": int(
+                    metric(sc_after, "ctxcache_sidecar_expired_sessions_total")
+                    - metric(sc_before, "ctxcache_sidecar_expired_sessions_total")
+                ),
+                "hit_rate": round(w.cached_tokens / w.chunk_tokens, 4) if w.chunk_tokens else None,
+                "errors": w.errors,
+                "rss_mib": {name: round(rss_mib(pid), 1) for name, pid in stack.pids.items()},
+            }
+            for op, values in w.latencies.items():
+                row[f"{op}_n"] = len(values)
+                row[f"{op}_p50_ms"] = round(percentile(values, 50) * 1000, 2)
+                row[f"{op}_p99_ms"] = round(percentile(values, 99) * 1000, 2)
+            log.info("size %d: %s", size, row)
+            rows.append(row)
+    return rows
+
+
+def metric(text: str, name: str) -> float:
+    """The sum of a metric's samples (over its labels) in Prometheus text."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and line[len(name) : len(name) + 1] in (" ", "{"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
