@@ -60,7 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max", type=int, default=SIZES[-1], help="largest size (live sessions)")
     p.add_argument("--sizes", default=None, help="comma-separated sizes (default 1k,10k,100k)")
     p.add_argument("--active", type=int, default=0, help="active sessions (200; --quick 20)")
-    p.add_argument("--ops", type=int, default=0, help="mixed operations a size (3000; quick 150)")
+    p.add_argument("--ops", type=int, default=0, help="mixed operations a size (6000; quick 150)")
     p.add_argument("--concurrency", type=int, default=4, help="clients of the mixed load")
     p.add_argument("--bulk-concurrency", type=int, default=48, help="bulk creates in flight")
     p.add_argument("--context-words", type=int, default=100, help="words of a session's text")
@@ -87,7 +87,7 @@ def main(args: argparse.Namespace) -> int:
 
     setup_logging("bench")
     args.active = args.active or (20 if args.quick else 200)
-    args.ops = args.ops or (150 if args.quick else 3000)
+    args.ops = args.ops or (150 if args.quick else 6000)
     args.out.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
     kv_rows: list[dict[str, Any]] = []
@@ -366,6 +366,7 @@ async def redis_numbers(redis: Any, sample: list[str]) -> dict[str, float]:
         "used_memory": float(memory["used_memory"]),
         "expired_keys": float(stats["expired_keys"]),
         "expire_cpu_ms": float(stats.get("expire_cycle_cpu_milliseconds", 0)),
+        "stale_perc": float(stats.get("expired_stale_perc", 0)),
         "session_keys_bytes": usage / max(1, len(sample)),
         "index_bytes": float(index),
         "live": float(
@@ -442,6 +443,7 @@ async def grow(args: argparse.Namespace, stack: Stack) -> list[dict[str, Any]]:
                 "sidecar_blocks": stats["blocks"],
                 "window_s": round(window_s, 1),
                 "expired_keys": int(after["expired_keys"] - before["expired_keys"]),
+                "expired_stale_perc": after["stale_perc"],
                 "expire_cpu_ms_per_s": round(
                     (after["expire_cpu_ms"] - before["expire_cpu_ms"]) / window_s, 2
                 ),

@@ -47,7 +47,7 @@ def sizes_table(rows: list[dict[str, Any]]) -> str:
         "Redis B/session (session keys)",
         "sidecar mem / disk B/session",
         *(f"{op} p50 / p99 ms" for op in OPS),
-        "expired keys (CPU ms/s)",
+        "Redis expiry: keys expired, CPU ms/s, stale %",
         "active hit rate",
         *(f"RSS {p} MiB" for p in procs),
         "errors",
@@ -62,7 +62,7 @@ def sizes_table(rows: list[dict[str, Any]]) -> str:
                 f"{r['sidecar_memory_bytes_per_session']:,}"
                 f" / {r['sidecar_disk_bytes_per_session']:,}",
                 *(f"{r[f'{op}_p50_ms']:.1f} / {r[f'{op}_p99_ms']:.1f}" for op in OPS),
-                f"{r['expired_keys']:,} ({r['expire_cpu_ms_per_s']})",
+                f"{r['expired_keys']:,}, {r['expire_cpu_ms_per_s']}, {r['expired_stale_perc']}",
                 "-" if r["hit_rate"] is None else f"{r['hit_rate']:.1%}",
                 *(r["rss_mib"].get(p, 0.0) for p in procs),
                 ", ".join(f"{k}: {v}" for k, v in r["errors"].items()) or "none",
@@ -154,14 +154,15 @@ def plot_sizes(path: Path, rows: list[dict[str, Any]]) -> None:
             },
         ),
         (
-            "active sessions' sidecar hit rate",
-            {"hit rate": [r["hit_rate"] or 0 for r in rows]},
+            "active sessions' sidecar hit rate (%)",
+            {"hit rate": [(r["hit_rate"] or 0) * 100 for r in rows]},
         ),
         (
             "Redis expiry during the mixed load",
             {
-                "keys expired": [r["expired_keys"] for r in rows],
+                "keys expired / s": [r["expired_keys"] / r["window_s"] for r in rows],
                 "expire cycle CPU ms/s x100": [r["expire_cpu_ms_per_s"] * 100 for r in rows],
+                "expired_stale_perc": [r["expired_stale_perc"] for r in rows],
             },
         ),
         (
@@ -173,6 +174,7 @@ def plot_sizes(path: Path, rows: list[dict[str, Any]]) -> None:
         for label, ys in series.items():
             ax.plot(xs, ys, marker="o", label=label)
         ax.set_xscale("log")
+        ax.set_ylim(bottom=0, top=105 if "hit rate" in title else None)
         ax.set_xlabel("live sessions")
         ax.set_title(title)
         ax.grid(alpha=0.3)
