@@ -17,9 +17,9 @@ from tests.utils import check_png
 
 @pytest.mark.timeout(300)
 def test_bench_sessions_quick(tmp_path: Path) -> None:
+    argv = ["bench", "sessions", "--quick", "--no-progress", "--out", str(tmp_path)]
     proc = subprocess.run(
-        [sys.executable, "-m", "ctxcache.cli", "bench", "sessions", "--quick", "--no-progress"]
-        + ["--out", str(tmp_path)],
+        [sys.executable, "-m", "ctxcache.cli", *argv],
         capture_output=True,
         text=True,
         timeout=280,
