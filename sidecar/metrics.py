@@ -39,7 +39,7 @@ class SidecarMetrics:
         )
         self.pinned_dropped_sessions = Counter(
             f"{PREFIX}_pinned_dropped_sessions",
-            "pinned sessions whose blocks were dropped to make room (pin policy lru)",
+            "times a pinned session lost its blocks to make room (pin policy lru)",
             registry=r,
         )
         self.expired = Counter(

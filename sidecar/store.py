@@ -358,7 +358,7 @@ class BlockStore:
             if victim.in_mem:
                 self._disk_remove(victim, work)  # still in memory: only the copy goes
             else:
-                self._drop_pinned(victim, work)
+                self._drop_pinned(victim, work, protect)
         if self.disk_used + n > self.disk_bytes:
             return False
         self.disk_used += n
@@ -388,7 +388,7 @@ class BlockStore:
                 if dropped is None:
                     log.warning("memory over budget: every pinned block in it is in use")
                     return
-                self._drop_pinned(dropped, work)
+                self._drop_pinned(dropped, work, protect)
             else:  # reserve: pinned, nowhere to go: keep it, over budget, rather than lose it
                 self._mem_add(victim)
                 log.warning(
@@ -408,12 +408,14 @@ class BlockStore:
             fallback = fallback or e
         return fallback
 
-    def _drop_pinned(self, victim: Entry, work: Work) -> None:
+    def _drop_pinned(self, victim: Entry, work: Work, protect: str | None) -> None:
         """Drop the victim's session's blocks (all that are not being read): its pin stays,
-        so the KV its next turn recomputes is pinned again."""
+        so the KV its next turn recomputes is pinned again. The protected session (the one
+        making room, when nothing else is left: its KV alone is more than the tiers hold)
+        loses only the victim, its least recently used block, not the block being stored."""
         session = victim.session
         entries = [victim]
-        if session is not None:
+        if session is not None and session != protect:
             entries = [self._blocks[k] for k in self._by_session.get(session, ())]
         gone = 0
         for e in entries:

@@ -434,3 +434,15 @@ def test_lru_policy_drops_disk_copies_of_blocks_in_memory_before_any_session(
     put(store, key(0, "c"))  # memory is full again: a block spills, the disk needs room
     assert dropped(store) == (0, 0, 0)
     assert all(store.session_info(s)["blocks"] == 2 for s in "ab")
+
+
+def test_lru_policy_a_session_larger_than_memory_keeps_its_newest_blocks() -> None:
+    """Nothing else left to drop: the writing session gives up its oldest blocks one at a
+    time, and every PUT is stored."""
+    store = BlockStore(memory_bytes=30 * KB)
+    store.pin("huge", time.time() + 60)
+    data = [put(store, key(i, "huge")) for i in range(5)]
+    assert [store.exists(key(i, "huge")) for i in range(5)] == [False, False, True, True, True]
+    assert [payload(store, key(i, "huge")) for i in range(2, 5)] == data[2:]
+    assert store.stats()["memory_bytes_used"] == 30 * KB
+    assert dropped(store) == (2, 0, 2)
