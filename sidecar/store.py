@@ -5,8 +5,8 @@ Policy (docs/sidecar.md has the long form):
   leaves it — unpinned blocks first, then pinned ones — and spills to the disk tier
   (if it has no copy there yet). A block larger than the memory budget goes straight
   to disk.
-- The disk tier makes room by deleting its least recently used *unpinned* blocks. A
-  block that finds no room is dropped if unpinned; a pinned one stays in memory.
+- The disk tier makes room by deleting its least recently used *unpinned* blocks first.
+  A block that finds no room is dropped if unpinned; a pinned one: see the pin policy.
 - Pinned blocks (their session is pinned and not expired) are dropped to make room only
   when no unpinned block is left, and how depends on the pin policy:
   - `lru` (default): pins are a priority, not a reservation. Memory holds the most recently
@@ -75,6 +75,9 @@ class BlockStore:
             OrderedDict(),
             OrderedDict(),
         )
+        # blocks in memory that also have a disk copy, oldest first: under pin policy lru
+        # these copies go before any pinned session's KV does
+        self._copies: OrderedDict[str, Entry] = OrderedDict()
         self._memory_hits = self.metrics.hits.labels("memory")
         self.mem_used = 0
         self.disk_used = 0  # written + reserved for writes in flight
@@ -296,19 +299,25 @@ class BlockStore:
         self._mem[e.pinned][e.meta.key] = e
         e.in_mem = True
         self.mem_used += e.size
+        if e.disk_path is not None:
+            self._copies[e.meta.key] = e
 
     def _mem_remove(self, e: Entry) -> None:
         del self._mem[e.pinned][e.meta.key]
         e.in_mem = False
         self.mem_used -= e.size
+        self._copies.pop(e.meta.key, None)
 
     def _disk_add(self, e: Entry, path: Path) -> None:
         """Count a written file (its space was reserved before the write)."""
         self._disk[e.pinned][e.meta.key] = e
         e.disk_path = path
+        if e.in_mem:
+            self._copies[e.meta.key] = e
 
     def _disk_remove(self, e: Entry, work: Work) -> None:
         del self._disk[e.pinned][e.meta.key]
+        self._copies.pop(e.meta.key, None)
         assert e.disk_path is not None
         work.trash.append(e.disk_path)
         e.disk_path = None
@@ -343,14 +352,13 @@ class BlockStore:
             else:
                 self._unlink(victim, work)
                 self.metrics.evictions.labels("disk").inc()
-        if self.pin_policy == "lru" and self.disk_used + n > self.disk_bytes:
-            # pinned blocks that are in memory too give up their disk copy first: that
-            # costs a write when they leave memory again, not a recompute
-            for e in list(self._mem[True].values()):
-                if self.disk_used + n <= self.disk_bytes:
-                    break
-                if e.disk_path is not None and not e.readers:
-                    self._disk_remove(e, work)
+        while self.pin_policy == "lru" and self.disk_used + n > self.disk_bytes:
+            # blocks in memory too give up their disk copy first: that costs a write when
+            # they leave memory again, not a recompute (not a copy a reader still reads)
+            copy = next((e for e in self._copies.values() if not e.readers), None)
+            if copy is None:
+                break
+            self._disk_remove(copy, work)
         while self.disk_used + n > self.disk_bytes and self.pin_policy == "lru":
             victim = self._pinned_victim(self._disk[True], protect)
             if victim is None:
