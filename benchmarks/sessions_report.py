@@ -151,6 +151,7 @@ def plot_sizes(path: Path, rows: list[dict[str, Any]]) -> None:
                 "Redis (used_memory)": [r["redis_bytes_per_session"] for r in rows],
                 "Redis (session keys)": [r["redis_session_keys_bytes"] for r in rows],
                 "sidecar memory tier": [r["sidecar_memory_bytes_per_session"] for r in rows],
+                "sidecar disk tier": [r["sidecar_disk_bytes_per_session"] for r in rows],
             },
         ),
         (
