@@ -31,6 +31,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import random
 import sys
 import tempfile
@@ -355,6 +356,7 @@ async def redis_numbers(redis: Any, sample: list[str]) -> dict[str, float]:
 
     memory = await redis.info("memory")
     stats = await redis.info("stats")
+    scripts = (await redis.info("commandstats")).get("cmdstat_evalsha", {})
     usage = 0
     for sid in sample:
         for k in session_keys(sid)[:3]:
@@ -367,12 +369,23 @@ async def redis_numbers(redis: Any, sample: list[str]) -> dict[str, float]:
         "expired_keys": float(stats["expired_keys"]),
         "expire_cpu_ms": float(stats.get("expire_cycle_cpu_milliseconds", 0)),
         "stale_perc": float(stats.get("expired_stale_perc", 0)),
+        "script_calls": float(scripts.get("calls", 0)),
+        "script_usec": float(scripts.get("usec", 0)),
         "session_keys_bytes": usage / max(1, len(sample)),
         "index_bytes": float(index),
         "live": float(
             await redis.zcount(tenant_keys(TENANT)[0], f"({int(time.time() * 1000)}", "+inf")
         ),
     }
+
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a process has used."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def rss_mib(pid: int) -> float:
@@ -416,6 +429,7 @@ async def grow(args: argparse.Namespace, stack: Stack) -> list[dict[str, Any]]:
                 with tqdm(total=args.ops // 5, desc="warm-up", disable=args.no_progress) as bar:
                     await load.mixed(Window(), args.ops // 5, bar)
             before = await redis_numbers(redis, [])
+            cpu_before = {name: cpu_s(pid) for name, pid in stack.pids.items()}
             sc_before = (await sc.get("/metrics")).text
             t0 = time.perf_counter()
             with tqdm(
@@ -423,6 +437,7 @@ async def grow(args: argparse.Namespace, stack: Stack) -> list[dict[str, Any]]:
             ) as bar:
                 await load.mixed(w, args.ops, bar)
             window_s = time.perf_counter() - t0
+            cpu = {name: cpu_s(pid) - cpu_before[name] for name, pid in stack.pids.items()}
             after = await redis_numbers(redis, random.Random(size).sample(load.known, 200))
             stats = (await sc.get("/stats")).json()
             sc_after = (await sc.get("/metrics")).text
@@ -454,6 +469,14 @@ async def grow(args: argparse.Namespace, stack: Stack) -> list[dict[str, Any]]:
                 "hit_rate": round(w.cached_tokens / w.chunk_tokens, 4) if w.chunk_tokens else None,
                 "errors": w.errors,
                 "rss_mib": {name: round(rss_mib(pid), 1) for name, pid in stack.pids.items()},
+                # CPU each process spent per operation of the mixed load: what an operation
+                # costs, free of the waiting a loaded machine adds to latencies
+                "cpu_ms_per_op": {name: round(v * 1000 / args.ops, 3) for name, v in cpu.items()},
+                "redis_usec_per_script": round(
+                    (after["script_usec"] - before["script_usec"])
+                    / max(1.0, after["script_calls"] - before["script_calls"]),
+                    1,
+                ),
             }
             for op, values in w.latencies.items():
                 row[f"{op}_n"] = len(values)

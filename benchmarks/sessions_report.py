@@ -50,6 +50,8 @@ def sizes_table(rows: list[dict[str, Any]]) -> str:
         "Redis expiry: keys expired, CPU ms/s, stale %",
         "active hit rate",
         *(f"RSS {p} MiB" for p in procs),
+        "CPU ms/op " + " / ".join(procs),
+        "Redis µs/script",
         "errors",
     ]
     body = []
@@ -65,6 +67,8 @@ def sizes_table(rows: list[dict[str, Any]]) -> str:
                 f"{r['expired_keys']:,}, {r['expire_cpu_ms_per_s']}, {r['expired_stale_perc']}",
                 "-" if r["hit_rate"] is None else f"{r['hit_rate']:.1%}",
                 *(r["rss_mib"].get(p, 0.0) for p in procs),
+                " / ".join(f"{r['cpu_ms_per_op'].get(p, 0.0):.2f}" for p in procs),
+                r["redis_usec_per_script"],
                 ", ".join(f"{k}: {v}" for k, v in r["errors"].items()) or "none",
             ]
         )
@@ -141,7 +145,7 @@ def plot_sizes(path: Path, rows: list[dict[str, Any]]) -> None:
     import matplotlib.pyplot as plt
 
     xs = [r["live_sessions"] for r in rows]
-    fig, axes = plt.subplots(2, 3, figsize=(15, 8.5))
+    fig, axes = plt.subplots(2, 4, figsize=(19, 8.5))
     panels = [
         ("latency p50 (ms)", {op: [r[f"{op}_p50_ms"] for r in rows] for op in OPS}),
         ("latency p99 (ms)", {op: [r[f"{op}_p99_ms"] for r in rows] for op in OPS}),
@@ -169,6 +173,14 @@ def plot_sizes(path: Path, rows: list[dict[str, Any]]) -> None:
         (
             "RSS (MiB)",
             {p: [r["rss_mib"].get(p, 0.0) for r in rows] for p in rows[0]["rss_mib"]},
+        ),
+        (
+            "CPU per operation (ms)",
+            {p: [r["cpu_ms_per_op"].get(p, 0.0) for r in rows] for p in rows[0]["cpu_ms_per_op"]},
+        ),
+        (
+            "Redis: µs per script call (EVALSHA)",
+            {"µs/call": [r["redis_usec_per_script"] for r in rows]},
         ),
     ]
     for ax, (title, series) in zip(axes.flat, panels, strict=True):

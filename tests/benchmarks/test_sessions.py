@@ -41,6 +41,8 @@ def test_bench_sessions_quick(tmp_path: Path) -> None:
         assert r["sidecar_memory_bytes_per_session"] > 0
         assert {"gateway", "sidecar", "worker", "redis"} == set(r["rss_mib"])
         assert all(v > 0 for v in r["rss_mib"].values())
+        assert set(r["cpu_ms_per_op"]) == set(r["rss_mib"])
+        assert r["cpu_ms_per_op"]["gateway"] > 0 and r["redis_usec_per_script"] > 0
     kv = {(r["scale"], r["policy"]): r for r in data["kv_results"]}
     assert set(kv) == {(1.0, "lru"), (1.0, "reserve"), (4.0, "lru"), (4.0, "reserve")}
     # at 4x the memory tier, the lru policy keeps the active sessions hot, dropping idle
