@@ -14,6 +14,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "multiturn": ("benchmarks.multiturn", "multi-turn chat replay, session vs full history"),
     "capacity": ("benchmarks.capacity", "req/s held at a p95 TTFT target, one vLLM at a time"),
     "load": ("benchmarks.load", "concurrent sessions through the stack, then leak checks"),
+    "sessions": ("benchmarks.sessions", "live sessions to 100k on one node; sidecar pin policies"),
 }
 
 

@@ -5,12 +5,23 @@ It answers instantly with deterministic output: tokens are the prompt's bytes, t
 sends one chunk per token, then the usage chunk and `[DONE]`, as vLLM does. Chat requests
 get chat-shaped answers. It is a test double at the network boundary (the gateway is always
 also tested against the real worker); run it with `python -m benchmarks.fake_worker --port P`.
+
+With `--sidecar lm://HOST:PORT` it also uses a real KV sidecar the way our worker does, with
+made-up KV: a request tagged with a session (`kv_transfer_params["lmcache.tag.s"]`) looks up
+its prompt's full chunks (chained chunk hashes, `--chunk-size` tokens) with GET until the
+first miss, stores the chunks it missed (`--kv-bytes-per-token` bytes a token, a `KV_2LTD`
+payload), and answers `cached_tokens` = the tokens of the chunks it found. So the sidecar's
+memory, pins and hit rate are real while no model runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import hashlib
+import threading
 import time
+from array import array
 from typing import Any
 
 import orjson
@@ -23,6 +34,48 @@ MODEL = "fake"
 MAX_LEN = 1 << 20
 REPLY = [ord(c) for c in " ok"]
 MAX_REPLY_TOKENS = 256
+TAG = "lmcache.tag.s"
+
+
+class FakeKV:
+    """Made-up KV in a real sidecar: one blocking lm:// connection per thread."""
+
+    def __init__(self, url: str, chunk: int, bytes_per_token: int) -> None:
+        self.url = url
+        self.chunk = chunk
+        self.payload = bytes(chunk * bytes_per_token)
+        self.shape = (2, 1, chunk, max(1, bytes_per_token // 4))  # bfloat16: 2 bytes a value
+        self._local = threading.local()
+
+    def _client(self) -> Any:
+        from sidecar.client import KVClient
+
+        kv = getattr(self._local, "kv", None)
+        if kv is None:
+            kv = self._local.kv = KVClient.from_url(self.url, timeout=10.0)
+        return kv
+
+    def keys(self, ids: list[int], tag: str) -> list[str]:
+        out, h = [], b""
+        for start in range(0, len(ids) - self.chunk + 1, self.chunk):
+            chunk = array("I", ids[start : start + self.chunk]).tobytes()
+            h = hashlib.blake2b(h + chunk, digest_size=8).digest()
+            out.append(f"fake@1@0@{h.hex()}@bfloat16@s%{tag}")
+        return out
+
+    def reuse(self, ids: list[int], tag: str) -> int:
+        """Tokens found in the sidecar (a prefix of whole chunks); stores the rest."""
+        from sidecar.protocol import DTYPE_BFLOAT16, FMT_KV_2LTD
+
+        kv, keys = self._client(), self.keys(ids, tag)
+        hits = 0
+        for key in keys:
+            if kv.get(key) is None:
+                break
+            hits += 1
+        for key in keys[hits:]:
+            kv.put(key, self.payload, fmt=FMT_KV_2LTD, dtype=DTYPE_BFLOAT16, shape=self.shape)
+        return hits * self.chunk
 
 
 def _json(payload: Any) -> Response:
@@ -66,11 +119,16 @@ async def completions(request: Request) -> Response:
     chat = request.url.path.endswith("/chat/completions")
     prompt = _ids(body)
     reply = _reply(body)
+    cached = max(0, len(prompt) - 16)
+    kv: FakeKV | None = request.app.state.kv
+    tag = (body.get("kv_transfer_params") or {}).get(TAG)
+    if kv is not None:
+        cached = await asyncio.to_thread(kv.reuse, prompt, tag) if tag else 0
     usage = {
         "prompt_tokens": len(prompt),
         "completion_tokens": len(reply),
         "total_tokens": len(prompt) + len(reply),
-        "prompt_tokens_details": {"cached_tokens": max(0, len(prompt) - 16)},
+        "prompt_tokens_details": {"cached_tokens": cached},
     }
     kind = "chat.completion" if chat else "text_completion"
     head = {
@@ -104,8 +162,8 @@ async def health(request: Request) -> Response:
     return _json({"status": "ok"})
 
 
-def create_app() -> Starlette:
-    return Starlette(
+def create_app(kv: FakeKV | None = None) -> Starlette:
+    app = Starlette(
         routes=[
             Route("/tokenize", tokenize, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
@@ -114,6 +172,8 @@ def create_app() -> Starlette:
             Route("/health", health),
         ]
     )
+    app.state.kv = kv
+    return app
 
 
 def main() -> None:
@@ -121,9 +181,13 @@ def main() -> None:
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--port", type=int, required=True)
+    p.add_argument("--sidecar", default=None, help="lm://HOST:PORT: store made-up KV there")
+    p.add_argument("--chunk-size", type=int, default=256, help="tokens a sidecar block")
+    p.add_argument("--kv-bytes-per-token", type=int, default=128, help="made-up KV size")
     args = p.parse_args()
+    kv = FakeKV(args.sidecar, args.chunk_size, args.kv_bytes_per_token) if args.sidecar else None
     uvicorn.run(
-        create_app(),
+        create_app(kv),
         host="127.0.0.1",
         port=args.port,
         log_level="warning",

@@ -11,10 +11,12 @@ Key layout (see docs/architecture.md):
     tn:{<tenant>}:tok hash    id -> "version:context_tokens"
     tn:{<tenant>}:sum string  the tenant's total context tokens
     tn:{<tenant>}:del zset    ids removed from the index, kept out until a time (ms)
-    ctx:live          zset    every live session id by expires_at ms (the live-session metric)
 The `{...}` hash tags put a session's keys in one Redis Cluster slot, and a tenant's index
 in another; no script touches two slots, so the same code runs on one Redis, on Sentinel
 and on a Redis Cluster (redis_url.py). Expiry is Redis' own (PEXPIREAT on every key).
+There is no key every session writes: the live-session count is the sum of the tenants'
+counts, and the tenants are found by a periodic SCAN (`live_sessions`), so a fleet's turns
+spread over the cluster's slots with their sessions and tenants.
 
 Every write script is idempotent, so a call retried on a fresh connection after its reply
 was lost (a restart, a failover) never writes twice: create finds its own record, begin its
@@ -59,8 +61,10 @@ KEEP_OUT_MS = 10_000
 # A listed id whose record is gone is dropped from the index once it is this old (younger:
 # maybe a create in progress, which indexes the id first).
 INDEX_GRACE_MS = 60_000
+# The tenants the live-session count sums over are found by a SCAN of the tenant indexes at
+# most this often (tenants this process has seen are counted at once)
+TENANT_SCAN_S = 30.0
 SESSION_PREFIX = "ctx_"
-LIVE_KEY = "ctx:live"
 _ID_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_")
 
 
@@ -184,8 +188,10 @@ class SessionStore:
         self._delete = _script(redis, "delete")
         self._release = _script(redis, "release")
         self._tenant = _script(redis, "tenant")
-        self._live = _script(redis, "live")
         self._response = _script(redis, "response")
+        # tenants with an index, for the live-session count: seen here, or found by SCAN
+        self._tenants: set[str] = set()
+        self._tenants_scanned_at = -TENANT_SCAN_S
 
     async def _pipelined(self, *calls: Call, also: Any = None, durable: bool = False) -> list[Any]:
         """Several scripts in one round trip (EVALSHA; loaded on the rare NOSCRIPT).
@@ -270,10 +276,8 @@ class SessionStore:
         args += [len(fields), *flat]
         args += [orjson.dumps(m) for m in messages]
         async with redis_errors():
-            (created, *_) = await self._pipelined(
-                (self._create, _data_keys(session_id), args),
-                (self._live, [LIVE_KEY], ["add", session_id, expires_at_ms, 1]),
-                durable=True,
+            (created,) = await self._pipelined(
+                (self._create, _data_keys(session_id), args), durable=True
             )
         return bool(created)
 
@@ -447,6 +451,7 @@ class SessionStore:
     ) -> int:
         """Count a new session against the tenant's quota; returns its expires_at ms."""
         args = ["reserve", session_id, ttl, tokens, max_sessions, max_tokens]
+        self._tenants.add(tenant)
         async with redis_errors():
             res = await self._tenant(keys=tenant_keys(tenant), args=args)
         if res[0] == -1:
@@ -458,9 +463,8 @@ class SessionStore:
         return int(res[1])
 
     async def record(self, info: SessionInfo, *, exact_expiry: bool = False) -> int:
-        """The tenant index and the live-session set learn the session's new state.
-
-        Returns the tenant's total context tokens."""
+        """The tenant index learns the session's new state (one write, in the tenant's
+        slot). Returns the tenant's total context tokens."""
         args = [
             "record",
             info.session_id,
@@ -469,27 +473,42 @@ class SessionStore:
             info.context_tokens,
             int(exact_expiry),
         ]
-        exp_ms = info.expires_at * 1000
+        self._tenants.add(info.tenant)
         async with redis_errors():
-            res, _ = await self._pipelined(
-                (self._tenant, tenant_keys(info.tenant), args),
-                (self._live, [LIVE_KEY], ["add", info.session_id, exp_ms, 0]),
-            )
+            (res,) = await self._pipelined((self._tenant, tenant_keys(info.tenant), args))
         return int(res[1])
 
     async def unindex(self, tenant: str, session_id: str) -> None:
-        """Drop the session from the tenant's index and the live set. A turn's index
-        update still on its way (`record`, racing a DELETE: the session and the index are
-        in different slots) is ignored for KEEP_OUT_MS."""
+        """Drop the session from the tenant's index. A turn's index update still on its
+        way (`record`, racing a DELETE: the session and the index are in different slots)
+        is ignored for KEEP_OUT_MS."""
         async with redis_errors():
             await self._pipelined(
-                (self._tenant, tenant_keys(tenant), ["remove", session_id, KEEP_OUT_MS]),
-                also=lambda pipe: pipe.zrem(LIVE_KEY, session_id),
+                (self._tenant, tenant_keys(tenant), ["remove", session_id, KEEP_OUT_MS])
             )
 
+    async def _known_tenants(self) -> set[str]:
+        """Every tenant with an index: those seen here, and (every TENANT_SCAN_S) those a
+        SCAN of the store finds, so sessions made through other managers count too."""
+        if time.monotonic() - self._tenants_scanned_at >= TENANT_SCAN_S:
+            # on a cluster, redis-py scans every master
+            async for key in self.redis.scan_iter(match="tn:{*}:exp", count=10_000, _type="zset"):
+                name = key.decode()
+                self._tenants.add(name[len("tn:{") : -len("}:exp")])
+            self._tenants_scanned_at = time.monotonic()
+        return self._tenants
+
     async def live_sessions(self) -> int:
+        """Live sessions of every tenant: each tenant's read-only status, pipelined (on a
+        cluster, one round trip to each master). Nothing is written: no key that every
+        create or turn would have to write (one slot for the whole fleet) is needed."""
         async with redis_errors():
-            return int(await self._live(keys=[LIVE_KEY]))
+            tenants = sorted(await self._known_tenants())
+            if not tenants:
+                return 0
+            calls = [(self._tenant, tenant_keys(t), ["status"]) for t in tenants]
+            results = await self._pipelined(*calls)
+        return sum(int(res[1]) for res in results)
 
     async def usage(self, tenant: str) -> tuple[int, int]:
         async with redis_errors():
@@ -507,7 +526,7 @@ class SessionStore:
         """
         new_key = tenant_keys(tenant)[1]
         async with redis_errors():
-            await self._tenant(keys=tenant_keys(tenant), args=["status"])  # purge expired
+            await self._tenant(keys=tenant_keys(tenant), args=["purge"])  # drop expired ids
             start = 0
             if after is not None:
                 rank = await self.redis.zrevrank(new_key, after)

@@ -51,6 +51,7 @@ class Entry:
     in_mem: bool = False
     disk_path: Path | None = None  # set once the disk copy is written and counted
     spilling: bool = False
+    readers: int = 0  # disk reads in progress: such a block is never dropped meanwhile
 
     @property
     def size(self) -> int:

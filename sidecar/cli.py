@@ -13,6 +13,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--data-dir", help="directory of the disk tier and the saved pins")
     a("--memory-bytes", type=int, help="memory tier budget in bytes (default 4 GiB)")
     a("--disk-bytes", type=int, help="disk tier budget in bytes (default 0: no disk tier)")
+    a(
+        "--pin-policy",
+        choices=("lru", "reserve"),
+        help="lru (default): pinned sessions compete by recency; reserve: first come, first "
+        "served, new pinned blocks refused once pinned bytes reach memory + disk",
+    )
     a("--token", help="bearer token the control API requires (env CTX_SIDECAR_TOKEN)")
     a(
         "--encryption-key",
@@ -36,6 +42,7 @@ def main(args: argparse.Namespace) -> int:
         data_dir="data_dir",
         memory_bytes="memory_bytes",
         disk_bytes="disk_bytes",
+        pin_policy="pin_policy",
         token="token",
         encryption_key="encryption_key",
         log_level="log_level",

@@ -31,6 +31,17 @@ class SidecarMetrics:
         self.refused = Counter(
             f"{PREFIX}_refused_blocks", "PUTs not stored, by reason", ["reason"], registry=r
         )
+        self.pinned_dropped = Counter(
+            f"{PREFIX}_pinned_dropped_blocks",
+            "pinned blocks dropped to make room (pin policy lru), by the tier they left",
+            ["tier"],
+            registry=r,
+        )
+        self.pinned_dropped_sessions = Counter(
+            f"{PREFIX}_pinned_dropped_sessions",
+            "times a pinned session lost its blocks to make room (pin policy lru)",
+            registry=r,
+        )
         self.expired = Counter(
             f"{PREFIX}_expired_sessions", "sessions dropped at expiry", registry=r
         )

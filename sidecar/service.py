@@ -33,6 +33,7 @@ class Sidecar:
             memory_bytes=settings.memory_bytes,
             disk=disk,
             disk_bytes=settings.disk_bytes,
+            pin_policy=settings.pin_policy,
             pins=PinTable(pins_path),
             metrics=self.metrics,
         )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings
@@ -23,6 +24,12 @@ class SidecarSettings(BaseSettings):
     token: SecretStr | None = Field(None, description="bearer token the control API requires")
     encryption_key: SecretStr | None = Field(
         None, description="base64 of a 32-byte AES-256-GCM key for the disk tier"
+    )
+    pin_policy: Literal["lru", "reserve"] = Field(
+        "lru",
+        description="lru: pins are a priority, the least recently used pinned sessions leave "
+        "memory, then disk, to make room; reserve: pinned bytes are reserved up to memory + "
+        "disk, and new pinned blocks past that are refused (docs/sidecar.md, 'Pin policy')",
     )
     max_block_bytes: int = Field(1 << 30, gt=0, description="largest PUT accepted")
     reap_interval: float = Field(1.0, gt=0, description="seconds between expiry sweeps")

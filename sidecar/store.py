@@ -5,11 +5,21 @@ Policy (docs/sidecar.md has the long form):
   leaves it — unpinned blocks first, then pinned ones — and spills to the disk tier
   (if it has no copy there yet). A block larger than the memory budget goes straight
   to disk.
-- The disk tier makes room by deleting its least recently used *unpinned* blocks. A
-  block that finds no room is dropped if unpinned; a pinned one stays in memory.
-- Pinned blocks (their session is pinned and not expired) are never dropped to make
-  room. A new pinned block that would take pinned bytes past the pin budget (memory +
-  disk budgets) is refused, so one session can never push out another's pinned KV.
+- The disk tier makes room by deleting its least recently used *unpinned* blocks first.
+  A block that finds no room is dropped if unpinned; a pinned one: see the pin policy.
+- Pinned blocks (their session is pinned and not expired) are dropped to make room only
+  when no unpinned block is left, and how depends on the pin policy:
+  - `lru` (default): pins are a priority, not a reservation. Memory holds the most recently
+    used blocks; the least recently used pinned ones spill to disk; when the disk tier is
+    full (or there is none), the pinned session whose block is least recently used loses
+    its blocks (all of them: a session's KV is a prefix chain, a part of it is worth little),
+    counted in `pinned_dropped_*`; its pin stays, so the blocks its next turn recomputes
+    are pinned again. The session the current PUT writes goes last, and a block being read
+    from disk right now is never dropped (a memory read holds its own reference to the
+    payload, so dropping that block does not disturb it).
+  - `reserve` (the first policy, kept for comparison): a new pinned block that would take
+    pinned bytes past the pin budget (memory + disk budgets) is refused, and pinned blocks
+    are never dropped: a pinned block with no room on disk stays in memory, over budget.
 - A GET served from disk promotes the block back into memory (keeping the disk copy).
 
 One lock guards the index; payload bytes move outside it (socket I/O, disk writes and
@@ -23,7 +33,7 @@ import threading
 import time
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from sidecar.blocks import BlockMeta, Buffer, Entry, Work
 from sidecar.disk import CorruptBlock, DiskTier
@@ -31,6 +41,8 @@ from sidecar.metrics import SidecarMetrics
 from sidecar.sessions import PinTable, save_pins
 
 log = logging.getLogger(__name__)
+
+PinPolicy = Literal["lru", "reserve"]
 
 
 class BlockStore:
@@ -40,10 +52,12 @@ class BlockStore:
         memory_bytes: int,
         disk: DiskTier | None = None,
         disk_bytes: int = 0,
+        pin_policy: PinPolicy = "lru",
         pins: PinTable | None = None,
         metrics: SidecarMetrics | None = None,
     ) -> None:
         self.memory_bytes = memory_bytes
+        self.pin_policy = pin_policy
         self.disk = disk if disk_bytes > 0 else None
         self.disk_bytes = disk_bytes if self.disk else 0
         self.pin_budget = self.memory_bytes + self.disk_bytes
@@ -61,6 +75,9 @@ class BlockStore:
             OrderedDict(),
             OrderedDict(),
         )
+        # blocks in memory that also have a disk copy, oldest first: under pin policy lru
+        # these copies go before any pinned session's KV does
+        self._copies: OrderedDict[str, Entry] = OrderedDict()
         self._memory_hits = self.metrics.hits.labels("memory")
         self.mem_used = 0
         self.disk_used = 0  # written + reserved for writes in flight
@@ -97,14 +114,18 @@ class BlockStore:
             e.pinned = self.pins.is_pinned(e.session)
             old = self._blocks.get(meta.key)
             old_pinned = old.size if old is not None and old.pinned else 0
-            if e.pinned and self.pinned_used - old_pinned + e.size > self.pin_budget:
+            if (
+                self.pin_policy == "reserve"
+                and e.pinned
+                and self.pinned_used - old_pinned + e.size > self.pin_budget
+            ):
                 return self._refuse(meta, "pin_budget")
             to_disk = e.size > self.memory_bytes
             if to_disk and (e.size > self.disk_bytes or self.disk is None):
                 return self._refuse(meta, "too_large")
             if old is not None:
                 self._unlink(old, work)
-            stored = not to_disk or self._reserve_disk(e.size, work)
+            stored = not to_disk or self._reserve_disk(e.size, work, protect=e.session)
             if stored:
                 e.data = data
                 self._link(e)
@@ -113,7 +134,7 @@ class BlockStore:
                     work.spill.append((e, data))
                 else:
                     self._mem_add(e)
-                    self._evict_memory(work)
+                    self._evict_memory(work, protect=e.session)
         self._finish(work)
         return stored or self._refuse(meta, "disk_full")
 
@@ -131,19 +152,23 @@ class BlockStore:
             path = e.disk_path
             assert path is not None and self.disk is not None
             self._disk[e.pinned].move_to_end(key)
+            e.readers += 1  # not dropped while we read it
         try:
             data = self.disk.read(e.meta, path)
         except CorruptBlock as exc:
+            with self._lock:
+                e.readers -= 1
             self._drop_corrupt(e, path, exc)
             self.metrics.misses.inc()
             return None
         self.metrics.hits.labels("disk").inc()
         work = Work()
         with self._lock:  # promote: the block is hot again
+            e.readers -= 1
             if self._blocks.get(key) is e and not e.in_mem and e.size <= self.memory_bytes:
                 e.data = data
                 self._mem_add(e)
-                self._evict_memory(work)
+                self._evict_memory(work, protect=e.session)
         self._finish(work)
         return e.meta, data
 
@@ -216,6 +241,7 @@ class BlockStore:
                 "pinned_bytes": self.pinned_used,
                 "pinned_sessions": len(self.pins),
                 "sessions": len(self._by_session),
+                "pin_policy": self.pin_policy,
             }
 
     def flush(self) -> int:
@@ -273,19 +299,25 @@ class BlockStore:
         self._mem[e.pinned][e.meta.key] = e
         e.in_mem = True
         self.mem_used += e.size
+        if e.disk_path is not None:
+            self._copies[e.meta.key] = e
 
     def _mem_remove(self, e: Entry) -> None:
         del self._mem[e.pinned][e.meta.key]
         e.in_mem = False
         self.mem_used -= e.size
+        self._copies.pop(e.meta.key, None)
 
     def _disk_add(self, e: Entry, path: Path) -> None:
         """Count a written file (its space was reserved before the write)."""
         self._disk[e.pinned][e.meta.key] = e
         e.disk_path = path
+        if e.in_mem:
+            self._copies[e.meta.key] = e
 
     def _disk_remove(self, e: Entry, work: Work) -> None:
         del self._disk[e.pinned][e.meta.key]
+        self._copies.pop(e.meta.key, None)
         assert e.disk_path is not None
         work.trash.append(e.disk_path)
         e.disk_path = None
@@ -307,8 +339,9 @@ class BlockStore:
             self._unlink(e, work)
         return len(entries), sum(e.size for e in entries)
 
-    def _reserve_disk(self, n: int, work: Work) -> bool:
-        """Make room for n bytes on disk by deleting unpinned LRU blocks, then reserve it."""
+    def _reserve_disk(self, n: int, work: Work, protect: str | None = None) -> bool:
+        """Make room for n bytes on disk by deleting unpinned LRU blocks (pin policy lru:
+        then the least recently used pinned sessions' blocks), then reserve it."""
         if self.disk is None or n > self.disk_bytes:
             return False
         unpinned = self._disk[False]
@@ -319,12 +352,27 @@ class BlockStore:
             else:
                 self._unlink(victim, work)
                 self.metrics.evictions.labels("disk").inc()
+        while self.pin_policy == "lru" and self.disk_used + n > self.disk_bytes:
+            # blocks in memory too give up their disk copy first: that costs a write when
+            # they leave memory again, not a recompute (not a copy a reader still reads)
+            copy = next((e for e in self._copies.values() if not e.readers), None)
+            if copy is None:
+                break
+            self._disk_remove(copy, work)
+        while self.disk_used + n > self.disk_bytes and self.pin_policy == "lru":
+            victim = self._pinned_victim(self._disk[True], protect)
+            if victim is None:
+                break
+            if victim.in_mem:
+                self._disk_remove(victim, work)  # still in memory: only the copy goes
+            else:
+                self._drop_pinned(victim, work, protect)
         if self.disk_used + n > self.disk_bytes:
             return False
         self.disk_used += n
         return True
 
-    def _evict_memory(self, work: Work) -> None:
+    def _evict_memory(self, work: Work, protect: str | None = None) -> None:
         while self.mem_used > self.memory_bytes:
             tier = self._mem[False] or self._mem[True]
             if not tier:
@@ -333,18 +381,60 @@ class BlockStore:
             self._mem_remove(victim)
             if victim.disk_path is not None:
                 victim.data = None  # the disk copy is current
-            elif victim.data is not None and self._reserve_disk(victim.size, work):
+            elif victim.data is not None and self._reserve_disk(victim.size, work, protect):
                 victim.spilling = True
                 work.spill.append((victim, victim.data))
             elif not victim.pinned:
                 self._unlink(victim, work)
                 self.metrics.evictions.labels("memory").inc()
-            else:  # pinned, nowhere to go: keep it, over budget, rather than lose it
+            elif self.pin_policy == "lru":
+                # no room on disk (or no disk): the least recently used pinned session in
+                # memory goes; the victim is that one unless it belongs to `protect`
+                self._mem_add(victim)
+                self._mem[True].move_to_end(victim.meta.key, last=False)
+                dropped = self._pinned_victim(self._mem[True], protect)
+                if dropped is None:
+                    log.warning("memory over budget: every pinned block in it is in use")
+                    return
+                self._drop_pinned(dropped, work, protect)
+            else:  # reserve: pinned, nowhere to go: keep it, over budget, rather than lose it
                 self._mem_add(victim)
                 log.warning(
                     "memory over budget: pinned block %s has no room on disk", victim.meta.key
                 )
                 return
+
+    def _pinned_victim(self, tier: OrderedDict[str, Entry], protect: str | None) -> Entry | None:
+        """The least recently used pinned block of the tier that may be dropped: not being
+        read, not the protected session's (unless nothing else is left)."""
+        fallback = None
+        for e in tier.values():  # oldest first
+            if not _droppable(e):
+                continue
+            if e.session != protect:
+                return e
+            fallback = fallback or e
+        return fallback
+
+    def _drop_pinned(self, victim: Entry, work: Work, protect: str | None) -> None:
+        """Drop the victim's session's blocks (all that are not being read): its pin stays,
+        so the KV its next turn recomputes is pinned again. The protected session (the one
+        making room, when nothing else is left: its KV alone is more than the tiers hold)
+        loses only the victim, its least recently used block, not the block being stored."""
+        session = victim.session
+        entries = [victim]
+        if session is not None and session != protect:
+            entries = [self._blocks[k] for k in self._by_session.get(session, ())]
+        gone = 0
+        for e in entries:
+            if not _droppable(e):
+                continue
+            self.metrics.pinned_dropped.labels("memory" if e.in_mem else "disk").inc()
+            self._unlink(e, work)
+            gone += 1
+        if gone:
+            self.metrics.pinned_dropped_sessions.inc()
+            log.info("pinned session %s: %d blocks dropped to make room", session, gone)
 
     # ---- work done outside the lock -------------------------------------------------
     def _finish(self, work: Work) -> None:
@@ -389,3 +479,9 @@ class BlockStore:
         self._finish(work)
         self.metrics.corrupt.inc()
         log.warning("corrupt block %s dropped: %s", e.meta.key, exc)
+
+
+def _droppable(e: Entry) -> bool:
+    """Not being read from disk, not being written to it, and in a tier (a block between
+    tiers is being moved by the caller)."""
+    return not e.readers and not e.spilling and (e.in_mem or e.disk_path is not None)

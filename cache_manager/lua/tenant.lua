@@ -3,7 +3,7 @@
 -- KEYS: 1 tn:{t}:exp (zset id -> expires_at ms)  2 tn:{t}:new (zset id -> created ms)
 --       3 tn:{t}:tok (hash id -> "version:tokens")  4 tn:{t}:sum (total context tokens)
 --       5 tn:{t}:del (zset id -> ms: removed ids, kept out until then; see 'remove')
--- ARGV: 1 op: 'reserve' | 'record' | 'remove' | 'status'
+-- ARGV: 1 op: 'reserve' | 'record' | 'remove' | 'purge' | 'status'
 --   reserve: 2 id  3 ttl s  4 tokens  5 max sessions  6 max tokens  -> {1, expires_at ms}
 --            | {-1, live sessions} over the session quota | {-2, total tokens} over tokens
 --            | {-3} the id is taken
@@ -14,7 +14,9 @@
 --            arrives within keep-out ms (a turn's index update racing the session's DELETE:
 --            the session and this index live in different slots, no script sees both) is
 --            ignored
---   status:  -> {1, live sessions, total tokens}
+--   purge:   -> {1}: only drops the ids whose expiry has passed (every write op does too)
+--   status:  -> {1, live sessions, total tokens}, and writes nothing: ids whose expiry has
+--            passed but that no write op has purged yet are left out of both counts
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
@@ -35,6 +37,19 @@ local function forget(id)
   end
   redis.call('ZREM', KEYS[1], id)
   redis.call('ZREM', KEYS[2], id)
+end
+
+-- a status read (pipelined with every locked turn's begin) is a pure read: on a cluster a
+-- turn then writes nothing in its tenant's slot but the index update after the answer
+if ARGV[1] == 'status' then
+  local live = redis.call('ZCOUNT', KEYS[1], '(' .. now, '+inf')
+  local total = tonumber(redis.call('GET', KEYS[4]) or '0')
+  local stale = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, 1000)
+  for _, id in ipairs(stale) do
+    local _, n = tokens_of(id)
+    total = total - (n or 0)
+  end
+  return {1, live, total}
 end
 
 redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', now)
@@ -63,8 +78,8 @@ local function tidy()
 end
 
 local function run(op)
-  if op == 'status' then
-    return {1, redis.call('ZCARD', KEYS[1]), tonumber(redis.call('GET', KEYS[4]) or '0')}
+  if op == 'purge' then
+    return {1}
   elseif op == 'remove' then
     forget(ARGV[2])
     redis.call('ZADD', KEYS[5], now + tonumber(ARGV[3]), ARGV[2])

@@ -19,6 +19,7 @@ from ctxcache.errors import (
     SessionNotFound,
     VersionConflict,
 )
+from tests.cache_manager.conftest import ManagerFactory
 
 MSGS = [{"role": "user", "content": "héllo \u2603"}, {"role": "assistant", "content": "hi"}]
 
@@ -312,3 +313,15 @@ async def test_live_sessions_count_every_tenant(manager: ManagerClient) -> None:
     await asyncio.sleep(1.3)
     assert await manager.live_sessions() == base + 1  # one deleted, one expired
     assert short.session_id
+
+
+async def test_live_sessions_count_tenants_another_manager_created(
+    make_manager: ManagerFactory,
+) -> None:
+    """The count has no key of its own: a manager finds the tenants other managers (or
+    processes before a restart) indexed by a SCAN of the store."""
+    async with make_manager() as other:
+        for tenant in ("elsewhere-1", "elsewhere-2"):
+            await other.create(chat(tenant))
+    async with make_manager() as fresh:  # has seen no tenant itself
+        assert await fresh.live_sessions() >= 2

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from sidecar import protocol as p
 from sidecar.client import KVClient
@@ -173,3 +174,57 @@ def test_encrypted_disk_tier_from_env(sidecar_process: SidecarFactory, tmp_path:
     with KVClient("127.0.0.1", port) as c:
         block = c.get(key(1))
         assert block is not None and bytes(block.data) == secret
+
+
+def metric(text: str, name: str) -> float:
+    """The sum of a metric's samples (over its labels) in Prometheus text."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and line[len(name)] in " {":
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+@pytest.mark.parametrize("policy", ["lru", "reserve"])
+def test_pin_policy_of_a_node_full_of_idle_sessions(
+    sidecar_process: SidecarFactory, tmp_path: Path, policy: str
+) -> None:
+    """Idle pinned sessions fill memory and disk (4x what they hold); then an active session
+    takes turns. `lru`: its KV is stored and read back on every turn, the idle sessions that
+    made room are counted; `reserve` (first come, first served): its new blocks are refused."""
+    sc = sidecar_process(
+        "--data-dir",
+        str(tmp_path / "d"),
+        "--memory-bytes",
+        str(MB),
+        "--disk-bytes",
+        str(2 * MB),
+        "--pin-policy",
+        policy,
+    )
+    exp = time.time() + 600
+    block = 128 * KB
+    with KVClient("127.0.0.1", sc.data_port) as c, httpx.Client(base_url=sc.url) as control:
+        for s in range(12):  # 12 sessions x 8 blocks = 12 MiB: 4x memory + disk
+            control.put(f"/sessions/idle{s}", json={"expires_at": exp}).raise_for_status()
+            for i in range(8):
+                c.put(key(i, f"idle{s}"), os.urandom(block), fmt=1, dtype=3, shape=(2, 1, 1, 0))
+        control.put("/sessions/active", json={"expires_at": exp}).raise_for_status()
+        hits = 0
+        for turn in range(4):  # each turn reads its history, then stores one new block
+            for i in range(turn):
+                hits += c.get(key(i, "active")) is not None
+            c.put(key(turn, "active"), os.urandom(block), fmt=1, dtype=3, shape=(2, 1, 1, 0))
+        assert c.exists(key(3, "active")) == (policy == "lru")
+        stats = control.get("/stats").json()
+        text = control.get("/metrics").text
+    assert stats["pin_policy"] == policy
+    assert stats["memory_bytes_used"] <= MB and stats["disk_bytes_used"] <= 2 * MB
+    if policy == "lru":
+        assert hits == 0 + 1 + 2 + 3
+        assert metric(text, "ctxcache_sidecar_pinned_dropped_sessions_total") >= 9
+        assert metric(text, "ctxcache_sidecar_refused_blocks_total") == 0
+    else:
+        assert hits == 0
+        assert metric(text, "ctxcache_sidecar_pinned_dropped_blocks_total") == 0
+        assert metric(text, "ctxcache_sidecar_refused_blocks_total") >= 4

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -77,8 +78,8 @@ def test_pinned_blocks_survive_pressure_and_unpinned_go_first() -> None:
     }
 
 
-def test_pinned_budget_refuses_new_pinned_block_instead_of_evicting() -> None:
-    store = BlockStore(memory_bytes=30 * KB)
+def test_reserve_policy_refuses_new_pinned_block_instead_of_evicting() -> None:
+    store = BlockStore(memory_bytes=30 * KB, pin_policy="reserve")
     store.pin("a", time.time() + 60)
     store.pin("b", time.time() + 60)
     kept = [put(store, key(i, "a")) for i in range(3)]
@@ -286,3 +287,162 @@ def test_concurrent_spill_promote_overwrite_keep_data_right(tmp_path: Path) -> N
     assert len(on_disk) == s["disk_blocks"]
     assert sum(e.meta.length for e in on_disk) == s["disk_bytes_used"]
     assert len({e.meta.key for e in on_disk}) == len(on_disk)
+
+
+def dropped(store: BlockStore) -> tuple[float, float, float]:
+    m = store.metrics
+    return (
+        m.pinned_dropped.labels("memory")._value.get(),
+        m.pinned_dropped.labels("disk")._value.get(),
+        m.pinned_dropped_sessions._value.get(),
+    )
+
+
+def test_lru_policy_drops_the_least_recently_used_pinned_session_for_a_new_one() -> None:
+    """Memory only, full of idle pinned sessions: the active session's new blocks are
+    stored, the least recently used idle session makes room (all its blocks: a prefix
+    without its start is worth nothing), and keeps its pin for its next turn."""
+    store = BlockStore(memory_bytes=40 * KB)  # pin_policy "lru" is the default
+    for s in ("old", "newer"):
+        store.pin(s, time.time() + 60)
+        put(store, key(0, s))
+        put(store, key(1, s))
+    store.pin("active", time.time() + 60)
+    fresh = put(store, key(0, "active"))
+    assert store.session_info("old")["blocks"] == 0
+    assert store.session_info("old")["pinned"] is True
+    assert store.session_info("newer")["blocks"] == 2
+    assert payload(store, key(0, "active")) == fresh
+    assert dropped(store) == (2, 0, 1)
+    assert store.stats()["memory_bytes_used"] <= 40 * KB
+    # the dropped session's next turn recomputes its KV, stored pinned again
+    put(store, key(0, "old"))
+    assert store.session_info("old") | {"expires_at": None} == {
+        "session": "old",
+        "blocks": 1,
+        "bytes": 10 * KB,
+        "tokens": 2560,
+        "pinned": True,
+        "expires_at": None,
+    }
+    assert store.metrics.refused.labels("pin_budget")._value.get() == 0
+
+
+def test_lru_policy_a_read_makes_a_session_recent() -> None:
+    store = BlockStore(memory_bytes=30 * KB)
+    for s in ("a", "b", "c"):
+        store.pin(s, time.time() + 60)
+        put(store, key(0, s))
+    assert payload(store, key(0, "a")) is not None  # a is now the most recent
+    store.pin("d", time.time() + 60)
+    put(store, key(0, "d"))
+    assert [store.exists(key(0, s)) for s in "abcd"] == [True, False, True, True]
+
+
+def test_lru_policy_spills_to_disk_first_then_drops_from_disk(tmp_path: Path) -> None:
+    store = disk_store(tmp_path, memory=20 * KB, disk=40 * KB)
+    sessions = [f"idle{i}" for i in range(3)]
+    for s in sessions:  # 60 KB of pinned KV: memory holds idle2's blocks, disk the rest
+        store.pin(s, time.time() + 60)
+        put(store, key(0, s))
+        put(store, key(1, s))
+    assert dropped(store) == (0, 0, 0)
+    assert store.stats()["disk_bytes_used"] == 40 * KB
+    assert store.session_info("idle0")["blocks"] == 2  # on disk, still there
+    store.pin("active", time.time() + 60)
+    data = [put(store, key(i, "active")) for i in range(2)]
+    # idle2 spilled from memory to disk, and the disk made room by dropping idle0
+    assert store.session_info("idle0")["blocks"] == 0
+    assert [store.session_info(s)["blocks"] for s in sessions[1:]] == [2, 2]
+    assert dropped(store) == (0, 2, 1)
+    assert [payload(store, key(i, "active")) for i in range(2)] == data
+    s = store.stats()
+    assert s["memory_bytes_used"] <= 20 * KB and s["disk_bytes_used"] <= 40 * KB
+    assert len(list((tmp_path / "blocks").iterdir())) == s["disk_blocks"]
+
+
+def test_lru_policy_the_session_being_written_goes_last() -> None:
+    """Its own older blocks are the least recently used ones, but the PUT of its next
+    block drops another session rather than the start of its own prefix."""
+    store = BlockStore(memory_bytes=30 * KB)
+    store.pin("writer", time.time() + 60)
+    store.pin("other", time.time() + 60)
+    first = put(store, key(0, "writer"))
+    put(store, key(0, "other"))
+    put(store, key(1, "other"))
+    put(store, key(1, "writer"))
+    assert store.session_info("other")["blocks"] == 0
+    assert payload(store, key(0, "writer")) == first
+    assert store.exists(key(1, "writer"))
+
+
+def test_lru_policy_never_drops_a_block_being_read_from_disk(tmp_path: Path) -> None:
+    """While a block is read from the disk tier (outside the store's lock), another
+    session's PUT needs room: the block being read is not the one dropped."""
+
+    during_read: list[Callable[[], object]] = []
+
+    class ReadWithPressure(DiskTier):
+        def read(self, m: BlockMeta, path: Path) -> bytearray | bytes:
+            while during_read:
+                during_read.pop()()
+            return super().read(m, path)
+
+    disk = ReadWithPressure(tmp_path)
+    store = BlockStore(memory_bytes=10 * KB, disk=disk, disk_bytes=20 * KB)
+    store.pin("reader", time.time() + 60)
+    store.pin("other", time.time() + 60)
+    wanted = put(store, key(0, "reader"))  # oldest: the first candidate to drop
+    put(store, key(0, "other"))
+    put(store, key(1, "other"))  # memory: other1; disk: reader0, other0 (full)
+    store.pin("newcomer", time.time() + 60)
+    during_read.append(lambda: put(store, key(0, "newcomer")))
+    assert payload(store, key(0, "reader")) == wanted
+    assert store.exists(key(0, "newcomer"))
+    # the oldest block that was not being read went, with its session (other1 was being
+    # spilled from memory at that moment: it stays)
+    assert not store.exists(key(0, "other"))
+    assert dropped(store) == (0, 1, 1)
+
+
+def test_reserve_policy_keeps_pinned_blocks_over_budget_when_disk_is_full(
+    tmp_path: Path,
+) -> None:
+    store = disk_store(tmp_path, memory=10 * KB, disk=10 * KB)
+    store.pin_policy = "reserve"
+    store.pin("a", time.time() + 60)
+    put(store, key(0, "a"))
+    put(store, key(1, "a"))  # 0 spills; the pin budget (20 KB) is now full
+    assert not store.put(meta(key(2, "a"), 10 * KB), bytearray(10 * KB))
+    assert dropped(store) == (0, 0, 0)
+    assert store.session_info("a")["blocks"] == 2
+
+
+def test_lru_policy_drops_disk_copies_of_blocks_in_memory_before_any_session(
+    tmp_path: Path,
+) -> None:
+    store = disk_store(tmp_path, memory=20 * KB, disk=30 * KB)
+    for s in ("a", "b"):
+        store.pin(s, time.time() + 60)
+    put(store, key(0, "a"))
+    put(store, key(1, "a"))
+    put(store, key(0, "b"))
+    put(store, key(1, "b"))  # memory: b0 b1; disk: a0 a1
+    assert payload(store, key(0, "a")) is not None  # promoted: in memory, its disk copy kept
+    assert store.stats()["disk_bytes_used"] == 30 * KB  # a0 (copy), a1, b0
+    store.pin("c", time.time() + 60)
+    put(store, key(0, "c"))  # memory is full again: a block spills, the disk needs room
+    assert dropped(store) == (0, 0, 0)
+    assert all(store.session_info(s)["blocks"] == 2 for s in "ab")
+
+
+def test_lru_policy_a_session_larger_than_memory_keeps_its_newest_blocks() -> None:
+    """Nothing else left to drop: the writing session gives up its oldest blocks one at a
+    time, and every PUT is stored."""
+    store = BlockStore(memory_bytes=30 * KB)
+    store.pin("huge", time.time() + 60)
+    data = [put(store, key(i, "huge")) for i in range(5)]
+    assert [store.exists(key(i, "huge")) for i in range(5)] == [False, False, True, True, True]
+    assert [payload(store, key(i, "huge")) for i in range(2, 5)] == data[2:]
+    assert store.stats()["memory_bytes_used"] == 30 * KB
+    assert dropped(store) == (2, 0, 2)

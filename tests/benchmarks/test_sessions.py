@@ -1,0 +1,59 @@
+"""`ctxcache bench sessions --quick`: a real stack (Redis, sidecar, the fake engine storing
+made-up KV in the sidecar, a gateway) grown to a few hundred and a thousand live sessions,
+then the sidecar's two pin policies on a node full of idle sessions. The full-size run is
+in docs/benchmarks.md."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.utils import check_png
+
+
+@pytest.mark.timeout(300)
+def test_bench_sessions_quick(tmp_path: Path) -> None:
+    argv = ["bench", "sessions", "--quick", "--no-progress", "--out", str(tmp_path)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "ctxcache.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    data = json.loads((tmp_path / "sessions.json").read_text())
+    rows = data["results"]
+    assert [r["size"] for r in rows] == [300, 1000]
+    for r in rows:
+        assert r["errors"] == {}
+        # the idle mass is real: the live count reached the size
+        assert r["size"] <= r["live_sessions"] <= r["size"] * 1.3
+        for op in ("create", "turn", "get", "list"):
+            assert r[f"{op}_n"] > 0 and 0 < r[f"{op}_p50_ms"] <= r[f"{op}_p99_ms"], op
+        # a session costs kilobytes in Redis, its keys most of it
+        assert 1_000 < r["redis_session_keys_bytes"] < r["redis_bytes_per_session"] < 20_000
+        # the fake engine found the active sessions' KV in the sidecar
+        assert r["hit_rate"] is not None and r["hit_rate"] > 0.9
+        assert r["sidecar_memory_bytes_per_session"] > 0
+        assert {"gateway", "sidecar", "worker", "redis"} == set(r["rss_mib"])
+        assert all(v > 0 for v in r["rss_mib"].values())
+        assert set(r["cpu_ms_per_op"]) == set(r["rss_mib"])
+        assert r["cpu_ms_per_op"]["gateway"] > 0 and r["redis_usec_per_script"] > 0
+    kv = {(r["scale"], r["policy"]): r for r in data["kv_results"]}
+    assert set(kv) == {(1.0, "lru"), (1.0, "reserve"), (4.0, "lru"), (4.0, "reserve")}
+    # at 4x the memory tier, the lru policy keeps the active sessions hot, dropping idle
+    # ones; first come, first served refuses their new blocks
+    assert kv[4.0, "lru"]["hit_rate"] >= 0.9
+    assert kv[4.0, "lru"]["pinned_dropped_sessions"] > 0
+    assert kv[4.0, "lru"]["refused_blocks"] == 0
+    assert kv[4.0, "reserve"]["hit_rate"] < kv[4.0, "lru"]["hit_rate"]
+    assert kv[4.0, "reserve"]["refused_blocks"] > 0
+    table = (tmp_path / "sessions.md").read_text()
+    assert table.startswith("`ctxcache bench sessions --quick")
+    assert "| active hit rate, lru |" in table
+    check_png(tmp_path / "sessions.png")
+    check_png(tmp_path / "sessions-kv.png")
