@@ -239,7 +239,15 @@ def test_benchmarks_doc_names_command_machine_date_and_plot() -> None:
         title = section.splitlines()[0]
         if m := re.search(r"\(`ctxcache bench (\w+)`\)", title):
             benches[m.group(1)] = section
-    assert {"multiturn", "gateway", "sidecar", "worker", "manager", "load"} <= benches.keys()
+    assert {
+        "capacity",
+        "multiturn",
+        "gateway",
+        "sidecar",
+        "worker",
+        "manager",
+        "load",
+    } <= benches.keys()
     for name, section in benches.items():
         assert f"**Command:** `ctxcache bench {name}" in section, name
         assert "**Machine:**" in section and "CPU" in section, name
