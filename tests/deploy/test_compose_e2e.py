@@ -231,11 +231,17 @@ def test_readme_sdk_responses_example_runs_against_the_containers(
     code = sdk_example()
     assert "previous_response_id" in code
     code = code.replace("http://127.0.0.1:8000/v1", f"{stack.url}/v1")
-    exec(compile(code, "README.md", "exec"), {})
-    lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == 3
-    assert int(lines[1].rsplit(" ", 1)[1]) > 0  # the second response reused the first's KV
-    assert lines[2] == "['system', 'user', 'assistant']"
+    names: dict[str, object] = {}
+    exec(compile(code, "README.md", "exec"), names)
+    # The model's random text may hold newlines: read the answers, not the printed lines.
+    # These turns are shorter than one of vLLM's CPU cache blocks, so `cached_tokens` may be
+    # 0 here; the long session below shows the reuse.
+    second = names["r"]  # the loop's last response, which continued from the first
+    assert second.previous_response_id is not None  # type: ignore[attr-defined]
+    assert second.usage.input_tokens > 0  # type: ignore[attr-defined]
+    assert names["fork"].previous_response_id == second.previous_response_id  # type: ignore[attr-defined]
+    out = capsys.readouterr().out
+    assert out.splitlines()[-1] == "['system', 'user', 'assistant']"
 
 
 def test_a_session_keeps_its_kv_through_sidecar_and_worker_restarts(
