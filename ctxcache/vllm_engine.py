@@ -161,18 +161,23 @@ def kv_cache_gib_from_env() -> int:
     return int(value) if value.isdigit() and int(value) > 0 else 1
 
 
+def must_run_eager(vllm_args: list[str]) -> bool:
+    """Whether `ctxcache vllm` adds `--enforce-eager`: where nothing can compile the model
+    and the arguments for vLLM make no choice of their own (theirs wins)."""
+    chosen = any(a.startswith("-O") or a.split("=")[0] in COMPILE_FLAGS for a in vllm_args)
+    return not chosen and not can_compile()
+
+
 def main(args: argparse.Namespace) -> int:
     """Replace this process with vLLM's server (signals then reach vLLM itself)."""
     if not available():
         logging.getLogger(__name__).error("vLLM is not installed: pip install 'ctxcache[vllm]'")
         return 2
     extra = [a for a in args.vllm_args if a != "--"] if args.vllm_args else []
-    # vLLM's own choice wins where the command line makes one.
-    chosen = any(a.startswith("-O") or a.split("=")[0] in COMPILE_FLAGS for a in extra)
-    eager = not chosen and not can_compile()
+    eager = must_run_eager(extra)
     if eager:
-        logging.getLogger(__name__).info(
-            "no C++ compiler or Python headers here: vLLM runs eager (--enforce-eager)"
+        logging.getLogger(__name__).warning(
+            "no C++ compiler or no Python headers here: vLLM runs eager (--enforce-eager)"
         )
     launch = VllmLaunch(
         model=args.model,

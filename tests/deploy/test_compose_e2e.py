@@ -299,3 +299,13 @@ def test_the_image_healthcheck_finds_each_service(stack: ComposeStack) -> None:
         timeout=30,
     )
     assert json.loads(config.stdout)["Test"] == ["CMD", "python", "-m", "ctxcache.healthcheck"]
+
+
+def test_a_cli_without_a_daemon_is_a_reason_to_skip(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CI machine has the docker CLI and no daemon: that must skip, not fail or hang."""
+    if shutil.which("docker") is None:
+        assert docker_unavailable() == "no docker CLI on PATH"
+        return
+    monkeypatch.setenv("DOCKER_HOST", "unix:///nonexistent/docker.sock")
+    reason = docker_unavailable()
+    assert reason is not None and reason.startswith("no Docker daemon reachable"), reason
