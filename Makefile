@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: serve test lint install clean
+.PHONY: serve test test-compose lint install clean
 
 $(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,14 @@ lint: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+# The container stack for real (tests/deploy/test_compose_e2e.py): builds the image,
+# `docker compose --profile cpu up --wait`, the README walk-through, restarts, `down -v`.
+# Needs a Docker daemon and compose v2 (skips without); build settings from the
+# environment (docs/deploy.md). `make test` runs it too where Docker answers.
+test-compose: $(STAMP)
+	$(VENV)/bin/pytest -p no:cacheprovider -o log_cli=true -o log_cli_level=INFO \
+		tests/deploy/test_compose_e2e.py $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -16,12 +16,18 @@ import json
 import logging
 import os
 import platform
+import shutil
 import sys
+import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
 
 CONNECTOR_MODULE = "vllm_connector.connector"
 CONNECTOR_CLASS = "CtxcacheConnector"
+# vLLM flags that choose how (or whether) the model is compiled (and -O<level>, -O.<key>)
+COMPILE_FLAGS = frozenset(
+    {"--enforce-eager", "--no-enforce-eager", "--compilation-config", "-cc", "--optimization-level"}
+)
 
 
 def auto_reserved_cpus() -> int:
@@ -42,6 +48,16 @@ def auto_reserved_cpus() -> int:
 def available() -> bool:
     """Whether vLLM is installed here (the `vllm` extra installs it on Linux x86_64)."""
     return importlib.util.find_spec("vllm") is not None
+
+
+def can_compile() -> bool:
+    """Whether torch inductor can build vLLM's CPU kernels here: a C++ compiler (`$CXX`, else
+    `g++`, as torch looks for it) and Python's headers. vLLM's CPU build compiles the model
+    at start-up and dies without them (`InvalidCxxCompiler`), so without them `ctxcache vllm`
+    runs vLLM eager (docs/deploy.md, "Compiled or eager")."""
+    compiler = os.environ.get("CXX") or "g++"
+    headers = Path(sysconfig.get_paths()["include"]) / "Python.h"
+    return shutil.which(compiler) is not None and headers.is_file()
 
 
 def default_engine() -> str:
@@ -66,6 +82,7 @@ class VllmLaunch:
     dev_mode: bool = False  # VLLM_SERVER_DEV_MODE=1: POST /reset_prefix_cache (tests)
     # CPUs vLLM keeps off its compute threads; None: auto_reserved_cpus()
     reserved_cpus: int | None = None
+    enforce_eager: bool = False  # --enforce-eager: compile nothing (no compiler needed)
     connector_config: dict[str, object] = field(default_factory=dict)
     extra_args: list[str] = field(default_factory=list)
 
@@ -101,6 +118,8 @@ class VllmLaunch:
             args += ["--num-gpu-blocks-override", str(self.num_blocks)]
         if self.sidecar_lm:
             args += ["--kv-transfer-config", json.dumps(self.transfer_config())]
+        if self.enforce_eager:
+            args.append("--enforce-eager")
         return args + self.extra_args
 
     def env(self) -> dict[str, str]:
@@ -145,7 +164,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--sidecar", default=None, help="lm://HOST:PORT of the KV sidecar (unset: no connector)"
     )
     p.add_argument("--chunk-size", type=int, default=256, help="tokens per sidecar chunk")
-    p.add_argument("--kv-cache-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE (GiB)")
+    p.add_argument(
+        "--kv-cache-gib",
+        type=int,
+        default=None,
+        help="vLLM's KV cache in GiB (default: $VLLM_CPU_KVCACHE_SPACE, else 1)",
+    )
     p.add_argument("--num-blocks", type=int, default=None, help="--num-gpu-blocks-override")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument(
@@ -160,23 +184,42 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def kv_cache_gib_from_env() -> int:
+    """`VLLM_CPU_KVCACHE_SPACE` as set for this process (compose, the k8s ConfigMap), else 1."""
+    value = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "").strip()
+    return int(value) if value.isdigit() and int(value) > 0 else 1
+
+
+def must_run_eager(vllm_args: list[str]) -> bool:
+    """Whether `ctxcache vllm` adds `--enforce-eager`: where nothing can compile the model
+    and the arguments for vLLM make no choice of their own (theirs wins)."""
+    chosen = any(a.startswith("-O") or a.split("=")[0] in COMPILE_FLAGS for a in vllm_args)
+    return not chosen and not can_compile()
+
+
 def main(args: argparse.Namespace) -> int:
     """Replace this process with vLLM's server (signals then reach vLLM itself)."""
     if not available():
         logging.getLogger(__name__).error("vLLM is not installed: pip install 'ctxcache[vllm]'")
         return 2
     extra = [a for a in args.vllm_args if a != "--"] if args.vllm_args else []
+    eager = must_run_eager(extra)
+    if eager:
+        logging.getLogger(__name__).warning(
+            "no C++ compiler or no Python headers here: vLLM runs eager (--enforce-eager)"
+        )
     launch = VllmLaunch(
         model=args.model,
         served_name=args.model_name or served_name(args.model),
         port=args.port,
         host=args.host,
         sidecar_lm=args.sidecar,
-        kv_cache_gib=args.kv_cache_gib,
+        kv_cache_gib=args.kv_cache_gib or kv_cache_gib_from_env(),
         num_blocks=args.num_blocks,
         max_model_len=args.max_model_len,
         reserved_cpus=args.reserved_cpus,
         connector_config={"chunk_size": args.chunk_size},
+        enforce_eager=eager,
         extra_args=extra,
     )
     argv = launch.argv()

@@ -31,6 +31,7 @@ from tests.deploy.manifests import (
     compose_containers,
     find,
     flag_value,
+    interpolate,
     k8s_containers,
     lmcache_config_keys,
     load_compose,
@@ -211,6 +212,64 @@ def test_cpu_workers_use_the_same_chunk_size_and_their_sidecar() -> None:
         assert (flag_value(c.argv, "--sidecar") or "").endswith(":65432"), c.where
 
 
+def runs_vllm(c: Container) -> bool:
+    """vLLM itself: `ctxcache vllm` (the CPU build), or a vLLM image / `vllm serve`."""
+    return c.ctxcache_command == "vllm" or "vllm" in c.image or c.argv[:1] == ["vllm"]
+
+
+def shm_errors(pod: dict[str, Any], container: dict[str, Any]) -> list[str]:
+    """/dev/shm of this container must be a memory-backed emptyDir with a size limit."""
+    mounts = [m for m in container.get("volumeMounts", []) if m["mountPath"] == "/dev/shm"]
+    if not mounts:
+        return ["no volume mounted at /dev/shm (the default is 64 MiB; vLLM needs more)"]
+    volume = next((v for v in pod.get("volumes", []) if v["name"] == mounts[0]["name"]), {})
+    empty_dir = volume.get("emptyDir")
+    if empty_dir is None or empty_dir.get("medium") != "Memory":
+        return [f"/dev/shm volume {mounts[0]['name']!r} is not an emptyDir with medium Memory"]
+    if "sizeLimit" not in empty_dir:
+        return [f"/dev/shm volume {mounts[0]['name']!r} has no sizeLimit"]
+    return []
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_vllm_container_has_a_memory_backed_dev_shm(overlay: str) -> None:
+    docs = render(overlay)
+    vllm = [c for c in k8s_containers(docs) if runs_vllm(c)]
+    assert vllm, f"{overlay}: no vLLM container found"
+    for c in vllm:
+        kind, name, _ = c.where.split("/")
+        pod = find(docs, kind, name)["spec"]["template"]["spec"]
+        assert shm_errors(pod, c.raw) == [], c.where
+
+
+def test_the_shm_check_catches_a_missing_or_unbounded_dev_shm() -> None:
+    pod = find(render("cpu"), "StatefulSet", "worker")["spec"]["template"]["spec"]
+    worker = next(c for c in pod["containers"] if c["name"] == "worker")
+    assert shm_errors(pod, worker) == []
+    bare = {**worker, "volumeMounts": [m for m in worker["volumeMounts"] if m["name"] != "dshm"]}
+    assert "no volume mounted" in shm_errors(pod, bare)[0]
+    volumes = [v for v in pod["volumes"] if v["name"] != "dshm"]
+    unbounded = {**pod, "volumes": [*volumes, {"name": "dshm", "emptyDir": {"medium": "Memory"}}]}
+    assert "no sizeLimit" in shm_errors(unbounded, worker)[0]
+    on_disk = {**pod, "volumes": [*volumes, {"name": "dshm", "emptyDir": {"sizeLimit": "1Gi"}}]}
+    assert "medium Memory" in shm_errors(on_disk, worker)[0]
+
+
+def test_every_compose_vllm_service_has_room_in_dev_shm() -> None:
+    services = load_compose()["services"]
+    vllm = [c for c in compose_containers(load_compose()) if runs_vllm(c)]
+    assert {c.where for c in vllm} == {"compose/worker", "compose/vllm"}
+    for c in vllm:
+        svc = services[c.where.removeprefix("compose/")]
+        if svc.get("ipc") == "host":
+            continue
+        size = interpolate(str(svc.get("shm_size", "")))
+        m = re.fullmatch(r"(\d+)([kmg]?)b?", size.lower())
+        assert m, f"{c.where}: no shm_size"
+        scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}[m.group(2)]
+        assert int(m.group(1)) * scale >= 160 << 20, f"{c.where}: vLLM needs 160 MiB in /dev/shm"
+
+
 # ---- exposure and topology ----------------------------------------------------------------
 
 
@@ -297,7 +356,30 @@ def test_compose_services_are_health_gated() -> None:
             assert cond["condition"] == wanted, f"{name} -> {dep}"
     gateway = services["gateway"]
     assert gateway["environment"]["CTX_GATEWAY_MANAGER_URL"] == "http://manager:8300"
-    assert services["redis"]["image"].startswith("redis:7")
+    assert interpolate(services["redis"]["image"]) == "redis:7"
+    assert services["redis"]["image"].startswith("${CTXCACHE_REDIS_IMAGE:-")  # a mirror's
+
+
+def test_compose_builds_the_image_once_and_the_others_use_it_by_name() -> None:
+    services = load_compose()["services"]
+    builders = [n for n, s in services.items() if "build" in s]
+    assert builders == ["gateway"]
+    image = services["gateway"]["image"]
+    ours = [n for n, s in services.items() if s.get("image") == image]
+    assert {"manager", "sidecar", "model-init", "worker", "gateway"} <= set(ours)
+    build = services["gateway"]["build"]
+    assert build["dockerfile"] == "deploy/Dockerfile"
+    # every source of the build can be pointed at a mirror; the defaults are the public ones
+    defaults = {k: interpolate(str(v)) for k, v in build["args"].items()}
+    assert defaults == {
+        "PYTHON_IMAGE": "python:3.11-slim-bookworm",
+        "PIP_INDEX_URL": "https://pypi.org/simple",
+        "TORCH_INDEX_URL": "https://download.pytorch.org/whl/cpu",
+        "EXTRA_CA_CERTS": "",
+    }
+    dockerfile = DOCKERFILE.read_text()
+    for arg, default in defaults.items():
+        assert f"ARG {arg}={default}" in dockerfile, arg
     assert "--appendonly" in services["redis"]["command"]
 
 
@@ -308,10 +390,13 @@ def test_dockerfile_is_multi_stage_non_root_cpu_torch_first() -> None:
     text = DOCKERFILE.read_text()
     lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
     assert sum(ln.startswith("FROM ") for ln in lines) >= 2
-    torch = text.index("--index-url https://download.pytorch.org/whl/cpu torch==2.13.0")
-    assert torch < text.index('pip install ".[worker,vllm]"')
+    torch = text.index('pip install --index-url "$TORCH_INDEX_URL"')
+    assert '"torch==2.13.0+cpu"' in text[torch : text.index("\n", torch)]
+    assert torch < text.index('pip install --index-url "$PIP_INDEX_URL" ".[worker,vllm]"')
     # vLLM's CPU build runs without the torchvision/torchaudio wheels that break CPU torch
     assert "pip uninstall -y torchvision torchaudio torchcodec" in text
+    # vLLM's CPU extensions link libnuma.so.1
+    assert "libnuma1" in text
     assert "COPY --from=builder /opt/venv /opt/venv" in text
     user = next(ln for ln in reversed(lines) if ln.startswith("USER "))
     assert user.split()[1] not in {"root", "0"}
