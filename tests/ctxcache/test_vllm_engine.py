@@ -12,6 +12,7 @@ import pytest
 
 from ctxcache.vllm_engine import (
     VllmLaunch,
+    auto_reserved_cpus,
     can_compile,
     kv_cache_gib_from_env,
     must_run_eager,
@@ -66,3 +67,27 @@ def test_kv_cache_size_comes_from_the_environment(monkeypatch: pytest.MonkeyPatc
     assert kv_cache_gib_from_env() == 2
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "lots")
     assert kv_cache_gib_from_env() == 1
+
+
+def test_the_cpu_reservation_is_always_passed_so_a_connector_changes_no_threads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM reserves one more CPU whenever a KV connector is configured (on 2 CPUs it then
+    binds to both); `ctxcache vllm` always passes the number, the same with or without the
+    connector (docs/vllm.md, "Why a vLLM with a connector ran faster")."""
+    monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)
+    bare = VllmLaunch("m", "m", 8100)
+    with_connector = VllmLaunch("m", "m", 8100, sidecar_lm="lm://127.0.0.1:65432")
+    assert bare.env()["VLLM_CPU_NUM_OF_RESERVED_CPU"] == str(auto_reserved_cpus())
+    assert with_connector.env()["VLLM_CPU_NUM_OF_RESERVED_CPU"] == str(auto_reserved_cpus())
+    assert VllmLaunch("m", "m", 8100, reserved_cpus=3).env()["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "3"
+    monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "2")  # the operator's own wins
+    assert "VLLM_CPU_NUM_OF_RESERVED_CPU" not in bare.env()  # inherited as set
+
+
+def test_auto_reservation_keeps_both_cpus_of_a_two_cpu_machine(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for cpus, reserved in ((1, 0), (2, 0), (3, 1), (64, 1)):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda _pid, n=cpus: set(range(n)))
+        assert auto_reserved_cpus() == reserved, cpus
