@@ -72,31 +72,40 @@ def answers(points: list[Point]) -> dict[str, dict[tuple[float, int, int], str]]
 
 def compare(points: list[Point]) -> dict[str, Any]:
     """The session's answers against the reference mode's, per (user, round): at the same
-    rate where both ran it, else at any rate the reference ran it."""
+    rate where both ran it, else at any rate the reference ran it. A conversation counts
+    once: after its first different answer its history differs, so its later rounds are
+    not compared (`after_divergence`)."""
     by_mode = answers(points)
     ref = next((m for m in REFERENCES if m in by_mode), None)
+    out: dict[str, Any] = {"reference": ref, "compared": 0, "mismatches": 0}
+    out |= {"after_divergence": 0, "examples": []}
     if ref is None or "session" not in by_mode:
-        return {"reference": ref, "compared": 0, "mismatches": 0, "examples": []}
+        return out
     theirs = by_mode[ref]
     anywhere: dict[tuple[int, int], str] = {}
     for (_, user, rnd), text in sorted(theirs.items()):
         anywhere.setdefault((user, rnd), text)
-    compared, mismatches, examples = 0, 0, []
+    diverged: set[tuple[float, int]] = set()
     for (qps, user, rnd), text in sorted(by_mode["session"].items()):
         other = theirs.get((qps, user, rnd), anywhere.get((user, rnd)))
         if other is None:
             continue
-        compared += 1
+        if (qps, user) in diverged:
+            out["after_divergence"] += 1
+            continue
+        out["compared"] += 1
         if other != text:
-            mismatches += 1
-            if len(examples) < 5:
-                examples.append({"qps": qps, "user": user, "round": rnd})
-    return {
-        "reference": ref,
-        "compared": compared,
-        "mismatches": mismatches,
-        "examples": examples,
-    }
+            out["mismatches"] += 1
+            diverged.add((qps, user))
+            if len(out["examples"]) < 5:
+                first = next(
+                    (i for i, (a, b) in enumerate(zip(text, other, strict=False)) if a != b),
+                    min(len(text), len(other)),
+                )
+                out["examples"].append(
+                    {"qps": qps, "user": user, "round": rnd, "first_different_char": first}
+                )
+    return out
 
 
 def summary(
@@ -170,6 +179,11 @@ def headline(summary: dict[str, Any]) -> str:
         lines.append(
             f"- session answers equal to {a['reference']}'s: "
             f"{a['compared'] - a['mismatches']} of {a['compared']}"
+            + (
+                f" ({a['after_divergence']} later rounds of diverged conversations not compared)"
+                if a["after_divergence"]
+                else ""
+            )
         )
     return "\n".join(lines) + "\n"
 
@@ -206,8 +220,8 @@ def plot(
 
 
 def sent_rows(points: list[Point]) -> list[dict[str, Any]]:
-    """Every request, for the JSON (answers left out: they are compared above)."""
-    keep = ("user", "round", "index", "due", "sent", "ttft", "total", "itl")
+    """Every request, for the JSON (answers too: a divergence can be looked at)."""
+    keep = ("user", "round", "index", "due", "sent", "ttft", "total", "itl", "answer")
     out = []
     for p in points:
         for s in p.sent:

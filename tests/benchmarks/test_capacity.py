@@ -54,10 +54,12 @@ def test_session_answers_are_compared_with_the_same_engines_full_history_answers
         ses.sent.append(Sent(user, 1, user, 0, 0, answer=b))
     ses2 = Point("session", 2.0)  # a rate the reference never ran: compared with any rate
     ses2.sent.append(Sent(0, 1, 0, 0, 0, answer="x y"))
+    ref.sent.append(Sent(1, 2, 2, 0, 0, answer="z"))  # user 1's round 2: after it diverged
+    ses.sent.append(Sent(1, 2, 2, 0, 0, answer="w"))
     got = report.compare([ref, ses, ses2])
     assert got["reference"] == "vllm-full-connector"
-    assert (got["compared"], got["mismatches"]) == (3, 1)
-    assert got["examples"] == [{"qps": 1.0, "user": 1, "round": 1}]
+    assert (got["compared"], got["mismatches"], got["after_divergence"]) == (3, 1, 1)
+    assert got["examples"] == [{"qps": 1.0, "user": 1, "round": 1, "first_different_char": 2}]
 
 
 @pytest.mark.timeout(900)
