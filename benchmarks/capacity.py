@@ -44,9 +44,6 @@ MODES = ("vllm-full", "vllm-full-connector", "session", "roomy")
 DEFAULT_QPS = "0.25,0.5,0.75,1,1.25,1.5,2,2.5,3,4"
 
 
-DEFAULTS: dict[str, Any] = {}  # the parser's defaults (what `--quick` may replace)
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
@@ -94,7 +91,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="CI size: the tiny preset, 3 users, 2 rounds, 2 rates, 6 requests each",
     )
     add_output_arguments(p, NAME)
-    DEFAULTS.update({name: p.get_default(name) for name in [*QUICK, "model"]})
 
 
 def main(args: Namespace) -> int:
@@ -104,7 +100,7 @@ def main(args: Namespace) -> int:
 
     setup_logging("bench", "WARNING")
     if args.quick:
-        _quick(args, DEFAULTS)
+        _quick(args)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in MODES]
     if bad or not modes:
@@ -179,13 +175,12 @@ def _sweep(
         for qps in rates:
             if sup.stopping.is_set():
                 raise KeyboardInterrupt
-            driver = Driver(m.url, name, texts, session=m.session)
+            driver = Driver(mode, m.url, name, texts, session=m.session)
             before = _scrape(m.engine)
             with tqdm(
                 total=warmup + args.requests, desc=f"{mode} @ {qps:g} req/s", unit="req"
             ) as bar:
                 point = asyncio.run(driver.run(qps, args.requests, warmup, bar.update))
-            point.mode = mode
             r = report.row(point, warmup, args.slo)
             r |= _connector(before, _scrape(m.engine))
             out.append((point, r))
@@ -274,11 +269,13 @@ QUICK: dict[str, Any] = {
 }
 
 
-def _quick(args: Namespace, parser_defaults: dict[str, Any]) -> None:
+def _quick(args: Namespace) -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)  # its defaults tell an option given from one left alone
     for name, value in QUICK.items():
-        if getattr(args, name) == parser_defaults[name]:
+        if getattr(args, name) == parser.get_default(name):
             setattr(args, name, value)
-    if args.model == parser_defaults["model"]:
+    if args.model == parser.get_default("model"):
         args.model = DEFAULT_MODEL / "models" / "tiny"
 
 

@@ -107,6 +107,7 @@ class Driver:
 
     def __init__(
         self,
+        mode: str,
         url: str,
         model: str,
         texts: Texts,
@@ -115,7 +116,8 @@ class Driver:
         headers: dict[str, str] | None = None,
         timeout: float = 600.0,
     ) -> None:
-        self.url, self.model, self.texts, self.session = url, model, texts, session
+        self.mode, self.url, self.model = mode, url, model
+        self.texts, self.session = texts, session
         self.headers = {"content-type": "application/json", **(headers or {})}
         self.timeout = timeout
 
@@ -131,7 +133,7 @@ class Driver:
 
         w = self.texts.w
         gap = w.users / qps
-        point = Point("", qps)
+        point = Point(self.mode, qps)
         budget = warmup + measured
         counters = {"sent": 0, "user": 0}
         t0 = time.perf_counter()
