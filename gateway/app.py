@@ -26,13 +26,11 @@ from gateway.context.router import router as context_router
 from gateway.context.service import ContextService
 from gateway.conversations.router import router as conversations_router
 from gateway.conversations.service import ConversationService
-from gateway.fastpath import FastPath
 from gateway.metrics import GatewayMetrics
 from gateway.pool import WorkerPool
 from gateway.prompts import PromptBuilder
 from gateway.protocol import ChatBody, CompletionBody, ContextCreate
 from gateway.recent import RecentHistories
-from gateway.relay import StreamRelay
 from gateway.responses.protocol import ConversationCreate, ConversationUpdate, ResponseCreate
 from gateway.responses.router import router as responses_router
 from gateway.responses.service import ResponseService
@@ -42,22 +40,6 @@ from gateway.system import router as system_router
 from gateway.turns import TurnService
 
 log = logging.getLogger(__name__)
-
-
-def create_asgi(settings: GatewaySettings) -> FastPath:
-    """What the server runs: the FastAPI app behind the no-session fast path.
-
-    The fast path wraps the app from outside, so a plain request skips every FastAPI
-    layer; everything else (and the lifespan) goes to the app unchanged.
-    """
-    app = create_app(settings)
-    fast = FastPath(
-        app, state=app.state, metrics=app.state.metrics, max_body_bytes=settings.max_body_bytes
-    )
-    # streams without a session, answered from the server's protocol callbacks (the
-    # server asks `early_answers` first: `ctxcache.http_server.EarlyAnswers`)
-    fast.early_answers = app.state.relay
-    return fast
 
 
 def create_app(settings: GatewaySettings) -> FastAPI:
@@ -95,9 +77,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             recent = RecentHistories(max_sessions=settings.recent_chat_sessions)
             turns = TurnService(manager, pool, metrics, PromptBuilder(), salt, recent)
             stack.push_async_callback(turns.background.drain)
-            stack.callback(app.state.relay.close)
             app.state.keys = KeyRing(settings.api_keys)
-            app.state.relay.start(app.state.keys, pool, salt)
             app.state.manager = manager
             app.state.pool = pool
             app.state.metrics = metrics
@@ -121,7 +101,6 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         default_response_class=JSONResponse,
     )
     app.state.metrics = metrics
-    app.state.relay = StreamRelay(metrics, max_body_bytes=settings.max_body_bytes)
     install_error_handlers(app)
     app.include_router(context_router)
     app.include_router(completions_router)
@@ -130,10 +109,6 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app.include_router(system_router)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
-    # outermost: plain requests without a session skip the framework entirely
-    app.add_middleware(
-        FastPath, state=app.state, metrics=metrics, max_body_bytes=settings.max_body_bytes
-    )
     _document_bodies(app)
     return app
 

@@ -37,6 +37,15 @@ def parse_json(
     return body, validated
 
 
+def parse_body(body: bytes) -> dict[str, Any] | None:
+    """The body as a JSON object, or None (the full validation then says what is wrong)."""
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
 def session_id_of(body: dict[str, Any], in_header: str | None) -> str | None:
     """`session_id` in the body (the openai SDK's extra_body) or the X-Session-Id header."""
     in_body = body.get("session_id")

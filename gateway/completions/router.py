@@ -24,13 +24,13 @@ STREAMS = {200: {"content": {"text/event-stream": {}}}}
 
 @router.post("/completions", openapi_extra=body_doc(CompletionBody), responses=STREAMS)
 async def completions(request: Request, tenant: TenantDep, svc: ServiceDep) -> Response:
-    return await svc.answer(
+    return await svc.serve(
         tenant, "completion", await request.body(), request.headers.get("x-session-id")
     )
 
 
 @router.post("/chat/completions", openapi_extra=body_doc(ChatBody), responses=STREAMS)
 async def chat_completions(request: Request, tenant: TenantDep, svc: ServiceDep) -> Response:
-    return await svc.answer(
+    return await svc.serve(
         tenant, "chat", await request.body(), request.headers.get("x-session-id")
     )
