@@ -20,7 +20,7 @@ from ctxcache.errors import install_error_handlers
 from ctxcache.responses import JSONResponse
 from ctxcache.schema import ErrorResponse
 from gateway.auth import KeyRing
-from gateway.completions.router import router as completions_router
+from gateway.completions import router as completion_routes
 from gateway.completions.service import CompletionService
 from gateway.context.router import router as context_router
 from gateway.context.service import ContextService
@@ -102,8 +102,9 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     )
     app.state.metrics = metrics
     install_error_handlers(app)
+    # the busiest two first: a request is matched against the routes in order
+    app.router.routes[:0] = completion_routes.routes
     app.include_router(context_router)
-    app.include_router(completions_router)
     app.include_router(responses_router)
     app.include_router(conversations_router)
     app.include_router(system_router)
@@ -171,6 +172,7 @@ def _document_bodies(app: FastAPI) -> None:
         if app.openapi_schema:
             return app.openapi_schema
         schema = original()
+        schema["paths"] = {**completion_routes.openapi_paths(), **schema["paths"]}
         components = schema.setdefault("components", {}).setdefault("schemas", {})
         bodies = (CompletionBody, ChatBody, ContextCreate, ErrorResponse, ResponseCreate)
         for model in (*bodies, ConversationCreate, ConversationUpdate):

@@ -57,6 +57,10 @@ def session_id_of(body: dict[str, Any], in_header: str | None) -> str | None:
     return sid
 
 
+# `stream: true` answers server-sent events, each `data:` a chunk object, then `[DONE]`
+STREAMS: dict[int | str, dict[str, Any]] = {200: {"content": {"text/event-stream": {}}}}
+
+
 def body_doc(model: type[BaseModel]) -> dict[str, Any]:
     """`openapi_extra` naming the body schema of a route that reads its raw body itself
     (the schema is added to the document by `gateway.app`)."""
