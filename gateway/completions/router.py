@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
@@ -28,13 +28,33 @@ class CompletionsEndpoint:
         self.kind = kind
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        request = Request(scope, receive)
-        state = request.app.state
-        tenant = state.keys.tenant_for(authorization(scope["headers"]))
+        state = scope["app"].state
+        headers = scope["headers"]
+        tenant = state.keys.tenant_for(authorization(headers))
+        body = await read_body(receive)
         service: CompletionService = state.completions
-        session_header = request.headers.get("x-session-id")
-        response = await service.serve(tenant, self.kind, await request.body(), session_header)
+        response = await service.serve(tenant, self.kind, body, header(headers, b"x-session-id"))
         await response(scope, receive, send)
+
+
+async def read_body(receive: Receive) -> bytes:
+    """The request's body (the body-size limit is the middleware's)."""
+    message = await receive()
+    body = message.get("body", b"")
+    while message.get("more_body", False):
+        message = await receive()
+        body += message.get("body", b"")
+    if message["type"] == "http.disconnect":
+        raise ClientDisconnect()
+    return body  # type: ignore[no-any-return]
+
+
+def header(headers: list[tuple[bytes, bytes]], name: bytes) -> str | None:
+    """A header's first value (as Starlette's `request.headers.get` reads it)."""
+    for key, value in headers:
+        if key == name:
+            return value.decode("latin-1")
+    return None
 
 
 routes = [Route(path, CompletionsEndpoint(kind), methods=["POST"]) for kind, path in PATHS.items()]
