@@ -9,16 +9,20 @@ same middleware and error handlers as every other route; `openapi_paths` documen
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from starlette.requests import ClientDisconnect
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from ctxcache.disconnect import ClientLeft, until_the_client_leaves
 from gateway.auth import authorization
 from gateway.completions.service import PATHS, CompletionService
 from gateway.protocol import ChatBody, CompletionBody
 from gateway.requests import body_doc
+
+log = logging.getLogger(__name__)
 
 
 class CompletionsEndpoint:
@@ -33,7 +37,12 @@ class CompletionsEndpoint:
         tenant = state.keys.tenant_for(authorization(headers))
         body = await read_body(receive)
         service: CompletionService = state.completions
-        response = await service.serve(tenant, self.kind, body, header(headers, b"x-session-id"))
+        answer = service.serve(tenant, self.kind, body, header(headers, b"x-session-id"))
+        try:  # a client that leaves cancels its request, on the worker too
+            response = await until_the_client_leaves(receive, answer)
+        except ClientLeft:
+            log.info("the client left before its answer: its request is cancelled")
+            return
         await response(scope, receive, send)
 
 
