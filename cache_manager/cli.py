@@ -16,6 +16,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from cache_manager.app import create_app
     from cache_manager.settings import ManagerSettings
+    from ctxcache import tracing
     from ctxcache.logs import setup_logging
     from ctxcache.settings import from_args, serve_app
 
@@ -29,5 +30,7 @@ def main(args: argparse.Namespace) -> int:
         log_level="log_level",
     )
     setup_logging("manager", settings.log_level)
-    serve_app(create_app(settings), host=settings.host, port=settings.port)
+    tracing.configure("manager")
+    app = tracing.server_middleware(create_app(settings), "manager")
+    serve_app(app, host=settings.host, port=settings.port)
     return 0

@@ -10,7 +10,8 @@ boundary to guard). That hop was a third of a session turn's manager cost (docs/
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import functools
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any, Protocol, TypeVar
 
@@ -35,6 +36,7 @@ from cache_manager.protocol import (
 )
 from cache_manager.service import SessionService
 from cache_manager.store import valid_session_id
+from ctxcache import tracing
 from ctxcache.errors import SessionNotFound, StoreUnavailable, error_from_envelope
 
 M = TypeVar("M", bound=BaseModel)
@@ -58,6 +60,8 @@ class HttpTransport:
         self, method: str, path: str, query: dict[str, Any] | None, body: bytes | None
     ) -> tuple[int, bytes]:
         headers = _JSON if body is not None else None
+        if tracing.enabled():  # the manager's spans join this trace
+            headers = tracing.inject(headers or {})
         r = await self.http.request(method, path, content=body, params=query, headers=headers)
         return r.status_code, r.content
 
@@ -111,7 +115,11 @@ class ManagerClient:
     ) -> M | None:
         content = body.model_dump_json(exclude_none=True).encode() if body is not None else None
         try:
-            status, payload = await self.transport(method, path, params, content)
+            if tracing.enabled():
+                with tracing.span(*_span_of(method, path), client=True):
+                    status, payload = await self.transport(method, path, params, content)
+            else:
+                status, payload = await self.transport(method, path, params, content)
         except httpx.HTTPError as exc:
             raise StoreUnavailable(f"manager unreachable: {type(exc).__name__}") from exc
         if status >= 400:
@@ -203,11 +211,54 @@ class ManagerClient:
         return True
 
 
+def _span_of(method: str, path: str) -> tuple[str, dict[str, Any]]:
+    """A manager call's span name (its route, ids masked) and attributes (the session)."""
+    parts = path.split("/")
+    if len(parts) > 2 and parts[1] == "sessions":
+        rest = "/".join(["{session_id}", *parts[3:]])
+        return f"manager {method} /sessions/{rest}", {tracing.SESSION_ATTR: parts[2]}
+    return f"manager {method} {tracing.route_name(path)}", {}
+
+
+# the in-process calls and the HTTP routes they stand for (span names, as `_span_of`'s)
+_LOCAL_OPS = {
+    "create": "POST /sessions",
+    "get": "GET /sessions/{session_id}",
+    "list": "GET /sessions",
+    "begin": "POST /sessions/{session_id}/begin",
+    "append": "POST /sessions/{session_id}/append",
+    "release": "POST /sessions/{session_id}/release",
+    "update": "PATCH /sessions/{session_id}",
+    "delete": "DELETE /sessions/{session_id}",
+    "get_response": "GET /sessions/{session_id}/responses/{id}",
+    "delete_response": "DELETE /sessions/{session_id}/responses/{id}",
+    "usage": "GET /tenants/{id}/usage",
+    "live_sessions": "GET /stats",
+}
+
+
+def _traced(op: str, call: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    """`call` (an in-process manager call) in a span named like the HTTP client's: the
+    same trace whether the manager runs here or behind HTTP."""
+    by_session = "{session_id}" in op
+
+    @functools.wraps(call)
+    async def traced(*args: Any, **kw: Any) -> Any:
+        attributes = {tracing.SESSION_ATTR: args[0]} if by_session and args else {}
+        with tracing.span(f"manager {op}", attributes):
+            return await call(*args, **kw)
+
+    return traced
+
+
 class LocalManager(ManagerClient):
     """The manager inside this process: `ManagerClient`'s calls on the service itself."""
 
     def __init__(self, service: SessionService) -> None:
         self.service = service
+        if tracing.enabled():  # (off: the methods as they are, nothing in between)
+            for name, op in _LOCAL_OPS.items():
+                setattr(self, name, _traced(op, getattr(self, name)))
 
     async def aclose(self) -> None:
         return None

@@ -22,6 +22,8 @@ import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ctxcache import tracing
+
 CONNECTOR_MODULE = "vllm_connector.connector"
 CONNECTOR_CLASS = "CtxcacheConnector"
 # vLLM flags that choose how (or whether) the model is compiled (and -O<level>, -O.<key>)
@@ -120,6 +122,11 @@ class VllmLaunch:
             args += ["--kv-transfer-config", json.dumps(self.transfer_config())]
         if self.enforce_eager:
             args.append("--enforce-eager")
+        otlp = os.environ.get(tracing.ENDPOINT_ENV, "").strip()
+        if otlp and "--otlp-traces-endpoint" not in self.extra_args:
+            # vLLM's own spans (queue, prefill, decode) join the gateway's trace: the
+            # gateway sends `traceparent` with every request (docs/operations.md)
+            args += ["--otlp-traces-endpoint", tracing.traces_url(otlp)]
         return args + self.extra_args
 
     def env(self) -> dict[str, str]:
@@ -131,6 +138,10 @@ class VllmLaunch:
             "HF_HUB_OFFLINE": "1",
             "TOKENIZERS_PARALLELISM": "false",
         }
+        protocol = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
+        if os.environ.get(tracing.ENDPOINT_ENV, "").strip() and protocol not in os.environ:
+            # the endpoint ctxcache's services use is OTLP over HTTP; vLLM's default is gRPC
+            env[protocol] = "http/protobuf"
         if self.kv_cache_gib:
             env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_gib)
         if self.dev_mode:

@@ -10,6 +10,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
+from ctxcache import tracing
 from ctxcache.errors import InvalidAPIKey
 
 log = logging.getLogger(__name__)
@@ -40,7 +41,18 @@ class KeyRing:
     def open(self) -> bool:
         return not self._keys
 
+    @property
+    def tenants(self) -> list[str]:
+        """Every tenant a key names (the open gateway's one tenant if there are none)."""
+        return sorted({t for _, t in self._keys}) if self._keys else [OPEN_TENANT]
+
     def tenant_for(self, authorization: str | None) -> str:
+        if tracing.enabled():
+            with tracing.span("ctxcache.auth"):
+                return self._tenant_for(authorization)
+        return self._tenant_for(authorization)
+
+    def _tenant_for(self, authorization: str | None) -> str:
         if not self._keys:  # (open)
             return OPEN_TENANT
         if authorization is not None and (known := self._known.get(authorization)):

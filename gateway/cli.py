@@ -32,6 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from ctxcache import tracing
     from ctxcache.logs import setup_logging
     from ctxcache.settings import from_args, serve_app
     from gateway.app import create_app
@@ -51,5 +52,7 @@ def main(args: argparse.Namespace) -> int:
         log_level="log_level",
     )
     setup_logging("gateway", settings.log_level)
-    serve_app(create_app(settings), host=settings.host, port=settings.port)
+    tracing.configure("gateway")  # before the app: its clients look at it once
+    app = tracing.server_middleware(create_app(settings), "gateway")
+    serve_app(app, host=settings.host, port=settings.port)
     return 0

@@ -1,4 +1,9 @@
-"""Prometheus metrics of one gateway (its own registry: no globals, no tenant labels)."""
+"""Prometheus metrics of one gateway (its own registry: no globals).
+
+No label carries an id (session, request, key). The only tenant-labelled series are the
+turn counter and the per-tenant session gauges: tenants are the configured API keys' tenants,
+a set the operator bounds (docs/operations.md).
+"""
 
 from __future__ import annotations
 
@@ -26,6 +31,9 @@ _LATENCY_BUCKETS = (
 )
 
 
+MODES = ("session", "plain")  # the `mode` label: a session turn, or a request without one
+
+
 class GatewayMetrics:
     def __init__(self) -> None:
         self._series: dict[tuple[str, int], tuple[Counter, Histogram]] = {}
@@ -46,8 +54,37 @@ class GatewayMetrics:
         )
         self.ttft = Histogram(
             "ctxcache_gateway_ttft_seconds",
-            "time to the first generated token (or the whole response)",
+            "time to the first generated token (or the whole response), session turns vs "
+            "plain requests",
+            ["mode"],
             buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.completion_seconds = Histogram(
+            "ctxcache_gateway_completion_seconds",
+            "end-to-end completion time, session turns (load, tokenize, generate, commit) "
+            "vs plain requests",
+            ["mode"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self._ttft = {mode: self.ttft.labels(mode) for mode in MODES}
+        self._e2e = {mode: self.completion_seconds.labels(mode) for mode in MODES}
+        self.turns = Counter(
+            "ctxcache_gateway_turns_total",
+            "session turns committed, by tenant and kind (chat, completion)",
+            ["tenant", "kind"],
+            registry=r,
+        )
+        self.tenant_sessions = Gauge(
+            "ctxcache_gateway_tenant_sessions",
+            "live sessions of each configured tenant (read at scrape)",
+            ["tenant"],
+            registry=r,
+        )
+        self.store_up = Gauge(
+            "ctxcache_gateway_store_up",
+            "1 if the session store (the manager and its Redis) answered at the last scrape",
             registry=r,
         )
         self.prompt_tokens = Counter(
@@ -92,6 +129,16 @@ class GatewayMetrics:
             self._series[(route, status)] = series
         series[0].inc()
         series[1].observe(seconds)
+
+    def first_token(self, mode: str, seconds: float) -> None:
+        """Time to the first token (a whole response, not streamed) of a completion:
+        `mode` is "session" or "plain". Plain requests answered by `gateway.fastpath` and
+        streams relayed by `gateway.relay` call this too."""
+        self._ttft[mode].observe(seconds)
+
+    def completed(self, mode: str, seconds: float) -> None:
+        """A completion's end-to-end time (`mode` as `first_token`)."""
+        self._e2e[mode].observe(seconds)
 
     def tokens(self, usage: dict[str, Any]) -> None:
         self.prompt_tokens.inc(usage.get("prompt_tokens", 0))

@@ -13,6 +13,8 @@ from ctxcache.errors import BackendUnavailable, CtxError, StoreUnavailable
 from ctxcache.responses import JSONResponse
 
 router = APIRouter()
+# per-tenant session gauges for at most this many tenants (one store call each per scrape)
+MAX_TENANT_SERIES = 100
 
 
 @router.get("/v1/models")
@@ -46,8 +48,14 @@ async def ready(request: Request) -> dict[str, Any]:
 @router.get("/metrics", response_class=PlainTextResponse)
 async def metrics(request: Request) -> Response:
     m = request.app.state.metrics
-    with contextlib.suppress(CtxError):  # store down: the gauge keeps its last value
-        m.live_sessions.set(await request.app.state.manager.live_sessions())
+    manager = request.app.state.manager
+    up = await manager.health()
+    m.store_up.set(1 if up else 0)
+    if up:
+        with contextlib.suppress(CtxError):  # store down: the gauges keep their last value
+            m.live_sessions.set(await manager.live_sessions())
+            for tenant in request.app.state.keys.tenants[:MAX_TENANT_SERIES]:
+                m.tenant_sessions.labels(tenant).set((await manager.usage(tenant)).sessions)
     for w in request.app.state.pool.workers:
         m.worker_inflight.labels(w.id).set(w.inflight)
         m.worker_healthy.labels(w.id).set(1 if w.healthy else 0)

@@ -25,6 +25,7 @@ from cache_manager.protocol import (
     SessionState,
     StoredResponse,
 )
+from ctxcache import tracing
 from ctxcache.errors import (
     BackendUnavailable,
     ContextLengthExceeded,
@@ -75,6 +76,7 @@ class Turn:
     worker: Worker | None = None
     sampling: dict[str, Any] = field(default_factory=dict)
     kv_key: str | None = None  # the tag of the KV blocks; None: the session's own key
+    started: float = field(default_factory=time.perf_counter)  # for the end-to-end time
 
     @property
     def append(self) -> bool:
@@ -145,7 +147,9 @@ class TurnService:
     # -- planning ---------------------------------------------------------------------
     async def begin(self, tenant: str, session_id: str, kind: str, body: dict[str, Any]) -> Turn:
         """Load (and lock, unless `session_append` is false) the session; plan the turn."""
+        t0 = time.perf_counter()
         check_turn_body(kind, body)  # before the lock: a bad body never blocks the session
+        tracing.set_session(session_id)
         append = body.get("session_append", True) is not False
         early = self._start_early(kind, session_id, body)
         try:
@@ -161,7 +165,9 @@ class TurnService:
                     known_version=(early and early.version) or 0,
                 ),
             )
-            return await self.plan(tenant, session_id, kind, body, state, early)
+            turn = await self.plan(tenant, session_id, kind, body, state, early)
+            turn.started = t0
+            return turn
         finally:
             if early is not None and not early.task.done():
                 early.task.cancel()
@@ -267,9 +273,10 @@ class TurnService:
         body: dict[str, Any],
     ) -> Any:
         """What a turn tokenizes: a completion's new prompt, or the whole chat rendered."""
-        if kind == "chat":
-            return await self.prompts.chat_full(worker, model, history, body["messages"])
-        return await self.prompts.text(worker, model, body["prompt"], special=False)
+        with tracing.span("ctxcache.tokenize", {"ctxcache.worker": worker.id}, client=True):
+            if kind == "chat":
+                return await self.prompts.chat_full(worker, model, history, body["messages"])
+            return await self.prompts.text(worker, model, body["prompt"], special=False)
 
     def check_window(self, turn: Turn) -> None:
         want = int(turn.sampling.get("max_tokens") or 0)
@@ -337,8 +344,9 @@ class TurnService:
             fields["max_tokens"] = 1
         body = orjson.dumps(fields)
         t0 = time.perf_counter()
-        out = await self._with_failover(turn, lambda w: post_json(w, "/v1/completions", body))
-        self.metrics.ttft.observe(time.perf_counter() - t0)
+        with tracing.span("ctxcache.generate", self._span_attributes(turn), client=True):
+            out = await self._with_failover(turn, lambda w: post_json(w, "/v1/completions", body))
+        self.metrics.first_token("session", time.perf_counter() - t0)
         choice = (out.get("choices") or [{}])[0]
         usage = normalize_usage(out.get("usage"))
         if prefill_only:
@@ -357,6 +365,23 @@ class TurnService:
     ) -> SessionInfo:
         """Append the turn (CAS on the version we loaded, releasing our lock), with the
         `/v1/responses` object it made, if any."""
+        with tracing.span("ctxcache.commit", self._span_attributes(turn)):
+            info = await self._commit(turn, gen, response)
+        self.metrics.turns.labels(turn.tenant, turn.kind).inc()
+        self.metrics.completed("session", time.perf_counter() - turn.started)
+        return info
+
+    @staticmethod
+    def _span_attributes(turn: Turn) -> dict[str, Any]:
+        return {
+            tracing.SESSION_ATTR: turn.session_id or "",
+            "ctxcache.worker": turn.worker.id if turn.worker is not None else "",
+            "ctxcache.prompt_tokens": len(turn.prompt),
+        }
+
+    async def _commit(
+        self, turn: Turn, gen: Generation, response: StoredResponse | None
+    ) -> SessionInfo:
         state = turn.state
         assert state is not None and turn.session_id is not None and turn.worker is not None
         if not turn.append:
@@ -415,9 +440,10 @@ class TurnService:
         """Start the worker's stream before answering: an error the worker answers (a bad
         sampling field, say) still reaches the client as an error, not a broken 200."""
         body = orjson.dumps(self._worker_body(turn, stream=True))
-        upstream: SSEStream = await self._with_failover(
-            turn, lambda w: open_stream(w, "/v1/completions", body)
-        )
+        with tracing.span("ctxcache.generate", self._span_attributes(turn), client=True):
+            upstream: SSEStream = await self._with_failover(
+                turn, lambda w: open_stream(w, "/v1/completions", body)
+            )
         return upstream
 
     async def stream(
@@ -454,7 +480,7 @@ class TurnService:
                         continue
                     for choice in event.get("choices") or []:
                         if first:
-                            self.metrics.ttft.observe(time.perf_counter() - t0)
+                            self.metrics.first_token("session", time.perf_counter() - t0)
                             first = False
                         text.append(choice.get("text") or "")
                         ids.extend(choice.get("token_ids") or [])

@@ -33,6 +33,8 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from gateway.tracing import outgoing_headers
+
 HIGH_WATER = 1 << 16  # bytes of an answer's body held for a slow reader before pausing
 Headers = Iterable[tuple[bytes, bytes]]
 
@@ -112,7 +114,7 @@ class WorkerClient:
 
     def _encode(self, method: str, path: str, body: bytes, headers: Headers) -> bytes:
         lines = [method.encode(), b" ", self.prefix, path.encode(), b" HTTP/1.1", self._head]
-        for name, value in headers:
+        for name, value in (*headers, *outgoing_headers()):  # + the trace's, when on
             lines += (name, b": ", value, b"\r\n")
         if method != "GET" or body:
             lines += (b"Content-Type: application/json\r\nContent-Length: ", b"%d" % len(body))

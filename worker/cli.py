@@ -55,6 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
+    from ctxcache import tracing
     from ctxcache.logs import setup_logging
     from ctxcache.settings import from_args, serve_app
     from worker.app import create_app
@@ -66,5 +67,7 @@ def main(args: argparse.Namespace) -> int:
     except ValidationError as exc:
         sys.stderr.write(f"ctxcache worker: invalid settings\n{exc}\n")
         return 2
-    serve_app(create_app(settings), host=settings.host, port=settings.port)
+    tracing.configure("worker")
+    app = tracing.server_middleware(create_app(settings), "worker")
+    serve_app(app, host=settings.host, port=settings.port)
     return 0

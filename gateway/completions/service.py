@@ -9,6 +9,7 @@ session, run as a turn.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from fastapi import Response
@@ -125,9 +126,14 @@ class CompletionService:
             )
             self.turns.metrics.relayed_streams.inc()
             return relayed(self.pool, upstream)
+        t0 = time.perf_counter()
         (status, payload), _ = await self.turns.failover(
             body["model"], lambda w: post_raw(w, path, raw)
         )
+        if status < 400:  # not streamed: the first token came with the whole answer
+            seconds = time.perf_counter() - t0
+            self.turns.metrics.first_token("plain", seconds)
+            self.turns.metrics.completed("plain", seconds)
         return Response(payload, status_code=status, media_type="application/json")
 
 
