@@ -11,8 +11,11 @@ Supported (anything else in a kustomization.yaml raises `Unsupported`):
   kustomize's: the patch's items, then the base's other items), other lists and
   scalars are replaced, a null value deletes the key;
 - `images`: `name` -> `newName` / `newTag` / `digest` on containers and initContainers;
-- `namespace`: set on every namespaced object.
-No generators, name prefixes/suffixes, labels, replacements or JSON 6902 patches.
+- `namespace`: set on every namespaced object;
+- `configMapGenerator` with `name`, `files` (`PATH` or `KEY=PATH`) and `options.labels`,
+  under `generatorOptions` with `disableNameSuffixHash: true` (and optional `labels`).
+No hashed generator names, other generators, name prefixes/suffixes, labels, replacements
+or JSON 6902 patches.
 """
 
 from __future__ import annotations
@@ -25,7 +28,16 @@ import yaml
 
 Doc = dict[str, Any]
 
-SUPPORTED_KEYS = {"apiVersion", "kind", "resources", "patches", "images", "namespace"}
+SUPPORTED_KEYS = {
+    "apiVersion",
+    "kind",
+    "resources",
+    "patches",
+    "images",
+    "namespace",
+    "configMapGenerator",
+    "generatorOptions",
+}
 CLUSTER_SCOPED = {
     "Namespace",
     "ClusterRole",
@@ -66,6 +78,7 @@ def render(directory: Path) -> list[Doc]:
     for entry in spec.get("resources", []):
         path = directory / entry
         docs.extend(render(path) if path.is_dir() else load_yaml_docs(path))
+    docs.extend(_generated(directory, spec))
     for patch in spec.get("patches", []):
         if set(patch) != {"path"}:
             raise Unsupported(f"{kfile}: only `patches: [{{path: ...}}]` is supported")
@@ -81,6 +94,33 @@ def render(directory: Path) -> list[Doc]:
             if doc["kind"] not in CLUSTER_SCOPED:
                 doc.setdefault("metadata", {})["namespace"] = spec["namespace"]
     return docs
+
+
+def _generated(directory: Path, spec: dict[str, Any]) -> list[Doc]:
+    """The ConfigMaps of `configMapGenerator` (names without a hash suffix only)."""
+    generators = spec.get("configMapGenerator", [])
+    if not generators:
+        return []
+    options = spec.get("generatorOptions") or {}
+    if options.get("disableNameSuffixHash") is not True or set(options) - {
+        "disableNameSuffixHash",
+        "labels",
+    }:
+        raise Unsupported("only generatorOptions {disableNameSuffixHash: true, labels}")
+    out: list[Doc] = []
+    for gen in generators:
+        if set(gen) - {"name", "files", "options"} or set(gen.get("options", {})) - {"labels"}:
+            raise Unsupported(f"configMapGenerator {gen.get('name')}: name/files/labels only")
+        data: dict[str, str] = {}
+        for entry in gen.get("files", []):
+            key, _, path = entry.rpartition("=") if "=" in entry else ("", "", entry)
+            data[key or Path(path).name] = (directory / path).read_text()
+        labels = {**options.get("labels", {}), **gen.get("options", {}).get("labels", {})}
+        metadata: dict[str, Any] = {"name": gen["name"]}
+        if labels:
+            metadata["labels"] = labels
+        out.append({"apiVersion": "v1", "kind": "ConfigMap", "metadata": metadata, "data": data})
+    return out
 
 
 def strategic_merge(base: Any, patch: Any, field: str = "") -> Any:

@@ -131,6 +131,10 @@ def test_route_table_knows_the_health_routes(service: str) -> None:
     assert "/nope" not in routes
 
 
+# compose's monitoring services: their own readiness routes, on their default ports
+MONITORING_HEALTH = {"prometheus": ("/-/ready", 9090), "grafana": ("/api/health", 3000)}
+
+
 def test_health_probes_point_at_real_routes_on_the_right_port() -> None:
     checked = 0
     for c in all_containers():
@@ -144,6 +148,8 @@ def test_health_probes_point_at_real_routes_on_the_right_port() -> None:
                 assert path in route_table(PACKAGES[command]), f"{c.where}: {path}"
                 expected = listen_port(c, command)
                 assert c.probe_port(port) == expected, f"{c.where}: probes port {port}"
+            elif (name := c.where.split("/")[-1]) in MONITORING_HEALTH:  # profile monitoring
+                assert (path, c.probe_port(port)) == MONITORING_HEALTH[name], c.where
             else:
                 assert "vllm" in c.image, c.where
                 assert path in VLLM_HEALTH_PATHS, f"{c.where}: {path}"
@@ -275,7 +281,13 @@ def test_every_compose_vllm_service_has_room_in_dev_shm() -> None:
 
 def test_only_the_gateway_is_reachable_from_outside() -> None:
     compose = load_compose()
-    assert [n for n, s in compose["services"].items() if "ports" in s] == ["gateway"]
+    published = {n: s["ports"] for n, s in compose["services"].items() if "ports" in s}
+    # the monitoring UIs (profile `monitoring`) publish on the machine's loopback only
+    loopback = {"prometheus", "grafana"}
+    assert set(published) == {"gateway", *loopback}
+    for name in loopback:
+        assert all(str(p).startswith("127.0.0.1:") for p in published[name]), name
+    assert not str(published["gateway"][0]).startswith("127.0.0.1:")
     for overlay in OVERLAYS:
         docs = render(overlay)
         exposed = [
