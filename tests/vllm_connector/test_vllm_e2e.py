@@ -18,6 +18,7 @@ import pytest
 from ctxcache.lmcache_keys import session_key
 from sidecar.client import KVClient
 from sidecar.protocol import DTYPE_BFLOAT16, FMT_KV_2LTD
+from tests.deploy.monitoring import exposed_names, queried_metrics
 from tests.utils import relayed_streams
 from tests.vllm_connector.conftest import VLLM_TIMEOUT, VllmStack
 
@@ -100,6 +101,19 @@ def test_session_turns_reuse_and_answer_like_the_full_history(vllm_stack: VllmSt
         context = chat.context_tokens()
         _, usage = chat.turn(question)
         assert cached(usage) >= context - BLOCK  # vLLM's own prefix cache, hot
+
+
+def test_every_vllm_metric_the_dashboard_queries_is_on_vllms_metrics(
+    vllm_stack: VllmStack,
+) -> None:
+    """The dashboard's and the alerts' `vllm:` metrics, against the real vLLM's /metrics
+    (after the session turns above: the connector's counters have moved)."""
+    text = httpx.get(f"{vllm_stack.vllm.url}/metrics", timeout=30).text
+    exposed = exposed_names(text)
+    queried = {n: w for n, w in queried_metrics().items() if n.startswith("vllm:")}
+    assert "vllm:ctxcache_loaded_tokens_total" in queried
+    missing = {name: sorted(where) for name, where in queried.items() if name not in exposed}
+    assert not missing, missing
 
 
 def test_after_a_prefix_cache_reset_the_sidecar_serves_the_session(
