@@ -7,6 +7,10 @@ Each case is measured direct and through the gateway, interleaved in rounds, at 
 concurrency. Plain and streaming requests are measured with `wrk` where it is installed
 (`benchmarks.wrk`), otherwise with our own keep-alive generator (`benchmarks.loadgen`),
 which also runs the session turns (a conversation per connection) and the streams' TTFT.
+
+--tracing adds a second gateway with OpenTelemetry on (`OTEL_EXPORTER_OTLP_ENDPOINT` at a
+local OTLP receiver, `benchmarks.otlp_sink`, in a process of its own) and measures its plain
+requests and session turns in the same rounds: tracing on against off, side by side.
 """
 
 from __future__ import annotations
@@ -63,6 +67,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--rounds", type=int, help="interleaved rounds (3; 1 --quick)")
     p.add_argument("--no-model", action="store_true", help="only the fake backend")
+    p.add_argument(
+        "--tracing",
+        action="store_true",
+        help="also a gateway with tracing on (spans exported to a local OTLP receiver)",
+    )
     add_tiny_model_argument(p, "for the real worker")
     add_output_arguments(p, "gateway")
     p.add_argument("--quick", action="store_true", help="a short run (explicit options win)")
@@ -86,6 +95,7 @@ class Case:
     direct: bool = False
     session: str | None = None  # a session turn: "completion" or "chat"
     ttft: bool = False  # measured by our generator, for the time to the first chunk
+    traced: bool = False  # through the gateway with tracing on (--tracing)
 
     @property
     def wrk_able(self) -> bool:
@@ -106,6 +116,13 @@ def _cases(args: argparse.Namespace, backends: dict[str, int]) -> tuple[list[Cas
             Case(f"{model}: gateway, session turn", model, "", body, [], n, session="completion"),
             Case(f"{model}: gateway, chat session turn", model, "", body, [], n, session="chat"),
         ]
+        if args.tracing:
+            plain += [
+                Case(f"{model}: traced gateway, no session", model, "/v1/completions", body, [], n),
+                Case(f"{model}: traced gateway, session turn", model, "", body, [], n),
+            ]
+            plain[-2].traced = True
+            plain[-1].traced, plain[-1].session = True, "completion"
         for case in plain:
             case.concurrency = args.concurrency
             direct_of[case.name] = plain[0].name
@@ -163,11 +180,12 @@ async def _run(args: argparse.Namespace) -> int:
         stream_tokens=args.stream_tokens,
         model=None if args.no_model else str(args.model_dir),
         turns_per_session=TURNS_PER_SESSION,
+        tracing="a second gateway with OTLP export to a local receiver" if args.tracing else None,
     )
     samples: dict[tuple[str, int], list[Sample]] = {}
     with tempfile.TemporaryDirectory() as tmp, Supervisor(out=open("/dev/null", "w")) as sup:  # noqa: ASYNC230
         sys.stderr.write("starting redis, the backends and the gateway ...\n")
-        gw_port, backends = _start_stack(sup, Path(tmp), args)
+        gw_port, backends, traced_port = _start_stack(sup, Path(tmp), args)
         cases, direct_of = _cases(args, backends)
         plan = [
             (conc, case)
@@ -178,11 +196,12 @@ async def _run(args: argparse.Namespace) -> int:
         ]
         with tqdm(total=len(plan), desc="gateway bench", unit="case") as bar:
             for conc, case in plan:
-                port = backends[case.model] if case.direct else gw_port
+                gateway = traced_port if case.traced else gw_port
+                port = backends[case.model] if case.direct else gateway
                 if wrk_path and case.wrk_able:
                     sample = await _measure_wrk(wrk_path, port, case, conc, args.duration)
                 else:
-                    sample = await _measure_ours(port, gw_port, case, conc)
+                    sample = await _measure_ours(port, gateway, case, conc)
                 samples.setdefault((case.name, conc), []).append(sample)
                 bar.update(1)
 
@@ -269,18 +288,22 @@ def _session_turn(kind: str, body: dict[str, Any], sid: str) -> tuple[str, dict[
     return "/v1/completions", {**body, "prompt": " and?", "session_id": sid}
 
 
-def _start_stack(sup: Any, tmp: Path, args: argparse.Namespace) -> tuple[int, dict[str, int]]:
+def _start_stack(
+    sup: Any, tmp: Path, args: argparse.Namespace
+) -> tuple[int, dict[str, int], int | None]:
     """Redis, the fake backend, the tiny worker (unless --no-model), a sidecar (its control
-    API only: the gateway pins sessions there, as it does in production) and a gateway.
+    API only: the gateway pins sessions there, as it does in production) and a gateway
+    (--tracing: and a traced one, with its OTLP receiver).
 
     The worker, the slowest to start, starts first and comes up while the rest do; the
     gateway is ready once its pool lists every backend's model. Returns (gateway port,
-    {model: backend port}).
+    {model: backend port}, the traced gateway's port or None).
     """
     import time
 
     import httpx
 
+    from ctxcache import tracing
     from ctxcache.net import free_port
     from ctxcache.redis_server import RedisServer
     from ctxcache.supervisor import Child, http_ready
@@ -308,20 +331,34 @@ def _start_stack(sup: Any, tmp: Path, args: argparse.Namespace) -> tuple[int, di
     argv = [sys.executable, "-m", "ctxcache.cli", "sidecar", "--port", str(free_port())]
     argv += ["--control-port", str(sidecar), "--log-level", "WARNING"]
     sup.start(Child("sidecar", argv, ready=http_ready(f"http://127.0.0.1:{sidecar}/health")))
-    gw_port = free_port()
-    argv = [sys.executable, "-m", "ctxcache.cli", "gateway", "--port", str(gw_port)]
-    argv += ["--redis-url", redis.url, "--api-key", f"{KEY}=bench", "--log-level", "WARNING"]
-    for port in backends.values():
-        argv += ["--worker", f"http://127.0.0.1:{port}=http://127.0.0.1:{sidecar}"]
-    sup.start(Child("gateway", argv, ready=http_ready(f"http://127.0.0.1:{gw_port}/ready")))
+
+    def gateway(name: str, env: dict[str, str]) -> int:
+        port = free_port()
+        argv = [sys.executable, "-m", "ctxcache.cli", "gateway", "--port", str(port)]
+        argv += ["--redis-url", redis.url, "--api-key", f"{KEY}=bench", "--log-level", "WARNING"]
+        for backend in backends.values():
+            argv += ["--worker", f"http://127.0.0.1:{backend}=http://127.0.0.1:{sidecar}"]
+        ready = http_ready(f"http://127.0.0.1:{port}/ready")
+        sup.start(Child(name, argv, ready=ready, env=env))
+        return port
+
+    ports = [gateway("gateway", {tracing.ENDPOINT_ENV: ""})]  # off, whatever the shell says
+    traced_port = None
+    if args.tracing:
+        sink = free_port()
+        argv = [sys.executable, "-m", "benchmarks.otlp_sink", "--port", str(sink)]
+        sup.start(Child("otlp-sink", argv, ready=http_ready(f"http://127.0.0.1:{sink}/health")))
+        traced_port = gateway("traced-gateway", {tracing.ENDPOINT_ENV: f"http://127.0.0.1:{sink}"})
+        ports.append(traced_port)
     deadline = time.monotonic() + 180
-    while True:
-        r = httpx.get(f"http://127.0.0.1:{gw_port}/v1/models", timeout=5)
-        if {m["id"] for m in r.json()["data"]} >= backends.keys():
-            break
-        if worker is not None and worker.proc is not None and worker.proc.poll() is not None:
-            raise RuntimeError(f"the worker exited with {worker.proc.returncode}")
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the gateway does not list {sorted(backends)} after 180 s")
-        time.sleep(0.2)
-    return gw_port, {"fake": backends["fake"], **backends}
+    for gw_port in ports:
+        while True:
+            r = httpx.get(f"http://127.0.0.1:{gw_port}/v1/models", timeout=5)
+            if {m["id"] for m in r.json()["data"]} >= backends.keys():
+                break
+            if worker is not None and worker.proc is not None and worker.proc.poll() is not None:
+                raise RuntimeError(f"the worker exited with {worker.proc.returncode}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the gateway does not list {sorted(backends)} after 180 s")
+            time.sleep(0.2)
+    return ports[0], {"fake": backends["fake"], **backends}, traced_port

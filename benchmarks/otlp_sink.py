@@ -7,6 +7,7 @@ the tracing tests read the spans it received from other processes.
 
 from __future__ import annotations
 
+import argparse
 import threading
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -28,7 +29,7 @@ class OtlpSink:
     """`POST /v1/traces` (protobuf `ExportTraceServiceRequest`) on 127.0.0.1; `decode`:
     keep the spans (`spans()`), else only count the requests and bytes."""
 
-    def __init__(self, *, decode: bool = True) -> None:
+    def __init__(self, *, decode: bool = True, port: int = 0) -> None:
         self.decode = decode
         self.requests = 0
         self.bytes = 0
@@ -37,6 +38,13 @@ class OtlpSink:
         sink = self
 
         class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # keep-alive, as a collector answers
+
+            def do_GET(self) -> None:  # /health, for whoever started it
+                self.send_response(200)
+                self.send_header("content-length", "0")
+                self.end_headers()
+
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers.get("content-length") or 0))
                 sink._received(self.path, body)
@@ -48,7 +56,7 @@ class OtlpSink:
             def log_message(self, *args: object) -> None:
                 return None
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
     @property
@@ -103,3 +111,16 @@ class OtlpSink:
 def _value(v: Any) -> Any:
     kind = v.WhichOneof("value")
     return getattr(v, kind) if kind else None
+
+
+def main() -> None:
+    """`python -m benchmarks.otlp_sink --port N`: a receiver that only counts (bench)."""
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--port", type=int, required=True)
+    args = p.parse_args()
+    sink = OtlpSink(decode=False, port=args.port)
+    sink._server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()
