@@ -138,6 +138,28 @@ def test_bench_gateway_with_wrk(tmp_path: Path) -> None:
     assert by_case[("fake: streaming chat TTFT, gateway", 1)] == "ours"
 
 
+@pytest.mark.timeout(300)
+def test_bench_gateway_tracing_on_beside_off(tmp_path: Path) -> None:
+    data = run_bench(
+        "gateway",
+        tmp_path / "gateway",
+        *("--no-model", "--tracing", "--generator", "python", "--rounds", "1"),
+        *("--requests", "20", "--concurrency", "2", "--stream-concurrency", "2"),
+    )
+    assert data["meta"]["tracing"]
+    rows = data["results"]
+    traced = [r for r in rows if "traced" in r["case"]]
+    assert {r["case"] for r in traced} == {
+        "fake: traced gateway, no session",
+        "fake: traced gateway, session turn",
+    }
+    check_gateway_rows(
+        [r for r in rows if r not in traced], models=("fake",), concurrency=(2,), stream=2
+    )
+    for r in traced:  # measured in the same round, against the same direct case
+        assert r["errors"] == 0 and r["requests_per_s_vs_direct"] > 0, r
+
+
 def check_gateway_rows(
     rows: list[dict[str, Any]],
     *,
