@@ -93,12 +93,16 @@ def span(
     name: str, attributes: dict[str, Any] | None = None, *, client: bool = False
 ) -> contextlib.AbstractContextManager[Any]:
     """A span around a block, current inside it (a child of the current one); off: a shared
-    do-nothing context manager. `client`: the span is a call to another service."""
+    do-nothing context manager. `client`: the span is a call to another service, made only
+    inside a traced request (a health check or a scrape's store call starts no trace)."""
     tracer = _state.tracer
     if tracer is None:
         return _NOOP
+    from opentelemetry import trace
     from opentelemetry.trace import SpanKind
 
+    if client and not trace.get_current_span().get_span_context().is_valid:
+        return _NOOP
     kind = SpanKind.CLIENT if client else SpanKind.INTERNAL
     return tracer.start_as_current_span(name, kind=kind, attributes=attributes)
 
@@ -133,6 +137,8 @@ def outgoing_headers() -> list[tuple[bytes, bytes]]:
     return [(k.encode(), v.encode("latin-1")) for k, v in inject({}).items()]
 
 
+# probes and scrapes: every few seconds, from machines, never worth a trace
+UNTRACED_PATHS = frozenset({"/health", "/ready", "/metrics"})
 _ID_SEGMENT = re.compile(r"/(?=[^/]*\d)[^/]{16,}")
 
 
@@ -162,7 +168,7 @@ class TracingMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         tracer = _state.tracer
-        if scope["type"] != "http" or tracer is None:
+        if scope["type"] != "http" or tracer is None or scope["path"] in UNTRACED_PATHS:
             await self.app(scope, receive, send)
             return
         from opentelemetry.propagate import extract

@@ -67,9 +67,12 @@ def test_off_by_default_nothing_is_built(monkeypatch: pytest.MonkeyPatch) -> Non
 def test_on_a_call_carries_the_current_span(memory: InMemorySpanExporter) -> None:
     client = _client()
     assert b"traceparent" not in client._encode("POST", "/p", b"{}", ())  # no span: none
-    with tracing.span("call", client=True):
+    with tracing.span("call", client=True):  # a call outside any request starts no trace
+        assert b"traceparent" not in client._encode("POST", "/p", b"{}", ())
+    assert memory.get_finished_spans() == ()
+    with tracing.span("request"), tracing.span("call", client=True):
         request = client._encode("POST", "/p", b"{}", ((b"x-a", b"1"),))
-    (span,) = memory.get_finished_spans()
+    span = next(s for s in memory.get_finished_spans() if s.name == "call")
     ctx = span.get_span_context()
     assert ctx is not None
     flags = int(ctx.trace_flags)
@@ -149,13 +152,15 @@ def _hex(span: ReadableSpan) -> tuple[str, str, str]:
     return f"{ctx.trace_id:032x}", f"{ctx.span_id:016x}", parent
 
 
-def _wait_for(sink: OtlpSink, trace_id: str, services: set[str]) -> list[ReceivedSpan]:
+def _children(sink: OtlpSink, trace_id: str, parents: set[str]) -> dict[str, ReceivedSpan]:
+    """The received spans of `trace_id` whose parents are `parents`, by parent id, once
+    every one has come (the services export in batches)."""
     deadline = time.monotonic() + 15
     while True:
-        spans = [s for s in sink.spans() if s.trace_id == trace_id]
-        if services <= {s.service for s in spans}:
-            return spans
-        assert time.monotonic() < deadline, f"spans of {services} never came: {spans}"
+        found = {s.parent_id: s for s in sink.spans() if s.trace_id == trace_id}
+        if parents <= set(found):
+            return found
+        assert time.monotonic() < deadline, f"no children of {parents - set(found)}: {found}"
         time.sleep(0.1)
 
 
@@ -192,17 +197,56 @@ async def test_a_session_turn_is_one_trace_across_gateway_manager_and_worker(
         attributes = children[name].attributes
         assert attributes is not None and attributes[tracing.SESSION_ATTR] == sid
 
-    # the other two processes continued the same trace, under the gateway's call spans
-    received = _wait_for(sink, trace_id, {"ctxcache-manager", "ctxcache-worker"})
-    by_service: dict[str, list[ReceivedSpan]] = {}
-    for s in received:
-        by_service.setdefault(s.service, []).append(s)
-    manager_parents = {s.parent_id: s.name for s in by_service["ctxcache-manager"]}
-    begin_id = _hex(children["manager POST /sessions/{session_id}/begin"])[1]
-    assert manager_parents.get(begin_id, "").startswith("POST /sessions/"), manager_parents
-    assert manager_parents.get(_hex(append)[1], "").endswith("/append"), manager_parents
-    worker_parents = {s.parent_id: s.name for s in by_service["ctxcache-worker"]}
-    # the worker got `traceparent` from both calls: the tokenize and the generation
-    assert worker_parents.get(_hex(children["ctxcache.tokenize"])[1]) == "POST /tokenize"
-    generate_id = _hex(children["ctxcache.generate"])[1]
-    assert worker_parents.get(generate_id) == "POST /v1/completions", worker_parents
+    # the other two processes continued the same trace, each server span under the
+    # gateway's call that made it: the worker got `traceparent` from both of its calls
+    calls = {
+        "manager POST /sessions/{session_id}/begin": (
+            "ctxcache-manager",
+            "POST /sessions/{id}/begin",
+        ),
+        "ctxcache.tokenize": ("ctxcache-worker", "POST /tokenize"),
+        "ctxcache.generate": ("ctxcache-worker", "POST /v1/completions"),
+    }
+    ids = {_hex(children[name])[1]: want for name, want in calls.items()}
+    ids[_hex(append)[1]] = ("ctxcache-manager", "POST /sessions/{id}/append")
+    received = _children(sink, trace_id, set(ids))
+    for parent, (service, name) in ids.items():
+        got = received[parent]
+        assert (got.service, got.name, got.kind) == (service, name, 2), got  # 2: SERVER
+
+    # probes and scrapes start no trace (nor do the store calls a scrape makes)
+    memory.clear()
+    for path in ("/metrics", "/health", "/ready"):
+        assert (await gateway.get(path)).status_code == 200
+    assert memory.get_finished_spans() == ()
+
+
+async def test_an_in_process_manager_s_calls_are_spans_of_the_same_names(
+    memory: InMemorySpanExporter,
+    traced_services: tuple[ServiceProcess, ServiceProcess],
+    redis_url: str,
+) -> None:
+    _, worker = traced_services
+    settings = GatewaySettings(redis_url=redis_url, workers=[worker.url], api_keys={KEY: "t"})
+    app = tracing.server_middleware(create_app(settings), "gateway")
+    async with LifespanManager(app) as running:  # type: ignore[arg-type]
+        transport = httpx.ASGITransport(app=running.app)
+        async with httpx.AsyncClient(
+            transport=transport, base_url="http://gw", headers=AUTH, timeout=60
+        ) as client:
+            r = await client.post("/v1/context", json={"model": "tiny", "prompt": "one two"})
+            sid = r.json()["session_id"]
+            memory.clear()
+            r = await client.post(
+                "/v1/completions",
+                json={"model": "tiny", "prompt": " three", "max_tokens": 2, "session_id": sid},
+            )
+            assert r.status_code == 200, r.text
+    spans = {s.name: s for s in memory.get_finished_spans()}
+    begin = spans["manager POST /sessions/{session_id}/begin"]
+    assert begin.kind == SpanKind.INTERNAL and begin.attributes is not None
+    assert begin.attributes[tracing.SESSION_ATTR] == sid
+    root = spans["POST /v1/completions"]
+    assert _hex(begin)[2] == _hex(root)[1] and _hex(begin)[0] == _hex(root)[0]
+    append = spans["manager POST /sessions/{session_id}/append"]
+    assert _hex(append)[2] == _hex(spans["ctxcache.commit"])[1]
