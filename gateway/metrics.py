@@ -54,8 +54,8 @@ class GatewayMetrics:
         )
         self.ttft = Histogram(
             "ctxcache_gateway_ttft_seconds",
-            "time to the first generated token (or the whole response), session turns vs "
-            "plain requests",
+            "time from the request to its first generated token (or the whole response, "
+            "not streamed), session turns (from loading the session) vs plain requests",
             ["mode"],
             buckets=_LATENCY_BUCKETS,
             registry=r,

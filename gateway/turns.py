@@ -343,10 +343,12 @@ class TurnService:
             # built-in worker honours 0, and gives the same answer this way).
             fields["max_tokens"] = 1
         body = orjson.dumps(fields)
-        t0 = time.perf_counter()
         with tracing.span("ctxcache.generate", self._span_attributes(turn), client=True):
             out = await self._with_failover(turn, lambda w: post_json(w, "/v1/completions", body))
-        self.metrics.first_token("session", time.perf_counter() - t0)
+        if not prefill_only:  # (a context only prefilled has no first token to wait for)
+            # from the turn's start: loading the session and tokenizing count, as a client
+            # waiting for its first token sees them
+            self.metrics.first_token("session", time.perf_counter() - turn.started)
         choice = (out.get("choices") or [{}])[0]
         usage = normalize_usage(out.get("usage"))
         if prefill_only:
@@ -459,7 +461,6 @@ class TurnService:
         If the client goes away (or anything fails) before the commit, the turn is
         dropped: the lock is released and nothing is appended.
         """
-        t0 = time.perf_counter()
         assert turn.worker is not None
         committed = False
         try:
@@ -480,7 +481,7 @@ class TurnService:
                         continue
                     for choice in event.get("choices") or []:
                         if first:
-                            self.metrics.first_token("session", time.perf_counter() - t0)
+                            self.metrics.first_token("session", time.perf_counter() - turn.started)
                             first = False
                         text.append(choice.get("text") or "")
                         ids.extend(choice.get("token_ids") or [])
