@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from cache_manager.client import ManagerClient
@@ -54,6 +55,7 @@ class ContextService:
         return check_ttl(ttl, default=s.default_ttl, low=s.min_ttl, high=s.max_ttl)
 
     async def create(self, tenant: str, req: ContextCreate, body: dict[str, Any]) -> dict[str, Any]:
+        started = time.perf_counter()
         if (req.prompt is None) == (req.messages is None):
             raise InvalidRequest("give exactly one of prompt or messages", param="prompt")
         ttl = self.check_ttl(req.ttl)
@@ -85,6 +87,7 @@ class ContextService:
             session_id=session_id,
             worker=worker,
             sampling=sampling,
+            started=started,
         )
         self.turns.check_window(turn)
         gen = await self.turns.generate(turn)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -153,8 +154,10 @@ class ResponseService:
     async def create(self, tenant: str, raw: bytes) -> Response:
         body, req = parse_json(raw, ResponseCreate)
         check_supported(req, body)
+        started = time.perf_counter()
         planned = await self._plan(tenant, req)
         turn = planned.turn
+        turn.started = started  # (the load counts, as it does for a completion's turn)
         try:
             if req.stream:  # from here on, the stream releases the lock
                 return await self._stream(tenant, planned)

@@ -29,6 +29,6 @@ def test_metrics_count_turns_tokens_and_sessions(stack: Stack) -> None:
     # the turn; not the create, which only prefilled (it has no first token)
     assert metric(after, ttft) >= metric(before, ttft) + 1
     e2e = 'ctxcache_gateway_completion_seconds_count{mode="session"}'
-    assert metric(after, e2e) >= metric(before, e2e) + 2  # the create and the turn
+    assert metric(after, e2e) >= metric(before, e2e) + 1
     assert 'route="/v1/completions"' in after and sid not in after  # no ids in labels
     assert metric(after, "ctxcache_gateway_worker_healthy") == 2
