@@ -132,8 +132,8 @@ class GatewayMetrics:
 
     def first_token(self, mode: str, seconds: float) -> None:
         """Time to the first token (a whole response, not streamed) of a completion:
-        `mode` is "session" or "plain". Plain requests answered by `gateway.fastpath` and
-        streams relayed by `gateway.relay` call this too."""
+        `mode` is "session" or "plain" (a request without a session: not yet observed for
+        streams, which `gateway.completions.streams.relayed` passes on unparsed)."""
         self._ttft[mode].observe(seconds)
 
     def completed(self, mode: str, seconds: float) -> None:
