@@ -202,13 +202,13 @@ async def test_a_session_turn_is_one_trace_across_gateway_manager_and_worker(
     calls = {
         "manager POST /sessions/{session_id}/begin": (
             "ctxcache-manager",
-            "POST /sessions/{id}/begin",
+            "POST /sessions/{session_id}/begin",
         ),
         "ctxcache.tokenize": ("ctxcache-worker", "POST /tokenize"),
         "ctxcache.generate": ("ctxcache-worker", "POST /v1/completions"),
     }
     ids = {_hex(children[name])[1]: want for name, want in calls.items()}
-    ids[_hex(append)[1]] = ("ctxcache-manager", "POST /sessions/{id}/append")
+    ids[_hex(append)[1]] = ("ctxcache-manager", "POST /sessions/{session_id}/append")
     received = _children(sink, trace_id, set(ids))
     for parent, (service, name) in ids.items():
         got = received[parent]
