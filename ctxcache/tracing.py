@@ -137,6 +137,7 @@ def outgoing_headers() -> list[tuple[bytes, bytes]]:
     return [(k.encode(), v.encode("latin-1")) for k, v in inject({}).items()]
 
 
+_TRACE_HEADERS = frozenset({b"traceparent", b"tracestate"})  # W3C trace context, all we read
 # probes and scrapes: every few seconds, from machines, never worth a trace
 UNTRACED_PATHS = frozenset({"/health", "/ready", "/metrics"})
 _ID_SEGMENT = re.compile(r"/(?=[^/]*\d)[^/]{16,}")
@@ -174,7 +175,9 @@ class TracingMiddleware:
         from opentelemetry.propagate import extract
         from opentelemetry.trace import SpanKind, Status, StatusCode
 
-        carrier = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        carrier = {
+            k.decode(): v.decode("latin-1") for k, v in scope["headers"] if k in _TRACE_HEADERS
+        }
         method = scope["method"]
         with tracer.start_as_current_span(
             f"{method} {route_name(scope['path'])}",

@@ -237,12 +237,19 @@ async def test_an_in_process_manager_s_calls_are_spans_of_the_same_names(
             r = await client.post("/v1/context", json={"model": "tiny", "prompt": "one two"})
             sid = r.json()["session_id"]
             memory.clear()
+            caller = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"  # a client's
             r = await client.post(
                 "/v1/completions",
                 json={"model": "tiny", "prompt": " three", "max_tokens": 2, "session_id": sid},
+                headers={"traceparent": caller},
             )
             assert r.status_code == 200, r.text
     spans = {s.name: s for s in memory.get_finished_spans()}
+    # the gateway continues a trace its caller started
+    assert _hex(spans["POST /v1/completions"])[0::2] == (
+        "0af7651916cd43dd8448eb211c80319c",
+        "b7ad6b7169203331",
+    )
     begin = spans["manager POST /sessions/{session_id}/begin"]
     assert begin.kind == SpanKind.INTERNAL and begin.attributes is not None
     assert begin.attributes[tracing.SESSION_ATTR] == sid
