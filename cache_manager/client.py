@@ -22,9 +22,13 @@ from pydantic import BaseModel
 from cache_manager.protocol import (
     AppendTurn,
     BeginTurn,
+    Claim,
+    ClaimKey,
     CreateSession,
+    LockRenewed,
     ManagerStats,
     ReleaseLock,
+    RenewLock,
     ResponseDeleted,
     ResponseRecord,
     SessionInfo,
@@ -163,6 +167,19 @@ class ManagerClient:
             body=ReleaseLock(tenant=tenant, lock=lock),
         )
 
+    async def claim(self, session_id: str, req: ClaimKey) -> Claim:
+        return await self._call("POST", self._path(session_id, "/claim"), Claim, body=req)  # type: ignore[return-value]
+
+    async def renew(self, session_id: str, tenant: str, lock: str) -> bool:
+        out = await self._call(
+            "POST",
+            self._path(session_id, "/renew"),
+            LockRenewed,
+            body=RenewLock(tenant=tenant, lock=lock),
+        )
+        assert out is not None
+        return out.held
+
     async def update(self, session_id: str, req: UpdateSession) -> SessionInfo:
         return await self._call("PATCH", self._path(session_id), SessionInfo, body=req)  # type: ignore[return-value]
 
@@ -229,6 +246,12 @@ class LocalManager(ManagerClient):
 
     async def release(self, session_id: str, tenant: str, lock: str) -> None:
         await self.service.release(session_id, tenant, lock)
+
+    async def claim(self, session_id: str, req: ClaimKey) -> Claim:
+        return await self.service.claim(session_id, req)
+
+    async def renew(self, session_id: str, tenant: str, lock: str) -> bool:
+        return await self.service.renew(session_id, tenant, lock)
 
     async def update(self, session_id: str, req: UpdateSession) -> SessionInfo:
         return await self.service.update(session_id, req)

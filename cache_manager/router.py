@@ -10,10 +10,14 @@ from pydantic import BaseModel
 from cache_manager.protocol import (
     AppendTurn,
     BeginTurn,
+    Claim,
+    ClaimKey,
     CreateSession,
     Deleted,
+    LockRenewed,
     ManagerStats,
     ReleaseLock,
+    RenewLock,
     ResponseDeleted,
     ResponseRecord,
     SessionInfo,
@@ -71,6 +75,16 @@ async def append(session_id: str, body: AppendTurn, svc: ServiceDep) -> Response
 @router.post("/{session_id}/release", status_code=204)
 async def release(session_id: str, body: ReleaseLock, svc: ServiceDep) -> None:
     await svc.release(session_id, body.tenant, body.lock)
+
+
+@router.post("/{session_id}/renew", response_model=LockRenewed)
+async def renew(session_id: str, body: RenewLock, svc: ServiceDep) -> LockRenewed:
+    return LockRenewed(held=await svc.renew(session_id, body.tenant, body.lock))
+
+
+@router.post("/{session_id}/claim", response_model=Claim)
+async def claim(session_id: str, body: ClaimKey, svc: ServiceDep) -> Claim:
+    return await svc.claim(session_id, body)
 
 
 @router.patch("/{session_id}", response_model=SessionInfo)

@@ -27,6 +27,7 @@ from gateway.context.service import ContextService
 from gateway.conversations.router import router as conversations_router
 from gateway.conversations.service import ConversationService
 from gateway.fastpath import FastPath
+from gateway.locks import LockKeeper
 from gateway.metrics import GatewayMetrics
 from gateway.pool import WorkerPool
 from gateway.prompts import PromptBuilder
@@ -93,7 +94,13 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             stack.push_async_callback(pool.aclose)
             salt = CacheSalt(settings.tenant_cache_salt)
             recent = RecentHistories(max_sessions=settings.recent_chat_sessions)
-            turns = TurnService(manager, pool, metrics, PromptBuilder(), salt, recent)
+            keeper = LockKeeper(
+                manager,
+                max_hold_s=settings.request_timeout_s,
+                on_renew=metrics.turn_lock_renewals.inc,
+            )
+            stack.push_async_callback(keeper.aclose)
+            turns = TurnService(manager, pool, metrics, PromptBuilder(), salt, recent, keeper)
             stack.push_async_callback(turns.background.drain)
             stack.callback(app.state.relay.close)
             app.state.keys = KeyRing(settings.api_keys)
@@ -102,10 +109,12 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             app.state.pool = pool
             app.state.metrics = metrics
             app.state.turns = turns
-            app.state.completions = CompletionService(turns, pool)
+            app.state.completions = CompletionService(
+                turns, pool, idempotency_ttl_s=settings.idempotency_ttl_s
+            )
             app.state.contexts = ContextService(manager, turns, pool, settings, metrics)
             app.state.responses = ResponseService(manager, turns, settings, metrics)
-            app.state.conversations = ConversationService(manager, turns, settings)
+            app.state.conversations = ConversationService(manager, turns, settings, metrics)
             log.info(
                 "gateway ready: %d worker(s), manager %s",
                 len(pool.workers),
@@ -121,6 +130,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         default_response_class=JSONResponse,
     )
     app.state.metrics = metrics
+    app.state.idempotency_ttl_s = settings.idempotency_ttl_s
     app.state.relay = StreamRelay(metrics, max_body_bytes=settings.max_body_bytes)
     install_error_handlers(app)
     app.include_router(context_router)

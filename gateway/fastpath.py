@@ -71,7 +71,17 @@ class FastPath:
             kind = KINDS[scope["path"]]
             if doc is None or session_header is not None or not routable(doc):
                 # a session turn, or a body to validate in full (parsed once)
-                response = await completions.answer(tenant, kind, body, session_header, parsed=doc)
+                response = await completions.answer(
+                    tenant,
+                    kind,
+                    body,
+                    session_header,
+                    parsed=doc,
+                    idempotency_key=[
+                        v.decode("latin-1") for k, v in scope["headers"] if k == b"idempotency-key"
+                    ]
+                    or None,
+                )
             elif doc.get("stream"):
                 response = await completions.passthrough(tenant, kind, body, doc)
             else:

@@ -1,4 +1,5 @@
-"""Prometheus metrics of one gateway (its own registry: no globals, no tenant labels)."""
+"""Prometheus metrics of one gateway (its own registry: no globals; tenant labels only on
+the per-tenant counters of issue 25)."""
 
 from __future__ import annotations
 
@@ -84,6 +85,21 @@ class GatewayMetrics:
         self.worker_healthy = Gauge(
             "ctxcache_gateway_worker_healthy", "1 if healthy", ["worker"], registry=r
         )
+        # per tenant (issue 25: a tenant is a configured name, a bounded set)
+        self.idempotent_replays = Counter(
+            "ctxcache_gateway_idempotent_replays_total",
+            "requests answered with the recorded answer of their Idempotency-Key",
+            ["tenant"],
+            registry=r,
+        )
+        self.turn_lock_renewals = Counter(
+            "ctxcache_gateway_turn_lock_renewals_total",
+            "turn locks extended because their turn ran longer than a third of the lock TTL",
+            registry=r,
+        )
+
+    def replayed(self, tenant: str) -> None:
+        self.idempotent_replays.labels(tenant).inc()
 
     def observe(self, route: str, status: int, seconds: float) -> None:
         # the labelled series, looked up once per (route, status): both are bounded sets

@@ -66,6 +66,12 @@ class GatewaySettings(BaseSettings):
         ge=0,
         description="chat histories kept in memory to render a turn early; 0: none",
     )
+    idempotency_ttl_s: int = Field(
+        86_400,
+        ge=60,
+        le=30 * 86_400,
+        description="how long an Idempotency-Key's recorded answer is kept (docs/limits.md)",
+    )
     log_level: str = Field("INFO", description="DEBUG, INFO, WARNING, ...")
 
     @field_validator("workers", mode="before")

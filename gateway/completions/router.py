@@ -25,12 +25,20 @@ STREAMS = {200: {"content": {"text/event-stream": {}}}}
 @router.post("/completions", openapi_extra=body_doc(CompletionBody), responses=STREAMS)
 async def completions(request: Request, tenant: TenantDep, svc: ServiceDep) -> Response:
     return await svc.answer(
-        tenant, "completion", await request.body(), request.headers.get("x-session-id")
+        tenant,
+        "completion",
+        await request.body(),
+        request.headers.get("x-session-id"),
+        idempotency_key=request.headers.getlist("idempotency-key") or None,
     )
 
 
 @router.post("/chat/completions", openapi_extra=body_doc(ChatBody), responses=STREAMS)
 async def chat_completions(request: Request, tenant: TenantDep, svc: ServiceDep) -> Response:
     return await svc.answer(
-        tenant, "chat", await request.body(), request.headers.get("x-session-id")
+        tenant,
+        "chat",
+        await request.body(),
+        request.headers.get("x-session-id"),
+        idempotency_key=request.headers.getlist("idempotency-key") or None,
     )

@@ -9,6 +9,7 @@ from fastapi import APIRouter, Depends, Request
 from ctxcache.responses import JSONResponse
 from gateway.auth import TenantDep
 from gateway.conversations.service import ConversationService
+from gateway.idempotency import IdempotencyDep
 from gateway.requests import body_doc, read_json
 from gateway.responses.protocol import ConversationCreate, ConversationUpdate
 from gateway.responses.router import PageDep
@@ -23,9 +24,11 @@ router = APIRouter(prefix="/v1/conversations")
 
 
 @router.post("", openapi_extra=body_doc(ConversationCreate))
-async def create(request: Request, tenant: TenantDep, svc: ServiceDep) -> JSONResponse:
-    _, _, req = await read_json(request, ConversationCreate)
-    return JSONResponse(await svc.create(tenant, req))
+async def create(
+    request: Request, tenant: TenantDep, svc: ServiceDep, key: IdempotencyDep
+) -> JSONResponse:
+    raw, _, req = await read_json(request, ConversationCreate)
+    return JSONResponse(await svc.create(tenant, req, key(raw)))
 
 
 @router.get("/{conversation_id}")

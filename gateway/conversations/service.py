@@ -4,12 +4,15 @@ of its first response; its items are the session's messages."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from cache_manager.client import ManagerClient
-from cache_manager.protocol import BeginTurn, CreateSession, SessionInfo, UpdateSession
+from cache_manager.protocol import BeginTurn, ClaimKey, CreateSession, SessionInfo, UpdateSession
 from cache_manager.store import new_session_id
 from ctxcache.errors import ConversationNotFound, SessionNotFound
+from gateway.idempotency import IdempotencyKey
+from gateway.metrics import GatewayMetrics
 from gateway.responses.protocol import (
     ConversationCreate,
     conversation_id,
@@ -31,17 +34,66 @@ def conversation_object(info: SessionInfo) -> dict[str, Any]:
 
 
 class ConversationService:
-    def __init__(self, manager: ManagerClient, turns: TurnService, settings: GatewaySettings):
+    def __init__(
+        self,
+        manager: ManagerClient,
+        turns: TurnService,
+        settings: GatewaySettings,
+        metrics: GatewayMetrics | None = None,
+    ):
         self.manager = manager
         self.turns = turns
         self.settings = settings
+        self.metrics = metrics if metrics is not None else turns.metrics
 
-    async def create(self, tenant: str, req: ConversationCreate) -> dict[str, Any]:
+    async def create(
+        self, tenant: str, req: ConversationCreate, key: IdempotencyKey | None = None
+    ) -> dict[str, Any]:
         """A conversation lives `max_ttl` (sliding with each response); its items are not
-        tokenized until its first response names the model."""
-        info = await self.manager.create(
+        tokenized until its first response names the model. With an idempotency key its
+        id is derived from the key, and a retry answers the conversation made first."""
+        session_id, lock = new_session_id(), None
+        if key is not None:
+            session_id = key.session_id()
+            claim = await self.manager.claim(
+                session_id, ClaimKey(tenant=tenant, idempotency=key.record())
+            )
+            if claim.replay is not None:
+                self.metrics.replayed(tenant)
+                return claim.replay.answer
+            lock = claim.lock
+        answer = {
+            "id": conversation_id(session_id),
+            "object": "conversation",
+            "metadata": req.metadata or {},
+        }
+        try:
+            info = await self._create(tenant, req, session_id, key, lock, answer)
+        except BaseException:
+            if lock is not None:
+                self.turns.background.spawn(
+                    self.manager.release(session_id, tenant, lock),
+                    what="idempotency claim release",
+                    session_id=session_id,
+                )
+            raise
+        return conversation_object(info)
+
+    async def _create(
+        self,
+        tenant: str,
+        req: ConversationCreate,
+        session_id: str,
+        key: IdempotencyKey | None,
+        lock: str | None,
+        answer: dict[str, Any],
+    ) -> SessionInfo:
+        # the answer recorded for a retry: the object as it is created
+        now_ms = int(time.time() * 1000)
+        answer["created_at"] = now_ms // 1000
+        return await self.manager.create(
             CreateSession(
-                session_id=new_session_id(),
+                session_id=session_id,
                 tenant=tenant,
                 model="",
                 kind="chat",
@@ -49,9 +101,11 @@ class ConversationService:
                 ttl=self.settings.max_ttl,
                 metadata=req.metadata or {},
                 origin="conversation",
+                idempotency=key.record(answer) if key is not None else None,
+                lock=lock,
+                created_ms=now_ms,
             )
         )
-        return conversation_object(info)
 
     def _session(self, conv: str) -> str:
         sid = parse_conversation_id(conv)
