@@ -529,11 +529,15 @@ class TurnService:
         except Exception as exc:
             if fail is None:
                 raise  # the client's connection is cut: that is how its format ends badly
-            if not isinstance(exc, CtxError):
+            error = exc
+            if isinstance(exc, WorkerDown):
+                self.pool.mark_down(exc.worker, str(exc))
+                error = BackendUnavailable(f"the worker stopped mid-answer ({exc})")
+            elif not isinstance(exc, CtxError):
                 log.exception("a streamed turn failed")
             await self.release_now(turn.tenant, turn.state)
             committed = True  # (released: nothing left to do below)
-            yield fail(exc)
+            yield fail(error)
         finally:
             if not committed:
                 await self.release_now(turn.tenant, turn.state)
