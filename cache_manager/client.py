@@ -25,6 +25,8 @@ from cache_manager.protocol import (
     Claim,
     ClaimKey,
     CreateSession,
+    EditItems,
+    ItemsEdited,
     LockRenewed,
     ManagerStats,
     ReleaseLock,
@@ -170,6 +172,9 @@ class ManagerClient:
     async def claim(self, session_id: str, req: ClaimKey) -> Claim:
         return await self._call("POST", self._path(session_id, "/claim"), Claim, body=req)  # type: ignore[return-value]
 
+    async def items(self, session_id: str, req: EditItems) -> ItemsEdited:
+        return await self._call("POST", self._path(session_id, "/items"), ItemsEdited, body=req)  # type: ignore[return-value]
+
     async def renew(self, session_id: str, tenant: str, lock: str) -> bool:
         out = await self._call(
             "POST",
@@ -249,6 +254,9 @@ class LocalManager(ManagerClient):
 
     async def claim(self, session_id: str, req: ClaimKey) -> Claim:
         return await self.service.claim(session_id, req)
+
+    async def items(self, session_id: str, req: EditItems) -> ItemsEdited:
+        return await self.service.items(session_id, req)
 
     async def renew(self, session_id: str, tenant: str, lock: str) -> bool:
         return await self.service.renew(session_id, tenant, lock)

@@ -39,6 +39,9 @@ class SessionInfo(StrictModel):
     # the session it was forked from (a fork reads its parent's blocks; docs/responses.md)
     kv_key: str = ""
     kv_shared: bool = False  # a fork reads this session's blocks: a delete leaves them
+    # the version of a conversation's last items edit: its token ids were re-rendered then,
+    # so a point stored before it is continued from its messages alone
+    edited: int = 0
 
 
 class Idempotency(StrictModel):
@@ -86,6 +89,23 @@ class Claim(StrictModel):
 
     lock: str | None = None
     lock_ttl_ms: int | None = None
+    replay: Replay | None = None
+
+
+class EditItems(StrictModel):
+    """Add messages to a conversation, or delete one (`delete`: its index, at version
+    `expected_version`). The session's token ids are dropped: the next turn renders the
+    conversation's messages again."""
+
+    tenant: str
+    add: list[dict[str, Any]] | None = Field(None, max_length=20)
+    delete: int | None = Field(None, ge=0)
+    expected_version: int | None = Field(None, ge=0)
+    idempotency: Idempotency | None = None
+
+
+class ItemsEdited(StrictModel):
+    info: SessionInfo | None = None
     replay: Replay | None = None
 
 

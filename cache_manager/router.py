@@ -14,6 +14,8 @@ from cache_manager.protocol import (
     ClaimKey,
     CreateSession,
     Deleted,
+    EditItems,
+    ItemsEdited,
     LockRenewed,
     ManagerStats,
     ReleaseLock,
@@ -80,6 +82,11 @@ async def release(session_id: str, body: ReleaseLock, svc: ServiceDep) -> None:
 @router.post("/{session_id}/renew", response_model=LockRenewed)
 async def renew(session_id: str, body: RenewLock, svc: ServiceDep) -> LockRenewed:
     return LockRenewed(held=await svc.renew(session_id, body.tenant, body.lock))
+
+
+@router.post("/{session_id}/items", response_model=ItemsEdited)
+async def items(session_id: str, body: EditItems, svc: ServiceDep) -> ItemsEdited:
+    return await svc.items(session_id, body)
 
 
 @router.post("/{session_id}/claim", response_model=Claim)

@@ -16,6 +16,8 @@ from cache_manager.protocol import (
     Claim,
     ClaimKey,
     CreateSession,
+    EditItems,
+    ItemsEdited,
     Replay,
     ResponseDeleted,
     ResponseRecord,
@@ -223,6 +225,26 @@ class SessionService:
                 log.info("idempotent replay of a create")
             return Claim(replay=replay)
         return Claim(lock=lock, lock_ttl_ms=ttl)
+
+    async def items(self, session_id: str, req: EditItems) -> ItemsEdited:
+        """A conversation's items: messages added or one deleted (docs/responses.md)."""
+        self._check_id(session_id)
+        if (req.add is None) == (req.delete is None):
+            raise InvalidRequest("give exactly one of add or delete")
+        done = await self.store.items(
+            session_id,
+            req.tenant,
+            add=req.add,
+            delete=req.delete,
+            expected_version=req.expected_version,
+            idempotency=req.idempotency,
+        )
+        if isinstance(done, Replay):
+            return ItemsEdited(replay=done)
+        self._index_later(done)
+        with bind_session(session_id):
+            log.info("conversation items edited: version %d", done.version)
+        return ItemsEdited(info=done)
 
     async def renew(self, session_id: str, tenant: str, lock: str) -> bool:
         """Extend a lock we hold by the lock TTL (a turn longer than it renews it)."""

@@ -144,6 +144,7 @@ def parse_info(session_id: str, rec: dict[bytes, bytes]) -> SessionInfo:
         origin=s("origin") or "context",  # type: ignore[arg-type]
         kv_key=s("kv_key") or session_key(session_id),
         kv_shared=s("kv_shared") == "1",
+        edited=i("edited"),
     )
 
 
@@ -222,6 +223,7 @@ class SessionStore:
         self._release = _script(redis, "release")
         self._renew = _script(redis, "renew")
         self._claim = _script(redis, "claim")
+        self._items = _script(redis, "items")
         self._tenant = _script(redis, "tenant")
         self._response = _script(redis, "response")
         # tenants with an index, for the live-session count: seen here, or found by SCAN
@@ -461,6 +463,44 @@ class SessionStore:
                 (self._renew, session_keys(session_id)[3:4], [lock, ttl_ms])
             )
         return bool(held)
+
+    async def items(
+        self,
+        session_id: str,
+        tenant: str,
+        *,
+        add: list[dict[str, Any]] | None = None,
+        delete: int | None = None,
+        expected_version: int | None = None,
+        idempotency: Idempotency | None = None,
+    ) -> SessionInfo | Replay:
+        """Add messages to a conversation (`add`) or delete its `delete`-th; its token ids
+        are dropped (the next response renders the conversation again). A turn in flight
+        is `session_busy`; a version other than `expected_version`, a conflict."""
+        keys = session_keys(session_id)[:4]
+        if idempotency is not None:
+            keys.append(idempotency_key(session_id, idempotency.key))
+        args: list[Any] = [
+            tenant,
+            "add" if add is not None else "delete",
+            "" if expected_version is None else expected_version,
+            delete or 0,
+            *_idempotency_args(idempotency),
+        ]
+        args += [orjson.dumps(m) for m in add or []]
+        async with redis_errors():
+            (res,) = await self._pipelined((self._items, keys, args), durable=True)
+        if res[0] == 0:
+            raise SessionNotFound()
+        if res[0] == -1:
+            raise SessionBusy(retry_after_ms=max(50, min(int(res[1]), 2000)))
+        if res[0] == -2:
+            raise VersionConflict(f"the conversation is at version {int(res[1])}")
+        if res[0] != 1:
+            replay = _replay_or_raise(session_id, res)
+            assert replay is not None
+            return replay
+        return parse_info(session_id, _as_dict(res[1]))
 
     async def update(
         self,

@@ -34,7 +34,12 @@ from gateway.prompts import PromptBuilder
 from gateway.protocol import ChatBody, CompletionBody, ContextCreate
 from gateway.recent import RecentHistories
 from gateway.relay import StreamRelay
-from gateway.responses.protocol import ConversationCreate, ConversationUpdate, ResponseCreate
+from gateway.responses.protocol import (
+    ConversationCreate,
+    ConversationUpdate,
+    ItemsCreate,
+    ResponseCreate,
+)
 from gateway.responses.router import router as responses_router
 from gateway.responses.service import ResponseService
 from gateway.salt import CacheSalt
@@ -208,7 +213,7 @@ def _document_bodies(app: FastAPI) -> None:
         schema = original()
         components = schema.setdefault("components", {}).setdefault("schemas", {})
         bodies = (CompletionBody, ChatBody, ContextCreate, ErrorResponse, ResponseCreate)
-        for model in (*bodies, ConversationCreate, ConversationUpdate):
+        for model in (*bodies, ConversationCreate, ConversationUpdate, ItemsCreate):
             doc = model.model_json_schema(ref_template="#/components/schemas/{model}")
             components.update(doc.pop("$defs", {}))
             components[model.__name__] = doc

@@ -109,10 +109,13 @@ def with_instructions(
 
 
 def cut(state: SessionState, at: dict[str, int]) -> SessionState:
-    """The session as it was right after a stored response (read-only: no lock)."""
+    """The session as it was right after a stored response (read-only: no lock). A
+    conversation whose items were edited since has other token ids: that point is
+    continued from its messages, rendered again."""
+    edited = at["version"] < state.info.edited
     return SessionState.model_construct(
         info=state.info,
-        tokens=state.tokens[: at["tokens"]],
+        tokens=[] if edited else state.tokens[: at["tokens"]],
         messages=state.messages[: at["messages"]],
         lock=None,
     )
