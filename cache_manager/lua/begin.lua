@@ -26,16 +26,15 @@ end
 local idem = ARGV[8] ~= nil and ARGV[8] ~= ''
 if idem then
   local r = redis.call('HMGET', KEYS[6], 'body', 'lock', 'answer', 'context_tokens', 'expires_at')
-  if r[1] then
+  local running = r[2] and r[2] ~= '' and r[2] ~= ARGV[2] and redis.call('GET', KEYS[4]) == r[2]
+  if r[3] or running then  -- (a record of an attempt that ended without writing binds nothing)
     if r[1] ~= ARGV[8] then
       return {-3}
     end
     if r[3] then
       return {2, r[3], r[4], r[5]}
     end
-    if r[2] and r[2] ~= '' and r[2] ~= ARGV[2] and redis.call('GET', KEYS[4]) == r[2] then
-      return {-4, redis.call('PTTL', KEYS[4])}
-    end
+    return {-4, redis.call('PTTL', KEYS[4])}
   end
 end
 if ARGV[2] ~= '' then

@@ -6,16 +6,15 @@
 --   another request | {-4, lock pttl} the first attempt still runs | {-5} the session exists
 --   but its key's record has expired (the key cannot make it again)
 local r = redis.call('HMGET', KEYS[3], 'body', 'lock', 'answer', 'context_tokens', 'expires_at')
-if r[1] then
-  if r[1] ~= ARGV[1] then
+local holder = redis.call('GET', KEYS[2])
+if r[3] or (holder and holder ~= ARGV[2]) then
+  -- (a record of an attempt that ended without writing binds nothing)
+  if r[1] and r[1] ~= ARGV[1] then
     return {-3}
   end
   if r[3] then
     return {2, r[3], r[4], r[5]}
   end
-end
-local holder = redis.call('GET', KEYS[2])
-if holder and holder ~= ARGV[2] then
   return {-4, redis.call('PTTL', KEYS[2])}
 end
 if redis.call('EXISTS', KEYS[1]) == 1 then
