@@ -20,20 +20,18 @@ from ctxcache.errors import install_error_handlers
 from ctxcache.responses import JSONResponse
 from ctxcache.schema import ErrorResponse
 from gateway.auth import KeyRing
-from gateway.completions.router import router as completions_router
+from gateway.completions import router as completion_routes
 from gateway.completions.service import CompletionService
 from gateway.context.router import router as context_router
 from gateway.context.service import ContextService
 from gateway.conversations.router import router as conversations_router
 from gateway.conversations.service import ConversationService
-from gateway.fastpath import FastPath
 from gateway.locks import LockKeeper
 from gateway.metrics import GatewayMetrics
 from gateway.pool import WorkerPool
 from gateway.prompts import PromptBuilder
 from gateway.protocol import ChatBody, CompletionBody, ContextCreate
 from gateway.recent import RecentHistories
-from gateway.relay import StreamRelay
 from gateway.responses.protocol import (
     ConversationCreate,
     ConversationUpdate,
@@ -48,22 +46,6 @@ from gateway.system import router as system_router
 from gateway.turns import TurnService
 
 log = logging.getLogger(__name__)
-
-
-def create_asgi(settings: GatewaySettings) -> FastPath:
-    """What the server runs: the FastAPI app behind the no-session fast path.
-
-    The fast path wraps the app from outside, so a plain request skips every FastAPI
-    layer; everything else (and the lifespan) goes to the app unchanged.
-    """
-    app = create_app(settings)
-    fast = FastPath(
-        app, state=app.state, metrics=app.state.metrics, max_body_bytes=settings.max_body_bytes
-    )
-    # streams without a session, answered from the server's protocol callbacks (the
-    # server asks `early_answers` first: `ctxcache.http_server.EarlyAnswers`)
-    fast.early_answers = app.state.relay
-    return fast
 
 
 def create_app(settings: GatewaySettings) -> FastAPI:
@@ -107,9 +89,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             stack.push_async_callback(keeper.aclose)
             turns = TurnService(manager, pool, metrics, PromptBuilder(), salt, recent, keeper)
             stack.push_async_callback(turns.background.drain)
-            stack.callback(app.state.relay.close)
             app.state.keys = KeyRing(settings.api_keys)
-            app.state.relay.start(app.state.keys, pool, salt)
             app.state.manager = manager
             app.state.pool = pool
             app.state.metrics = metrics
@@ -136,19 +116,15 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     )
     app.state.metrics = metrics
     app.state.idempotency_ttl_s = settings.idempotency_ttl_s
-    app.state.relay = StreamRelay(metrics, max_body_bytes=settings.max_body_bytes)
     install_error_handlers(app)
+    # the busiest two first: a request is matched against the routes in order
+    app.router.routes[:0] = completion_routes.routes
     app.include_router(context_router)
-    app.include_router(completions_router)
     app.include_router(responses_router)
     app.include_router(conversations_router)
     app.include_router(system_router)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
-    # outermost: plain requests without a session skip the framework entirely
-    app.add_middleware(
-        FastPath, state=app.state, metrics=metrics, max_body_bytes=settings.max_body_bytes
-    )
     _document_bodies(app)
     return app
 
@@ -211,6 +187,7 @@ def _document_bodies(app: FastAPI) -> None:
         if app.openapi_schema:
             return app.openapi_schema
         schema = original()
+        schema["paths"] = {**completion_routes.openapi_paths(), **schema["paths"]}
         components = schema.setdefault("components", {}).setdefault("schemas", {})
         bodies = (CompletionBody, ChatBody, ContextCreate, ErrorResponse, ResponseCreate)
         for model in (*bodies, ConversationCreate, ConversationUpdate, ItemsCreate):

@@ -34,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from ctxcache.logs import setup_logging
     from ctxcache.settings import from_args, serve_app
-    from gateway.app import create_asgi
+    from gateway.app import create_app
     from gateway.settings import GatewaySettings
 
     if args.api_key is not None:
@@ -51,5 +51,5 @@ def main(args: argparse.Namespace) -> int:
         log_level="log_level",
     )
     setup_logging("gateway", settings.log_level)
-    serve_app(create_asgi(settings), host=settings.host, port=settings.port)
+    serve_app(create_app(settings), host=settings.host, port=settings.port)
     return 0

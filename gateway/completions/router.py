@@ -1,44 +1,94 @@
-"""`POST /v1/completions` and `POST /v1/chat/completions`: parse, call, shape."""
+"""`POST /v1/completions` and `POST /v1/chat/completions`: read, call, answer.
+
+The two busiest routes are plain ASGI endpoints in the app's router (Starlette `Route`s),
+not FastAPI operations: most of their requests are only routed to a worker, and FastAPI's
+per-request machinery (dependency solving, the endpoint wrapper, response validation)
+cost more than the routing itself (docs/benchmarks.md, "Gateway"). They sit behind the
+same middleware and error handlers as every other route; `openapi_paths` documents them.
+"""
 
 from __future__ import annotations
 
-from typing import Annotated
+import logging
+from typing import Any
 
-from fastapi import APIRouter, Depends, Request, Response
+from starlette.requests import ClientDisconnect
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
-from gateway.auth import TenantDep
-from gateway.completions.service import CompletionService
+from ctxcache.disconnect import ClientLeft, until_the_client_leaves
+from gateway.auth import authorization
+from gateway.completions.service import PATHS, CompletionService
 from gateway.protocol import ChatBody, CompletionBody
 from gateway.requests import body_doc
 
-
-async def get_service(request: Request) -> CompletionService:
-    return request.app.state.completions  # type: ignore[no-any-return]
+log = logging.getLogger(__name__)
 
 
-ServiceDep = Annotated[CompletionService, Depends(get_service)]
-router = APIRouter(prefix="/v1")
-# `stream: true` answers server-sent events, each `data:` a chunk object, then `[DONE]`
-STREAMS = {200: {"content": {"text/event-stream": {}}}}
+class CompletionsEndpoint:
+    """One of the two routes (`kind`: "completion" or "chat"), as an ASGI app."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        state = scope["app"].state
+        headers = scope["headers"]
+        tenant = state.keys.tenant_for(authorization(headers))
+        body = await read_body(receive)
+        service: CompletionService = state.completions
+        keys = [v.decode("latin-1") for k, v in headers if k == b"idempotency-key"]
+        answer = service.serve(
+            tenant, self.kind, body, header(headers, b"x-session-id"), keys or None
+        )
+        try:  # a client that leaves cancels its request, on the worker too
+            response = await until_the_client_leaves(receive, answer)
+        except ClientLeft:
+            log.info("the client left before its answer: its request is cancelled")
+            return
+        await response(scope, receive, send)
 
 
-@router.post("/completions", openapi_extra=body_doc(CompletionBody), responses=STREAMS)
-async def completions(request: Request, tenant: TenantDep, svc: ServiceDep) -> Response:
-    return await svc.answer(
-        tenant,
-        "completion",
-        await request.body(),
-        request.headers.get("x-session-id"),
-        idempotency_key=request.headers.getlist("idempotency-key") or None,
-    )
+async def read_body(receive: Receive) -> bytes:
+    """The request's body (the body-size limit is the middleware's)."""
+    message = await receive()
+    body = message.get("body", b"")
+    while message.get("more_body", False):
+        message = await receive()
+        body += message.get("body", b"")
+    if message["type"] == "http.disconnect":
+        raise ClientDisconnect()
+    return body  # type: ignore[no-any-return]
 
 
-@router.post("/chat/completions", openapi_extra=body_doc(ChatBody), responses=STREAMS)
-async def chat_completions(request: Request, tenant: TenantDep, svc: ServiceDep) -> Response:
-    return await svc.answer(
-        tenant,
-        "chat",
-        await request.body(),
-        request.headers.get("x-session-id"),
-        idempotency_key=request.headers.getlist("idempotency-key") or None,
-    )
+def header(headers: list[tuple[bytes, bytes]], name: bytes) -> str | None:
+    """A header's first value (as Starlette's `request.headers.get` reads it)."""
+    for key, value in headers:
+        if key == name:
+            return value.decode("latin-1")
+    return None
+
+
+routes = [Route(path, CompletionsEndpoint(kind), methods=["POST"]) for kind, path in PATHS.items()]
+
+
+def openapi_paths() -> dict[str, Any]:
+    """The two routes' operations, for the OpenAPI document."""
+    summaries = {"completion": "Create a completion", "chat": "Create a chat completion"}
+    models = {"completion": CompletionBody, "chat": ChatBody}
+    answers = {
+        "description": "The completion; with `stream: true`, server-sent events (each "
+        "`data:` a chunk object, then `[DONE]`)",
+        "content": {"application/json": {}, "text/event-stream": {}},
+    }
+    return {
+        path: {
+            "post": {
+                "summary": summaries[kind],
+                "operationId": f"create_{kind}",
+                **body_doc(models[kind]),
+                "responses": {"200": answers},
+            }
+        }
+        for kind, path in PATHS.items()
+    }

@@ -49,7 +49,7 @@ from ctxcache.errors import (
 from ctxcache.lmcache_keys import session_key
 from ctxcache.logs import bind_session
 from ctxcache.responses import JSONResponse
-from gateway.completions.streams import TurnStream
+from gateway.completions.streams import SSEResponse
 from gateway.idempotency import IdempotencyKey, KeyOf
 from gateway.metrics import GatewayMetrics
 from gateway.requests import parse_json
@@ -186,7 +186,7 @@ class ResponseService:
         if isinstance(planned, Replay):
             self.metrics.replayed(tenant)
             if req.stream:
-                return TurnStream(_events(replay_events(planned.answer)), _nothing)
+                return SSEResponse(_events(replay_events(planned.answer)), _nothing)
             return JSONResponse(planned.answer)
         turn = planned.turn
         try:
@@ -238,7 +238,7 @@ class ResponseService:
 
         shaper = ResponseEvents(planned.draft)
         events = self.turns.stream(turn, upstream, shaper, True, on_done)
-        return TurnStream(self._unclaim_after(tenant, planned, events), never_started)
+        return SSEResponse(self._unclaim_after(tenant, planned, events), never_started)
 
     async def _unclaim_after(
         self, tenant: str, planned: Planned, events: AsyncGenerator[bytes, None]
