@@ -26,7 +26,7 @@ from asgi_lifespan import LifespanManager
 from cache_manager.store import SessionStore
 from ctxcache.errors import StoreUnavailable
 from ctxcache.redis_server import RedisServer
-from ctxcache.redis_topologies import RedisClusterServers
+from ctxcache.redis_topologies import RedisClusterServers, RedisSentinelServers
 from gateway.app import create_app
 from gateway.settings import GatewaySettings, WorkerEndpoint
 from tests.faults.conftest import FaultStack
@@ -39,6 +39,15 @@ KEY = "fault-key-a"
 def cluster(tmp_path: Path) -> Iterator[RedisClusterServers]:
     """A cluster per test: each kills a master."""
     servers = RedisClusterServers(tmp_path / "cluster", node_timeout_ms=1000)
+    try:
+        yield servers.start()
+    finally:
+        servers.stop()
+
+
+@pytest.fixture
+def sentinel(tmp_path: Path) -> Iterator[RedisSentinelServers]:
+    servers = RedisSentinelServers(tmp_path / "sentinel", down_after_ms=1000)
     try:
         yield servers.start()
     finally:
@@ -69,7 +78,8 @@ async def gateway(
     fstack: FaultStack, redis_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> AsyncIterator[tuple[httpx.AsyncClient, Any]]:
     # every acknowledged write is on a replica before it is answered (docs/deploy.md)
-    monkeypatch.setenv("CTX_MANAGER_REDIS_WAIT_REPLICAS", "1" if "cluster" in redis_url else "0")
+    replicated = "cluster" in redis_url or "sentinel" in redis_url
+    monkeypatch.setenv("CTX_MANAGER_REDIS_WAIT_REPLICAS", "1" if replicated else "0")
     monkeypatch.setenv("CTX_MANAGER_REDIS_WAIT_TIMEOUT_MS", "300")
     monkeypatch.setenv("CTX_MANAGER_REDIS_TIMEOUT_S", "1.0")
     settings = GatewaySettings(
@@ -191,3 +201,17 @@ async def test_a_cluster_master_killed_between_write_and_reply(
     async for http, app in gateway(fstack, cluster.url, monkeypatch):
         await lose_a_reply_and_retry(http, app, kill, stream=stream)
     cluster.wait_ok()
+
+
+async def test_a_sentinel_master_killed_between_write_and_reply(
+    fstack: FaultStack, sentinel: RedisSentinelServers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    old = sentinel.current_master()
+
+    def kill(_: str) -> None:  # Sentinel promotes the replica
+        log.info("SIGKILL master %d", old.port)
+        old.stop(kill=True)
+
+    async for http, app in gateway(fstack, sentinel.url, monkeypatch):
+        await lose_a_reply_and_retry(http, app, kill, stream=False)
+    assert sentinel.wait_failover(old) is not old
