@@ -31,6 +31,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.pool import WorkerPool
 from gateway.prompts import PromptBuilder
 from gateway.protocol import ChatBody, CompletionBody, ContextCreate
+from gateway.ratelimit import LimitedEarlyAnswers, RateLimits
 from gateway.recent import RecentHistories
 from gateway.relay import StreamRelay
 from gateway.responses.protocol import ConversationCreate, ConversationUpdate, ResponseCreate
@@ -44,8 +45,9 @@ from gateway.turns import TurnService
 log = logging.getLogger(__name__)
 
 
-def create_asgi(settings: GatewaySettings) -> FastPath:
-    """What the server runs: the FastAPI app behind the no-session fast path.
+def create_asgi(settings: GatewaySettings) -> RateLimits:
+    """What the server runs: the FastAPI app behind the no-session fast path, behind the
+    rate limits.
 
     The fast path wraps the app from outside, so a plain request skips every FastAPI
     layer; everything else (and the lifespan) goes to the app unchanged.
@@ -54,10 +56,25 @@ def create_asgi(settings: GatewaySettings) -> FastPath:
     fast = FastPath(
         app, state=app.state, metrics=app.state.metrics, max_body_bytes=settings.max_body_bytes
     )
+    limits = _rate_limits(fast, app, settings)
     # streams without a session, answered from the server's protocol callbacks (the
-    # server asks `early_answers` first: `ctxcache.http_server.EarlyAnswers`)
-    fast.early_answers = app.state.relay
-    return fast
+    # server asks `early_answers` first: `ctxcache.http_server.EarlyAnswers`), but for
+    # keys whose requests the rate limits look at
+    limits.early_answers = LimitedEarlyAnswers(app.state.relay, limits)
+    return limits
+
+
+def _rate_limits(inner: ASGIApp, app: FastAPI, settings: GatewaySettings) -> RateLimits:
+    return RateLimits(
+        inner,
+        state=app.state,
+        metrics=app.state.metrics,
+        window_s=settings.rate_limit_window_s,
+        on_store_error=settings.rate_limit_on_store_error,
+        default_max_tokens=settings.rate_limit_default_max_tokens,
+        max_body_bytes=settings.max_body_bytes,
+        tenant_metrics=settings.metrics_token is not None,
+    )
 
 
 def create_app(settings: GatewaySettings) -> FastAPI:
@@ -121,6 +138,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         default_response_class=JSONResponse,
     )
     app.state.metrics = metrics
+    app.state.metrics_token = settings.metrics_token
     app.state.relay = StreamRelay(metrics, max_body_bytes=settings.max_body_bytes)
     install_error_handlers(app)
     app.include_router(context_router)
@@ -134,6 +152,9 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app.add_middleware(
         FastPath, state=app.state, metrics=metrics, max_body_bytes=settings.max_body_bytes
     )
+    # outermost of all: every request a key makes is counted (once: `create_asgi` puts
+    # the same layer around the fast path, and the inner one then lets it through)
+    app.add_middleware(_rate_limits, app=app, settings=settings)  # type: ignore[arg-type]
     _document_bodies(app)
     return app
 
