@@ -22,9 +22,9 @@ import sys
 from pathlib import Path
 
 from ctxcache.supervisor import Child, Interrupted, Supervisor, http_ready
-from gateway.cli import add_api_key_argument, api_keys
 from ctxcache.vllm_engine import available as vllm_available
 from ctxcache.vllm_engine import default_engine
+from gateway.cli import add_api_key_argument, api_keys
 
 log = logging.getLogger("ctxcache.serve")
 
