@@ -58,7 +58,8 @@ class Worker:
         if (body.get("stream_options") or {}).get("include_usage"):
             events.append(b"data: " + orjson.dumps({"choices": [], "usage": usage}) + b"\n\n")
         events.append(b"data: [DONE]\n\n")
-        out = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+        out = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+        out += b"transfer-encoding: chunked\r\n\r\n"
         for e in events:
             out += b"%x\r\n%s\r\n" % (len(e), e)
         return out + b"0\r\n\r\n"
