@@ -1,0 +1,119 @@
+"""The issue's acceptance run: the openai SDK against two real gateway replicas sharing one
+Redis, in front of a real worker (tiny model). A key with `rpm=30`: 60 requests at once ->
+exactly 30 succeed, the other 30 get 429 with `retry-after-ms`; the SDK's own retries
+(`max_retries`) then complete all 60, each refused request retried once, after the window's
+end (the window is shortened with CTX_GATEWAY_RATE_LIMIT_WINDOW_S). The same with `tpm`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from ctxcache.redis_server import RedisServer
+from tests.utils import ServiceProcess, metric
+
+WINDOW_S = 6.0  # long enough for a burst of 60 to arrive within one window
+PROMPT = [11, 12, 13, 14]  # token ids: the estimate is exact (one token each)
+MAX_TOKENS = 8  # with ignore_eos: usage.total_tokens = 12, exactly the reservation
+TPM = 30 * (len(PROMPT) + MAX_TOKENS)
+METRICS_TOKEN = "tenant-metrics-token-e2e"
+
+
+@pytest.fixture(scope="module")
+def replicas(
+    tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer, tiny_model: Path
+) -> Iterator[list[str]]:
+    root = tmp_path_factory.mktemp("ratelimit")
+    procs: list[ServiceProcess] = []
+    try:
+        worker = ServiceProcess(
+            ["worker", "--model", str(tiny_model), "--threads", "1"],
+            log_path=root / "worker.log",
+            startup_timeout=120,
+        ).start()
+        procs.append(worker)
+        for i in range(2):
+            argv = ["gateway", "--redis-url", redis_server.url, "--worker", worker.url]
+            argv += ["--api-key", "k-rpm=acme:rpm=30", "--api-key", f"k-tpm=acme:tpm={TPM}"]
+            env = {
+                "CTX_GATEWAY_RATE_LIMIT_WINDOW_S": str(WINDOW_S),
+                "CTX_GATEWAY_METRICS_TOKEN": METRICS_TOKEN,
+                "CTX_GATEWAY_HEALTH_INTERVAL_S": "0.5",
+            }
+            procs.append(
+                ServiceProcess(
+                    argv, log_path=root / f"gateway{i}.log", env=env, health_path="/ready"
+                ).start()
+            )
+        yield [p.url for p in procs[1:]]
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def limited_total(urls: list[str], limit: str) -> float:
+    headers = {"authorization": f"Bearer {METRICS_TOKEN}"}
+    name = f'ctxcache_tenant_rate_limited_total{{limit="{limit}",tenant="acme"}}'
+    return sum(metric(httpx.get(f"{u}/metrics/tenants", headers=headers).text, name) for u in urls)
+
+
+async def burst_raw(urls: list[str], key: str) -> list[httpx.Response]:
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "ignore_eos": True}
+    async with httpx.AsyncClient(timeout=60, headers={"authorization": f"Bearer {key}"}) as http:
+        return await asyncio.gather(
+            *(http.post(f"{urls[i % 2]}/v1/completions", json=body) for i in range(60))
+        )
+
+
+async def burst_sdk(urls: list[str], key: str) -> list[int]:
+    clients = [
+        openai.AsyncOpenAI(base_url=f"{u}/v1", api_key=key, max_retries=3, timeout=60) for u in urls
+    ]
+    try:
+        done = await asyncio.gather(
+            *(
+                clients[i % 2].completions.create(
+                    model="tiny",
+                    prompt=PROMPT,
+                    max_tokens=MAX_TOKENS,
+                    extra_body={"ignore_eos": True},
+                )
+                for i in range(60)
+            )
+        )
+    finally:
+        for c in clients:
+            await c.close()
+    return [c.usage.total_tokens for c in done if c.usage is not None]
+
+
+@pytest.mark.parametrize(("key", "limit"), [("k-rpm", "requests"), ("k-tpm", "tokens")])
+async def test_sdk_burst_on_two_replicas(replicas: list[str], key: str, limit: str) -> None:
+    answers = await burst_raw(replicas, key)
+    ok = [r for r in answers if r.status_code == 200]
+    refused = [r for r in answers if r.status_code == 429]
+    assert len(ok) == 30 and len(refused) == 30, [r.status_code for r in answers]
+    assert {r.json()["usage"]["total_tokens"] for r in ok} == {len(PROMPT) + MAX_TOKENS}
+    waits = [int(r.headers["retry-after-ms"]) for r in refused]
+    assert all(0 < w <= WINDOW_S * 1000 for w in waits)
+    assert {r.json()["error"]["code"] for r in refused} == {"rate_limit_exceeded"}
+    header = f"x-ratelimit-remaining-{limit}"
+    assert {r.headers[header] for r in refused} == {"0"}
+    await asyncio.sleep(max(waits) / 1000 + 0.1)  # a fresh window
+
+    before = limited_total(replicas, limit)
+    t0 = time.monotonic()
+    totals = await burst_sdk(replicas, key)
+    elapsed = time.monotonic() - t0
+    assert totals == [len(PROMPT) + MAX_TOKENS] * 60  # all 60 completed
+    # each refused request was retried exactly once, when the window had ended: an early
+    # retry would have been refused again, a late one is what the budget allows
+    assert limited_total(replicas, limit) - before == 30
+    assert elapsed > WINDOW_S * 0.5  # half of them had to wait for the next window
