@@ -85,7 +85,7 @@ def _first_error(exc: ValidationError) -> str:
     err = exc.errors()[0]
     where = ".".join(str(p) for p in err["loc"])
     message = str(err["msg"])
-    if err["type"] == "greater_than":
+    if err["type"] in ("greater_than", "less_than_equal"):
         message = f"must be a whole number from 1 to {MAX_LIMIT} (leave it out for no limit)"
     return f"{where}: {message}" if where else message
 

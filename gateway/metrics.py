@@ -88,6 +88,13 @@ class GatewayMetrics:
         self.worker_healthy = Gauge(
             "ctxcache_gateway_worker_healthy", "1 if healthy", ["worker"], registry=r
         )
+        self.rate_limited = Counter(
+            "ctxcache_gateway_rate_limited_total",
+            "requests refused with 429 rate_limit_exceeded, by the limit reached "
+            "(requests, tokens; too_large: a request over the whole tpm budget)",
+            ["limit"],
+            registry=r,
+        )
         self.rate_limit_store_errors = Counter(
             "ctxcache_gateway_rate_limit_store_errors_total",
             "rate-limit calls the store could not answer, by what happened: open (served "

@@ -292,6 +292,7 @@ class RateLimits:
         if key.limited:
             if key.tpm is not None and reserved > key.tpm:
                 tenants.limited(key.tenant, "tokens")
+                self.metrics.rate_limited.labels("too_large").inc()
                 await error_response(too_large(key, reserved))(scope, receive, send)
                 return
             try:
@@ -325,6 +326,7 @@ class RateLimits:
                     else "tokens"
                 )
                 tenants.limited(key.tenant, limit)
+                self.metrics.rate_limited.labels(limit).inc()
                 await error_response(refusal(key, window, reserved))(scope, receive, send)
                 return
         usage = _Usage() if generating else None

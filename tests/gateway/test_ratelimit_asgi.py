@@ -177,6 +177,8 @@ def test_rpm_429_and_headers_on_every_answer(serve: Callable[..., str], redis_ur
     assert again.status_code == 200 and again.headers["x-ratelimit-remaining-requests"] == "2"
     # a bad key is the app's 401, not counted anywhere
     assert completion(url, "k-wrong").status_code == 401
+    text = httpx.get(f"{url}/metrics").text
+    assert metric(text, 'ctxcache_gateway_rate_limited_total{limit="requests"}') == 1
 
 
 def test_tokens_are_reserved_then_settled_to_usage(

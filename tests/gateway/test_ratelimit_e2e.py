@@ -42,6 +42,7 @@ def replicas(
         for i in range(2):
             argv = ["gateway", "--redis-url", redis_server.url, "--worker", worker.url]
             argv += ["--api-key", "k-rpm=acme:rpm=30", "--api-key", f"k-tpm=acme:tpm={TPM}"]
+            argv += ["--api-key", "k-big=beta:tpm=100000"]
             env = {
                 "CTX_GATEWAY_RATE_LIMIT_WINDOW_S": str(WINDOW_S),
                 "CTX_GATEWAY_METRICS_TOKEN": METRICS_TOKEN,
@@ -117,3 +118,30 @@ async def test_sdk_burst_on_two_replicas(replicas: list[str], key: str, limit: s
     # retry would have been refused again, a late one is what the budget allows
     assert limited_total(replicas, limit) - before == 30
     assert elapsed > WINDOW_S * 0.5  # half of them had to wait for the next window
+
+
+def test_responses_settle_to_their_usage(replicas: list[str]) -> None:
+    """A Responses answer (JSON, and a stream's `response.completed`) and a chat turn on a
+    session are charged their real `usage.total_tokens`: the next request's headers show
+    the budget minus what was used, not minus the reservations."""
+    client = openai.OpenAI(base_url=f"{replicas[0]}/v1", api_key="k-big", max_retries=0)
+    spent = 0
+    raw = client.responses.with_raw_response.create(
+        model="tiny", input="hello there", max_output_tokens=8
+    )
+    first = raw.parse()
+    assert first.usage is not None
+    spent += first.usage.total_tokens
+    stream = client.responses.create(
+        model="tiny", input="again", previous_response_id=first.id, max_output_tokens=8, stream=True
+    )
+    ends = [e for e in stream if e.type in ("response.completed", "response.incomplete")]
+    assert len(ends) == 1 and ends[0].response.usage is not None  # type: ignore[union-attr]
+    spent += ends[0].response.usage.total_tokens  # type: ignore[union-attr]
+    # (the session's context counts, as in OpenAI's usage)
+    probe = client.completions.with_raw_response.create(
+        model="tiny", prompt=PROMPT, max_tokens=MAX_TOKENS, extra_body={"ignore_eos": True}
+    )
+    reserved = len(PROMPT) + MAX_TOKENS
+    assert probe.headers["x-ratelimit-remaining-tokens"] == str(100000 - spent - reserved)
+    client.close()
