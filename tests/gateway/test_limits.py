@@ -118,7 +118,7 @@ def test_the_ring_knows_each_keys_limits() -> None:
     a, b = ring.key_for("Bearer a"), ring.key_for("Bearer b")
     assert (a.tenant, a.rpm, a.tpm, a.limited) == ("t", 3, None, True)
     assert (b.tenant, b.limited) == ("t", False)
-    assert a.id == key_id("a") != b.id and "a" != a.id
+    assert a.id == key_id("a") != b.id and a.id != "a"
     assert not KeyRing({"b": "t"}).limited
 
 
