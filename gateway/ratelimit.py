@@ -31,6 +31,7 @@ from cache_manager.protocol import RateSettle, RateTake, RateWindow
 from ctxcache.errors import CtxError, RateLimited, StoreUnavailable, error_response
 from ctxcache.http_server import RAW_BODY, EarlyAnswers, Exchange
 from gateway.auth import ApiKey, KeyRing, authorization
+from gateway.limits import MAX_LIMIT
 from gateway.metrics import GatewayMetrics
 
 log = logging.getLogger(__name__)
@@ -347,6 +348,7 @@ class RateLimits:
         used = usage.total
         if used is None:
             used = 0 if usage.status >= 400 or usage.status == 0 else reserved
+        used = min(used, MAX_LIMIT)  # (a worker's absurd usage must not break the settle)
         self.metrics.tenants.tokens(key.tenant, used)
         if window is None or key.tpm is None or used == reserved:
             return
