@@ -46,6 +46,7 @@ GENERATING: dict[str, int | None] = {
 }
 _MAX_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 _PROMPT_FIELDS = ("prompt", "messages", "input", "instructions")
+_HUGE = 10**15  # more than any budget: a larger maximum is reserved as this
 _CAPTURE_MAX = 8 * 2**20  # a JSON answer larger than this is not parsed for its usage
 
 
@@ -73,12 +74,20 @@ def estimate_tokens(doc: Any, *, default_max_tokens: int) -> int:
     most = default_max_tokens
     for name in _MAX_FIELDS:
         value = doc.get(name)
-        if type(value) is int and value >= 0:
-            most = value
+        if type(value) in (int, float) and value >= 0:  # (an integer past 64 bits is a float)
+            most = math.ceil(min(value, _HUGE))
             break
     n = doc.get("n")
     n = n if type(n) is int and 1 <= n <= 128 else 1
     return prompt + n * most
+
+
+def _parse(raw: bytes) -> Any:
+    """The body as JSON; None if it is not (the app answers that)."""
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
 
 
 def duration(ms: int) -> str:
@@ -281,10 +290,7 @@ class RateLimits:
             raw = await body.read(self.max_body_bytes)
             receive = body.replay
             if raw is not None:
-                try:
-                    doc = orjson.loads(raw)
-                except orjson.JSONDecodeError:
-                    doc = None
+                doc = _parse(raw)
                 default = GENERATING[scope["path"]]
                 reserved = estimate_tokens(
                     doc, default_max_tokens=self.default_max_tokens if default is None else default

@@ -176,6 +176,9 @@ def test_headers_and_the_refusal() -> None:
         ({"prompt": "abcd", "max_tokens": 4, "n": "3"}, 1 + 4),  # (the app refuses it)
         ({"prompt": "abcd", "max_tokens": -4}, 1 + 256),
         ({"prompt": "abcd", "max_tokens": True}, 1 + 256),
+        ({"prompt": "abcd", "max_tokens": 2.5}, 1 + 3),  # (the app refuses it; reserved whole)
+        ({"prompt": "abcd", "max_tokens": 10**30}, 1 + 10**15),  # past any budget
+        ({"prompt": "abcd", "max_tokens": 1e300}, 1 + 10**15),
         ([1, 2], 0),
         ("text", 0),
     ],

@@ -275,3 +275,47 @@ def test_per_tenant_metrics_behind_their_token(serve: Callable[..., str], redis_
     assert metric(text, 'ctxcache_tenant_tokens_total{tenant="free"}') == USED
     public = httpx.get(f"{url}/metrics").text
     assert "acme" not in public and "tenant=" not in public
+
+
+def test_hostile_bodies_on_a_limited_key_get_envelopes_never_a_500(
+    serve: Callable[..., str], redis_url: str
+) -> None:
+    url = serve(redis_url, max_body_bytes=4096)
+    headers = {**auth("k-both"), "content-type": "application/json"}
+    cases: list[tuple[bytes, int, str]] = [
+        (b"{not json", 400, "invalid_request"),
+        (b"[1, 2, 3]", 400, "invalid_request"),
+        (b'"text"', 400, "invalid_request"),
+        (
+            b'{"model": "m", "prompt": "x", "max_tokens": 1000000000000000000000000000000}',
+            429,
+            "rate_limit_exceeded",
+        ),
+        (b'{"model": "m", "prompt": "x", "max_tokens": 2000}', 429, "rate_limit_exceeded"),
+        (b'{"model": "m", "prompt": "x", "n": 100, "max_tokens": 20}', 429, "rate_limit_exceeded"),
+        (b'{"model": "m", "prompt": "x", "stream": "yes"}', 400, "invalid_request"),
+        (b'{"model": "m", "prompt": "' + b"x" * 5000 + b'"}', 413, "request_too_large"),
+        (b"", 400, "invalid_request"),
+    ]
+    for body, status, code in cases:
+        for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/context"):
+            r = httpx.post(f"{url}{path}", content=body, headers=headers, timeout=10)
+            assert r.status_code < 500, (path, body[:60], r.status_code, r.text)
+            if path == "/v1/completions":
+                assert r.status_code == status, (body[:60], r.text)
+                assert r.json()["error"]["code"] == code, body[:60]
+
+    # a body sent in chunks (no Content-Length) is read ahead and replayed whole
+    def chunks() -> Iterator[bytes]:
+        yield b'{"model": "m", '
+        yield b'"prompt": "hello", "max_tokens": 10}'
+
+    r = httpx.post(f"{url}/v1/completions", content=chunks(), headers=headers, timeout=10)
+    assert r.status_code == 200 and r.headers["x-ratelimit-limit-tokens"] == "1000"
+    # two Authorization headers name no key: the app's 401, nothing counted
+    r = httpx.post(
+        f"{url}/v1/completions",
+        json={"model": "m", "prompt": "x"},
+        headers=[("authorization", "Bearer k-both"), ("authorization", "Bearer k-rpm")],
+    )
+    assert r.status_code == 401 and "x-ratelimit-limit-requests" not in r.headers
