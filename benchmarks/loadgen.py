@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import orjson
 
-from gateway.http1 import READ_SIZE, Dechunker
+READ_SIZE = 1 << 16
 
 
 @dataclass
@@ -119,3 +119,44 @@ async def run(
     for c in conns:
         await c.close()
     return result
+
+
+class Dechunker:
+    """Undoes `Transfer-Encoding: chunked` on bytes fed as they arrive."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self._size: int | None = None  # of the chunk being read; None: its size line is next
+        self._trailers = False  # past the last chunk: trailer lines up to an empty one
+        self.done = False
+        self.clean = True  # False if bytes followed the end (the connection can't be reused)
+
+    def feed(self, data: bytes) -> bytes:
+        """The payload bytes completed by `data` (possibly none)."""
+        buf = self._buf
+        buf += data
+        out: list[bytes] = []
+        pos = 0
+        while not self.done:
+            if self._size is None or self._trailers:
+                eol = buf.find(b"\r\n", pos)
+                if eol < 0:
+                    break
+                line, pos = bytes(buf[pos:eol]), eol + 2
+                if self._trailers:
+                    self.done = not line
+                else:
+                    self._size = int(line.split(b";", 1)[0], 16)  # ValueError: not chunked
+                    self._trailers = self._size == 0
+                continue
+            end = pos + self._size
+            if len(buf) < end + 2:
+                break
+            if buf[end : end + 2] != b"\r\n":
+                raise ValueError("a chunk does not end with CRLF")
+            out.append(bytes(buf[pos:end]))
+            pos, self._size = end + 2, None
+        del buf[:pos]
+        if self.done and buf:
+            self.clean = False
+        return b"".join(out)

@@ -15,7 +15,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from cache_manager.app import create_app
-    from cache_manager.fastpath import ManagerFastPath
     from cache_manager.settings import ManagerSettings
     from ctxcache.logs import setup_logging
     from ctxcache.settings import from_args, serve_app
@@ -30,6 +29,5 @@ def main(args: argparse.Namespace) -> int:
         log_level="log_level",
     )
     setup_logging("manager", settings.log_level)
-    app = ManagerFastPath(create_app(settings), token=settings.token)
-    serve_app(app, host=settings.host, port=settings.port)
+    serve_app(create_app(settings), host=settings.host, port=settings.port)
     return 0

@@ -56,12 +56,10 @@ def serve_app(app: Any, *, host: str, port: int) -> None:
 
 
 def server_config(app: Any, *, host: str, port: int) -> Any:
-    """The uvicorn config of every ctxcache service: uvloop, httptools (a response's head
-    and body sent together, and an app's `early_answers` asked first:
-    `ctxcache.http_server`), our logging; the app itself, wrapped in no middleware."""
+    """The uvicorn config of every ctxcache service: uvloop, httptools, our logging; the
+    app itself, wrapped in no middleware. Only uvicorn's public options: its version is
+    pinned, and tests/ctxcache/test_server_contract.py checks what we rely on."""
     import uvicorn
-
-    from ctxcache.http_server import CoalescingHttpToolsProtocol
 
     return uvicorn.Config(
         app,
@@ -71,6 +69,6 @@ def server_config(app: Any, *, host: str, port: int) -> Any:
         access_log=False,
         proxy_headers=False,  # nothing reads the client's address; saves a middleware per request
         loop="uvloop",
-        http=CoalescingHttpToolsProtocol,
+        http="httptools",
         timeout_graceful_shutdown=5,
     )

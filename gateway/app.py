@@ -20,20 +20,18 @@ from ctxcache.errors import install_error_handlers
 from ctxcache.responses import JSONResponse
 from ctxcache.schema import ErrorResponse
 from gateway.auth import KeyRing
-from gateway.completions.router import router as completions_router
+from gateway.completions import router as completion_routes
 from gateway.completions.service import CompletionService
 from gateway.context.router import router as context_router
 from gateway.context.service import ContextService
 from gateway.conversations.router import router as conversations_router
 from gateway.conversations.service import ConversationService
-from gateway.fastpath import FastPath
 from gateway.metrics import GatewayMetrics
 from gateway.pool import WorkerPool
 from gateway.prompts import PromptBuilder
 from gateway.protocol import ChatBody, CompletionBody, ContextCreate
-from gateway.ratelimit import LimitedEarlyAnswers, RateLimits
+from gateway.ratelimit import RateLimits
 from gateway.recent import RecentHistories
-from gateway.relay import StreamRelay
 from gateway.responses.protocol import ConversationCreate, ConversationUpdate, ResponseCreate
 from gateway.responses.router import router as responses_router
 from gateway.responses.service import ResponseService
@@ -43,25 +41,6 @@ from gateway.system import router as system_router
 from gateway.turns import TurnService
 
 log = logging.getLogger(__name__)
-
-
-def create_asgi(settings: GatewaySettings) -> RateLimits:
-    """What the server runs: the FastAPI app behind the no-session fast path, behind the
-    rate limits.
-
-    The fast path wraps the app from outside, so a plain request skips every FastAPI
-    layer; everything else (and the lifespan) goes to the app unchanged.
-    """
-    app = create_app(settings)
-    fast = FastPath(
-        app, state=app.state, metrics=app.state.metrics, max_body_bytes=settings.max_body_bytes
-    )
-    limits = _rate_limits(fast, app, settings)
-    # streams without a session, answered from the server's protocol callbacks (the
-    # server asks `early_answers` first: `ctxcache.http_server.EarlyAnswers`), but for
-    # keys whose requests the rate limits look at
-    limits.early_answers = LimitedEarlyAnswers(app.state.relay, limits)
-    return limits
 
 
 def _rate_limits(inner: ASGIApp, app: FastAPI, settings: GatewaySettings) -> RateLimits:
@@ -112,9 +91,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             recent = RecentHistories(max_sessions=settings.recent_chat_sessions)
             turns = TurnService(manager, pool, metrics, PromptBuilder(), salt, recent)
             stack.push_async_callback(turns.background.drain)
-            stack.callback(app.state.relay.close)
             app.state.keys = KeyRing(settings.api_keys)
-            app.state.relay.start(app.state.keys, pool, salt)
             app.state.manager = manager
             app.state.pool = pool
             app.state.metrics = metrics
@@ -139,21 +116,16 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     )
     app.state.metrics = metrics
     app.state.metrics_token = settings.metrics_token
-    app.state.relay = StreamRelay(metrics, max_body_bytes=settings.max_body_bytes)
     install_error_handlers(app)
+    # the busiest two first: a request is matched against the routes in order
+    app.router.routes[:0] = completion_routes.routes
     app.include_router(context_router)
-    app.include_router(completions_router)
     app.include_router(responses_router)
     app.include_router(conversations_router)
     app.include_router(system_router)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
-    # outermost: plain requests without a session skip the framework entirely
-    app.add_middleware(
-        FastPath, state=app.state, metrics=metrics, max_body_bytes=settings.max_body_bytes
-    )
-    # outermost of all: every request a key makes is counted (once: `create_asgi` puts
-    # the same layer around the fast path, and the inner one then lets it through)
+    # outermost: every request a key with limits makes is counted (gateway/ratelimit.py)
     app.add_middleware(_rate_limits, app=app, settings=settings)  # type: ignore[arg-type]
     _document_bodies(app)
     return app
@@ -217,6 +189,7 @@ def _document_bodies(app: FastAPI) -> None:
         if app.openapi_schema:
             return app.openapi_schema
         schema = original()
+        schema["paths"] = {**completion_routes.openapi_paths(), **schema["paths"]}
         components = schema.setdefault("components", {}).setdefault("schemas", {})
         bodies = (CompletionBody, ChatBody, ContextCreate, ErrorResponse, ResponseCreate)
         for model in (*bodies, ConversationCreate, ConversationUpdate):

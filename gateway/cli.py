@@ -63,7 +63,7 @@ def main(args: argparse.Namespace) -> int:
 
     from ctxcache.logs import setup_logging
     from ctxcache.settings import from_args, serve_app
-    from gateway.app import create_asgi
+    from gateway.app import create_app
     from gateway.settings import GatewaySettings
 
     if args.api_key is not None:
@@ -85,7 +85,7 @@ def main(args: argparse.Namespace) -> int:
     except SettingsError as exc:  # e.g. a CTX_GATEWAY_* variable that is not valid JSON
         raise SystemExit(f"ctxcache gateway: bad settings: {exc}") from None
     setup_logging("gateway", settings.log_level)
-    serve_app(create_asgi(settings), host=settings.host, port=settings.port)
+    serve_app(create_app(settings), host=settings.host, port=settings.port)
     return 0
 
 

@@ -62,8 +62,7 @@ class GatewayMetrics:
         )
         self.relayed_streams = Counter(
             "ctxcache_gateway_relayed_streams_total",
-            "streams without a session taken by the relay (gateway/relay.py); one whose "
-            "worker could not be reached is then answered the regular way",
+            "streams without a session passed through as the worker sent them",
             registry=r,
         )
         self.sessions_created = Counter(

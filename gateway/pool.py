@@ -1,10 +1,11 @@
 """The inference workers behind the gateway: health, load, and who serves a request.
 
-Each worker (the built-in one or vLLM: the same HTTP contract) has one pooled keep-alive
-HTTP client. A background task checks every worker's `/health` and learns its models
-from `/v1/models`. Routing: a session turn goes to its affine worker (where its KV is
-hot) unless that worker is down or runs more than `imbalance_slack` requests above the
-least-loaded healthy one; everything else goes to the least-loaded healthy worker.
+Each worker (the built-in one or vLLM: the same HTTP contract) has one keep-alive HTTP
+client (`WorkerClient`), which every call to it takes, health checks included. A
+background task checks every worker's `/health` and learns its models from `/v1/models`.
+Routing: a session turn goes to its affine worker (where its KV is hot) unless that
+worker is down or runs more than `imbalance_slack` requests above the least-loaded
+healthy one; everything else goes to the least-loaded healthy worker.
 """
 
 from __future__ import annotations
@@ -15,13 +16,12 @@ import itertools
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from urllib.parse import urlsplit
 
-import aiohttp
+import orjson
 
 from ctxcache.errors import BackendUnavailable, NotFound
-from gateway.http1 import Http1Pool
 from gateway.settings import WorkerEndpoint
+from gateway.worker_client import ConnectionLost, Misframed, WorkerClient
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +36,7 @@ class Worker:
     id: str
     url: str
     sidecar: str | None
-    http: aiohttp.ClientSession
-    fast: Http1Pool | None = None  # plain JSON calls (None: an https or path-prefixed URL)
+    client: WorkerClient
     healthy: bool = False
     inflight: int = 0
     models: dict[str, int] = field(default_factory=dict)  # model id -> max_model_len
@@ -54,12 +53,19 @@ class WorkerPool:
         imbalance_slack: int,
         max_inflight: int,
     ) -> None:
-        self.workers = [Worker(e.id, e.url, e.sidecar, None) for e in endpoints]  # type: ignore[arg-type]
-        self._timeout = aiohttp.ClientTimeout(
-            total=request_timeout_s, sock_connect=connect_timeout_s
-        )
-        self.connect_timeout_s, self.request_timeout_s = connect_timeout_s, request_timeout_s
-        self._connections = max_inflight * 2
+        self.workers = [
+            Worker(
+                e.id,
+                e.url,
+                e.sidecar,
+                WorkerClient(
+                    e.url,
+                    connect_timeout_s=connect_timeout_s,
+                    request_timeout_s=request_timeout_s,
+                ),
+            )
+            for e in endpoints
+        ]
         self.health_interval_s = health_interval_s
         self.imbalance_slack = imbalance_slack
         self.max_inflight = max_inflight
@@ -67,20 +73,7 @@ class WorkerPool:
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        """Open one pooled keep-alive session per worker (needs the running loop)."""
-        for w in self.workers:
-            connector = aiohttp.TCPConnector(limit=self._connections, keepalive_timeout=30)
-            w.http = aiohttp.ClientSession(
-                base_url=w.url, connector=connector, timeout=self._timeout, raise_for_status=False
-            )
-            url = urlsplit(w.url)
-            if url.scheme == "http" and url.path in ("", "/") and url.hostname:
-                w.fast = Http1Pool(
-                    url.hostname,
-                    url.port or 80,
-                    connect_timeout_s=self.connect_timeout_s,
-                    request_timeout_s=self.request_timeout_s,
-                )
+        """Check every worker once, then keep checking in the background."""
         await self.check_all()
         self._task = asyncio.get_running_loop().create_task(self._health_loop())
 
@@ -90,9 +83,7 @@ class WorkerPool:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         for w in self.workers:
-            await w.http.close()
-            if w.fast is not None:
-                await w.fast.aclose()
+            await w.client.aclose()
 
     async def _health_loop(self) -> None:
         while True:
@@ -103,16 +94,17 @@ class WorkerPool:
         await asyncio.gather(*(self.check(w) for w in self.workers))
 
     async def check(self, w: Worker) -> None:
-        probe = aiohttp.ClientTimeout(total=min(2.0, self.health_interval_s * 2))
+        probe = min(2.0, self.health_interval_s * 2)
         try:
-            async with w.http.get("/health", timeout=probe) as r:
-                ok = r.status == 200
+            status, _ = await w.client.get("/health", timeout_s=probe)
+            ok = status == 200
             if ok and not w.models:
-                async with w.http.get("/v1/models", timeout=probe) as r:
-                    r.raise_for_status()
-                    models = (await r.json())["data"]
+                status, body = await w.client.get("/v1/models", timeout_s=probe)
+                if status != 200:
+                    raise ValueError(f"/v1/models answered {status}")
+                models = orjson.loads(body)["data"]
                 w.models = {m["id"]: int(m.get("max_model_len") or 0) for m in models}
-        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError) as exc:
+        except (ConnectionLost, Misframed, TimeoutError, ValueError, KeyError, TypeError) as exc:
             ok = False
             log.debug("health check of %s failed: %s", w.id, exc)
         if ok != w.healthy:

@@ -29,14 +29,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cache_manager.protocol import RateSettle, RateTake, RateWindow
 from ctxcache.errors import CtxError, RateLimited, StoreUnavailable, error_response
-from ctxcache.http_server import RAW_BODY, EarlyAnswers, Exchange
 from gateway.auth import ApiKey, KeyRing, authorization
 from gateway.limits import MAX_LIMIT
 from gateway.metrics import GatewayMetrics
 
 log = logging.getLogger(__name__)
 
-MARK = "ctxcache.rate_limited"  # in the scope: the request was counted by an outer layer
 # the routes that generate, and the default of their answer's maximum (None: the setting)
 GENERATING: dict[str, int | None] = {
     "/v1/completions": None,
@@ -229,8 +227,6 @@ class RateLimits:
     """The ASGI middleware (see the module). `state` is the app's: `keys` and `manager`
     are there once its lifespan ran."""
 
-    early_answers: EarlyAnswers | None = None  # for the server (`create_asgi` sets it)
-
     def __init__(
         self,
         app: ASGIApp,
@@ -270,10 +266,9 @@ class RateLimits:
         return key if self.engaged(key) else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope.get(MARK):
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        scope[MARK] = True
         key = self.key_of(scope)
         if key is None:
             await self.app(scope, receive, send)
@@ -337,9 +332,6 @@ class RateLimits:
                 await error_response(refusal(key, window, reserved))(scope, receive, send)
                 return
         usage = _Usage() if generating else None
-        if usage is not None:  # the answer's body must pass through `send` to be read
-            extensions = {k: v for k, v in scope.get("extensions", {}).items() if k != RAW_BODY}
-            scope = {**scope, "extensions": extensions}
         extra = rate_headers(key, window) if window is not None else []
         send = _wrap_send(send, extra, usage)
         try:
@@ -382,20 +374,3 @@ def _wrap_send(send: Send, extra: list[tuple[bytes, bytes]], usage: _Usage | Non
         await send(message)
 
     return wrapped
-
-
-class LimitedEarlyAnswers:
-    """The server's `early_answers` (the stream relay) for the requests `RateLimits` does
-    not look at: a stream whose key has limits goes the regular way, through it."""
-
-    def __init__(self, inner: EarlyAnswers, limits: RateLimits) -> None:
-        self.inner = inner
-        self.limits = limits
-
-    def wants(self, scope: dict[str, Any]) -> bool:
-        return self.inner.wants(scope)
-
-    def take(self, exchange: Exchange, body: bytes) -> bool:
-        if self.limits.key_of(exchange.scope) is not None:
-            return False
-        return self.inner.take(exchange, body)

@@ -37,6 +37,15 @@ def parse_json(
     return body, validated
 
 
+def parse_body(body: bytes) -> dict[str, Any] | None:
+    """The body as a JSON object, or None (the full validation then says what is wrong)."""
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
 def session_id_of(body: dict[str, Any], in_header: str | None) -> str | None:
     """`session_id` in the body (the openai SDK's extra_body) or the X-Session-Id header."""
     in_body = body.get("session_id")
@@ -46,6 +55,10 @@ def session_id_of(body: dict[str, Any], in_header: str | None) -> str | None:
     if sid is not None and not isinstance(sid, str):
         raise InvalidRequest("session_id must be a string", param="session_id")
     return sid
+
+
+# `stream: true` answers server-sent events, each `data:` a chunk object, then `[DONE]`
+STREAMS: dict[int | str, dict[str, Any]] = {200: {"content": {"text/event-stream": {}}}}
 
 
 def body_doc(model: type[BaseModel]) -> dict[str, Any]:

@@ -1,31 +1,24 @@
 """Calls to an inference worker, with every failure mapped to the error table.
 
-A worker that cannot be reached (connection refused, or closed before answering) raises
+Every call goes through the worker's `WorkerClient` (gateway/worker_client.py). A worker
+that cannot be reached (connection refused, or closed before answering) raises
 `WorkerDown`: nothing was answered there, so the caller may retry on another worker. A
-worker that took too long is `backend_timeout`; an error the worker answered (its own
-OpenAI envelope, e.g. `context_length_exceeded`) is passed on as the same error.
-
-Calls go through `gateway.http1` (a small keep-alive HTTP/1.1 client), streams included;
-through aiohttp only to a worker behind https or a path prefix (under load httpx's
-connection pool scanned every pooled connection on every request, which cost the gateway
-most of its CPU, and aiohttp's per-request machinery was the next largest part: see
-docs/benchmarks.md).
+worker that took too long is `backend_timeout`; an answer that is not valid HTTP is a
+worker failure (`backend_unavailable`); an error the worker answered (its own OpenAI
+envelope, e.g. `context_length_exceeded`) is passed on as the same error.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Callable
-from typing import Any, NoReturn
+from collections.abc import AsyncIterator
+from typing import Any
 
-import aiohttp
 import orjson
 
 from ctxcache.errors import BackendTimeout, BackendUnavailable, CtxError, error_from_envelope
-from gateway.http1 import ConnectionLost
 from gateway.pool import Worker
-
-_JSON = {"content-type": "application/json"}
+from gateway.worker_client import Answer, ConnectionLost, Headers, Misframed
 
 
 class WorkerDown(Exception):
@@ -34,28 +27,15 @@ class WorkerDown(Exception):
         self.worker = worker
 
 
-def reraise_mapped(worker: Worker, exc: Exception) -> NoReturn:
-    """Raise the error-table exception a failed call to `worker` stands for (`exc` itself
-    if it is none of the transport's)."""
-    error = _mapped(worker, exc)
-    if error is exc:
-        raise exc
-    raise error from exc
-
-
-def _mapped(worker: Worker, exc: Exception) -> Exception:
-    if isinstance(
-        exc,
-        ConnectionLost
-        | aiohttp.ClientConnectorError
-        | aiohttp.ServerDisconnectedError
-        | aiohttp.ConnectionTimeoutError,
-    ):
-        return WorkerDown(worker, type(exc).__name__)
+def mapped(worker: Worker, exc: Exception) -> Exception:
+    """The error-table exception a failed call to `worker` stands for (`exc` itself if it
+    is none of the transport's)."""
+    if isinstance(exc, ConnectionLost):
+        return WorkerDown(worker, str(exc))
     if isinstance(exc, TimeoutError):
         return BackendTimeout()
-    if isinstance(exc, aiohttp.ClientError):
-        return BackendUnavailable(f"worker error: {type(exc).__name__}")
+    if isinstance(exc, Misframed):
+        return BackendUnavailable(f"worker {worker.id} sent a mis-framed answer")
     return exc
 
 
@@ -64,7 +44,10 @@ async def mapped_errors(worker: Worker) -> AsyncIterator[None]:
     try:
         yield
     except Exception as exc:
-        reraise_mapped(worker, exc)
+        error = mapped(worker, exc)
+        if error is exc:
+            raise
+        raise error from exc
 
 
 def worker_error(status: int, payload: bytes) -> CtxError:
@@ -80,54 +63,38 @@ def worker_error(status: int, payload: bytes) -> CtxError:
     return err
 
 
-def _raise_for(status: int, payload: bytes) -> NoReturn:
-    raise worker_error(status, payload)
-
-
 def _content(body: dict[str, Any] | bytes) -> bytes:
     return body if isinstance(body, bytes) else orjson.dumps(body)
 
 
-async def post_raw(worker: Worker, path: str, body: dict[str, Any] | bytes) -> tuple[int, bytes]:
+async def post_raw(
+    worker: Worker, path: str, body: dict[str, Any] | bytes, *, headers: Headers = ()
+) -> tuple[int, bytes]:
     """Pass-through: the worker's status and body, as they are."""
-    if worker.fast is not None:  # (the hot path: no context manager to enter and leave)
-        try:
-            return await worker.fast.post(path, _content(body))
-        except Exception as exc:
-            reraise_mapped(worker, exc)
-    async with (
-        mapped_errors(worker),
-        worker.http.post(path, data=_content(body), headers=_JSON) as r,
-    ):
-        return r.status, await r.read()
+    async with mapped_errors(worker):
+        return await worker.client.post(path, _content(body), headers=headers)
 
 
-async def post_json(worker: Worker, path: str, body: dict[str, Any] | bytes) -> dict[str, Any]:
-    status, payload = await post_raw(worker, path, body)
+async def post_json(
+    worker: Worker, path: str, body: dict[str, Any] | bytes, *, headers: Headers = ()
+) -> dict[str, Any]:
+    status, payload = await post_raw(worker, path, body, headers=headers)
     if status >= 400:
-        _raise_for(status, payload)
+        raise worker_error(status, payload)
     return orjson.loads(payload)  # type: ignore[no-any-return]
 
 
 class SSEStream:
-    """An open streaming response from a worker: its body as it arrives."""
+    """An open streaming answer from a worker: its body as it arrives."""
 
-    def __init__(
-        self,
-        worker: Worker,
-        chunks: AsyncIterator[bytes],
-        close: Callable[[], object],
-        framed: Callable[[], AsyncIterator[bytes]] | None = None,
-    ) -> None:
+    def __init__(self, worker: Worker, answer: Answer) -> None:
         self.worker = worker
-        self._chunks = chunks
-        self._close = close
-        self.framed = framed  # a chunked body with its framing kept (`Response.framed`)
+        self.answer = answer
 
     async def raw(self) -> AsyncIterator[bytes]:
         """The bytes as they come (pass-through)."""
         async with mapped_errors(self.worker):
-            async for chunk in self._chunks:
+            async for chunk in self.answer.chunks():
                 yield chunk
 
     async def events(self) -> AsyncIterator[bytes]:
@@ -143,21 +110,15 @@ class SSEStream:
             yield rest[5:].strip()
 
     async def aclose(self) -> None:
-        self._close()
+        self.answer.close()
 
 
-async def open_stream(worker: Worker, path: str, body: dict[str, Any] | bytes) -> SSEStream:
+async def open_stream(
+    worker: Worker, path: str, body: dict[str, Any] | bytes, *, headers: Headers = ()
+) -> SSEStream:
     """Start a worker's stream: its answer's head is in, and it is not an error."""
     async with mapped_errors(worker):
-        if worker.fast is not None:
-            answer = await worker.fast.stream(path, _content(body))
-            if answer.status >= 400:
-                _raise_for(answer.status, await answer.read())
-            framed = answer.framed if answer.chunked else None
-            return SSEStream(worker, answer.chunks(), answer.close, framed)
-        response = await worker.http.post(path, data=_content(body), headers=_JSON)
-        if response.status >= 400:
-            payload = await response.read()
-            response.release()
-            _raise_for(response.status, payload)
-        return SSEStream(worker, response.content.iter_any(), response.release)
+        answer = await worker.client.request("POST", path, _content(body), headers=headers)
+        if answer.status >= 400:
+            raise worker_error(answer.status, await answer.read())
+        return SSEStream(worker, answer)

@@ -214,7 +214,7 @@ def metric(text: str, name: str) -> float:
 
 
 def relayed_streams(http: Any, base_url: str = "") -> float:
-    """How many streams a gateway's protocol-level relay took (gateway/relay.py), read from
+    """How many streams without a session a gateway passed through, read from
     its `/metrics` with `http` (an httpx client or module)."""
     text = http.get(f"{base_url}/metrics").text
     name = "ctxcache_gateway_relayed_streams_total"

@@ -1,19 +1,25 @@
-"""`/v1/completions` and `/v1/chat/completions`: a pass-through, or a session turn."""
+"""`/v1/completions` and `/v1/chat/completions`: a pass-through, or a session turn.
+
+`serve` takes every request of the two routes. One with no session and a body that names
+a model is only routed (`passthrough`): checked no further, salted with the tenant's
+`cache_salt`, sent to the least-loaded healthy worker, its answer passed back as it is (a
+stream's bytes as they arrive). Everything else is validated in full (`answer`) and, with a
+session, run as a turn.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
-import orjson
 from fastapi import Response
 from pydantic import BaseModel
 
 from ctxcache.errors import InvalidRequest
 from ctxcache.responses import JSONResponse
-from gateway.completions.streams import SSERelay, TurnStream
+from gateway.completions.streams import SSEResponse, relayed
 from gateway.pool import WorkerPool
 from gateway.protocol import ChatBody, CompletionBody
-from gateway.requests import parse_json, session_id_of
+from gateway.requests import parse_body, parse_json, session_id_of
 from gateway.shaping import (
     CHAT_ONLY_UNSUPPORTED,
     ChunkShaper,
@@ -34,6 +40,15 @@ class CompletionService:
         self.turns = turns
         self.pool = pool
 
+    async def serve(
+        self, tenant: str, kind: str, raw: bytes, session_header: str | None
+    ) -> Response:
+        """A request to one of the two routes, from its raw body."""
+        doc = parse_body(raw)
+        if doc is None or session_header is not None or not routable(doc):
+            return await self.answer(tenant, kind, raw, session_header, parsed=doc)
+        return await self.passthrough(tenant, kind, raw, doc)
+
     async def answer(
         self,
         tenant: str,
@@ -44,8 +59,7 @@ class CompletionService:
         parsed: dict[str, Any] | None = None,
     ) -> Response:
         """A completion request from its raw body (`parsed`: the same, already decoded):
-        validated, then passed through to a worker, or run as a session turn. (The FastAPI
-        routes and `gateway.fastpath` both answer through here.)"""
+        validated, then passed through to a worker, or run as a session turn."""
         body, _ = parse_json(raw, BODIES[kind], parsed)
         return await self.handle(tenant, kind, raw, body, session_id_of(body, session_header))
 
@@ -82,7 +96,7 @@ class CompletionService:
         out["session"] = session
         return out
 
-    async def _stream(self, turn: Turn, body: dict[str, Any]) -> TurnStream:
+    async def _stream(self, turn: Turn, body: dict[str, Any]) -> SSEResponse:
         shaper = ChunkShaper(turn.kind, turn.model, bool(body.get("return_token_ids")))
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
 
@@ -96,7 +110,7 @@ class CompletionService:
             await upstream.aclose()
 
         events = self.turns.stream(turn, upstream, shaper, include_usage, on_done)
-        return TurnStream(events, never_started)
+        return SSEResponse(events, never_started)
 
     async def passthrough(
         self, tenant: str, kind: str, raw: bytes, body: dict[str, Any]
@@ -104,14 +118,25 @@ class CompletionService:
         """No session: the request goes as it is (plus the tenant's `cache_salt`) to the
         least-loaded healthy worker."""
         path = PATHS[kind]
-        if self.turns.salt.apply(tenant, body):
-            raw = orjson.dumps(body)
+        raw = self.turns.salt.salted(tenant, body, raw)
         if body.get("stream"):
-            upstream, worker = await self.turns.failover(
+            upstream, _ = await self.turns.failover(
                 body["model"], lambda w: open_stream(w, path, raw)
             )
-            return SSERelay(self.pool, worker, upstream)
+            self.turns.metrics.relayed_streams.inc()
+            return relayed(self.pool, upstream)
         (status, payload), _ = await self.turns.failover(
             body["model"], lambda w: post_raw(w, path, raw)
         )
         return Response(payload, status_code=status, media_type="application/json")
+
+
+def routable(doc: dict[str, Any]) -> bool:
+    """A request with a model and no session, streaming or not: only routed."""
+    stream = doc.get("stream")
+    if not (stream is None or type(stream) is bool):
+        return False  # validation says what is wrong
+    if "session_id" in doc or "session_append" in doc:
+        return False
+    model = doc.get("model")
+    return isinstance(model, str) and bool(model)

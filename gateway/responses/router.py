@@ -8,8 +8,7 @@ from fastapi import APIRouter, Depends, Query, Request, Response
 
 from ctxcache.responses import JSONResponse
 from gateway.auth import TenantDep
-from gateway.completions.router import STREAMS
-from gateway.requests import body_doc
+from gateway.requests import STREAMS, body_doc
 from gateway.responses.protocol import ResponseCreate
 from gateway.responses.service import ResponseService
 from gateway.responses.shaping import Page

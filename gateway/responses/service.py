@@ -45,7 +45,7 @@ from ctxcache.errors import (
 from ctxcache.lmcache_keys import session_key
 from ctxcache.logs import bind_session
 from ctxcache.responses import JSONResponse
-from gateway.completions.streams import TurnStream
+from gateway.completions.streams import SSEResponse
 from gateway.metrics import GatewayMetrics
 from gateway.requests import parse_json
 from gateway.responses.protocol import (
@@ -178,7 +178,7 @@ class ResponseService:
             await upstream.aclose()
 
         shaper = ResponseEvents(planned.draft)
-        return TurnStream(self.turns.stream(turn, upstream, shaper, True, on_done), never_started)
+        return SSEResponse(self.turns.stream(turn, upstream, shaper, True, on_done), never_started)
 
     async def _plan(self, tenant: str, req: ResponseCreate) -> Planned:
         """Load the point the response continues from and plan the turn on it."""

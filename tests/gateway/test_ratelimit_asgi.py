@@ -1,8 +1,8 @@
-"""Per-key rate limits in the gateway as `ctxcache gateway` serves it (create_asgi on uvicorn
-with our protocol, the in-process manager on a real Redis), in front of a scripted worker
+"""Per-key rate limits in the gateway as `ctxcache gateway` serves it (create_app on uvicorn
+with its server config, the in-process manager on a real Redis), in front of a scripted worker
 whose answers' `usage` the test chooses: the 429 and its headers, the x-ratelimit-* headers
-on every answer, reservations settled to the real usage (JSON, stream), the relay leaving a
-limited key's streams to the limiter, a store outage failing open or closed, per-tenant
+on every answer, reservations settled to the real usage (JSON, stream), streams without a
+session limited too, a store outage failing open or closed, per-tenant
 metrics behind their token."""
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ import uvicorn
 from ctxcache.net import free_port
 from ctxcache.redis_server import RedisServer
 from ctxcache.settings import server_config
-from gateway.app import create_asgi
+from gateway.app import create_app
 from gateway.settings import GatewaySettings
-from tests.utils import metric, relayed_streams
+from tests.utils import metric
 
 KEYS = {
     "k-rpm": "acme:rpm=3",
@@ -120,7 +120,7 @@ def serve() -> Iterator[Callable[..., str]]:
             "rate_limit_window_s": 60,
             **settings,
         }
-        app = create_asgi(GatewaySettings(**fields))
+        app = create_app(GatewaySettings(**fields))
         server = uvicorn.Server(server_config(app, host="127.0.0.1", port=port))
         thread = threading.Thread(target=server.run, daemon=True)
         thread.start()
@@ -226,18 +226,19 @@ def test_a_request_larger_than_the_budget_is_not_retried(
     assert ok.headers["x-ratelimit-remaining-tokens"] == str(200 - 52)
 
 
-def test_the_relay_leaves_limited_streams_to_the_limiter(
+def test_streams_without_a_session_are_limited_too(
     serve: Callable[..., str], redis_url: str
 ) -> None:
     url = serve(redis_url)
-    before = relayed_streams(httpx, url)
     free = completion(url, "k-free", stream=True)
-    assert free.status_code == 200 and relayed_streams(httpx, url) == before + 1
+    assert free.status_code == 200 and b"[DONE]" in free.content
     for _ in range(3):
-        assert completion(url, "k-rpm", stream=True).status_code == 200
+        ok = completion(url, "k-rpm", stream=True)
+        assert ok.status_code == 200 and b"[DONE]" in ok.content
+        assert "x-ratelimit-remaining-requests" in ok.headers
     limited = completion(url, "k-rpm", stream=True)
     assert limited.status_code == 429
-    assert relayed_streams(httpx, url) == before + 1
+    assert limited.json()["error"]["code"] == "rate_limit_exceeded"
 
 
 @pytest.mark.parametrize("mode", ["open", "closed"])

@@ -172,7 +172,7 @@ def test_session_id_in_header_or_body(stack: Stack, header: bool) -> None:
 
 @pytest.mark.parametrize("chat", [True, False])
 async def test_a_stream_without_a_session_is_the_workers_own(stack: Stack, chat: bool) -> None:
-    """Relayed as the worker's bytes (by the protocol-level relay, gateway/relay.py): the
+    """Relayed as the worker's bytes (`gateway.completions.streams.relayed`): the
     same text as the answer in one piece, the worker's usage chunk when asked for, and
     nothing of ours (no `session`)."""
     relayed_before = relayed_streams(httpx, stack.url)

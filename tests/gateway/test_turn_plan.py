@@ -15,7 +15,6 @@ import pytest
 
 from cache_manager.protocol import AppendTurn, BeginTurn, SessionInfo, SessionState
 from ctxcache.errors import SessionNotFound
-from gateway.http1 import Http1Pool
 from gateway.metrics import GatewayMetrics
 from gateway.pool import Worker, WorkerPool
 from gateway.prompts import FALLBACK_TURNS, PromptBuilder
@@ -24,6 +23,7 @@ from gateway.settings import WorkerEndpoint
 from gateway.shaping import ChunkShaper
 from gateway.turns import Generation, Turn, TurnService
 from gateway.upstream import WorkerDown, open_stream
+from gateway.worker_client import WorkerClient
 from tests.gateway.rawhttp import CHUNKED_HEAD, chunk, read_request, server
 
 SID = "ctx_" + "a" * 32
@@ -297,12 +297,14 @@ async def test_a_streamed_turn_reads_its_answer_to_the_end_and_keeps_the_connect
     turns = service(prompts, Manager(prompts))
     async with server(handler) as port:
         worker = turns.pool.workers[0]
-        worker.fast = Http1Pool("127.0.0.1", port, connect_timeout_s=1, request_timeout_s=5)
+        worker.client = WorkerClient(
+            f"http://127.0.0.1:{port}", connect_timeout_s=1, request_timeout_s=5
+        )
         turn = Turn("completion", "m", "t", [1], [1], [], [], 4096, worker=worker)
         for _ in range(3):
             upstream = await open_stream(worker, "/v1/completions", b"{}")
             shaper = ChunkShaper("completion", "m", False)
             sent = [e async for e in turns.stream(turn, upstream, shaper, False, on_done)]
             assert sent[-1] == shaper.end
-        assert connections == 1 and len(worker.fast._idle) == 1
-        await worker.fast.aclose()
+        assert connections == 1 and len(worker.client._idle) == 1
+        await worker.client.aclose()

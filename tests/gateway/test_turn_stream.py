@@ -13,7 +13,7 @@ from collections.abc import AsyncGenerator
 
 from starlette.types import Message
 
-from gateway.completions.streams import TurnStream
+from gateway.completions.streams import SSEResponse
 from tests.gateway.asgiclient import Client
 
 
@@ -37,7 +37,7 @@ async def test_a_client_gone_before_the_first_byte_releases_the_turn() -> None:
 
     scope = {"type": "http", "asgi": {"spec_version": "2.4"}}
     with contextlib.suppress(Exception):  # Starlette reports the disconnect; what matters: -
-        await TurnStream(events(), never_started)(scope, receive, send)
+        await SSEResponse(events(), never_started)(scope, receive, send)
     assert released == ["by the response"]
 
     # a stream that ran releases through its own `finally`, and only there
@@ -47,7 +47,7 @@ async def test_a_client_gone_before_the_first_byte_releases_the_turn() -> None:
     async def record(message: Message) -> None:
         sent.append(message)
 
-    await TurnStream(events(), never_started)(scope, receive, record)
+    await SSEResponse(events(), never_started)(scope, receive, record)
     assert released == ["by the stream"] and sent[0]["type"] == "http.response.start"
 
 
@@ -67,7 +67,7 @@ async def test_a_client_leaving_mid_stream_ends_the_stream_and_its_turn() -> Non
 
     client = Client(leave_after=3)  # the head and two events: then the client goes
     scope = {"type": "http", "asgi": {"spec_version": "2.3"}}
-    stream = TurnStream(endless(), never_started)
+    stream = SSEResponse(endless(), never_started)
     await asyncio.wait_for(stream(scope, client.receive, client.send), 5)
     assert released == ["by the stream"]
     assert all(m.get("more_body", True) for m in client.sent)  # no end: nobody to answer

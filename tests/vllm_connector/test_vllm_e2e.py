@@ -158,7 +158,7 @@ def test_a_session_less_request_stores_nothing(vllm_stack: VllmStack) -> None:
 
 
 def test_a_stream_without_a_session_is_relayed_as_vllm_sent_it(vllm_stack: VllmStack) -> None:
-    """vLLM's own stream through the gateway's protocol-level relay (gateway/relay.py): the
+    """vLLM's own stream through the gateway's relay (`gateway.completions.streams`): the
     same text as its answer in one piece, and its usage chunk."""
     before = relayed_streams(vllm_stack.http)
     body = {"model": "tiny", "prompt": document(3), "max_tokens": 8, "temperature": 0}

@@ -1,6 +1,6 @@
-"""Streams without a session, relayed from the server protocol's callbacks (gateway/relay.py),
-on a real server: the gateway app served by uvicorn with our protocol, as `ctxcache gateway`
-serves it, in front of scripted workers whose every byte the test chooses."""
+"""Streams without a session (`gateway.completions.streams.relayed`) on a real server: the
+gateway app served by uvicorn as `ctxcache gateway` serves it, in front of scripted workers
+whose every byte the test chooses."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import uvicorn
 
 from ctxcache.net import free_port
 from ctxcache.settings import server_config
-from gateway.app import create_asgi
+from gateway.app import create_app
 from gateway.settings import GatewaySettings
 from tests.gateway.rawhttp import chunk
 from tests.utils import relayed_streams
@@ -101,13 +101,13 @@ class Worker:
 
 @pytest.fixture
 def serve(redis_url: str) -> Iterator[Callable[..., str]]:
-    """`serve(worker, ...)`: the gateway in front of those workers, on uvicorn with our
-    protocol (as `ctxcache gateway` runs it); its base URL."""
+    """`serve(worker, ...)`: the gateway in front of those workers, on uvicorn configured
+    as `ctxcache gateway` runs it; its base URL."""
     servers: list[tuple[uvicorn.Server, threading.Thread]] = []
 
     def start(*workers: Worker, **settings: object) -> str:
         port = free_port()
-        app = create_asgi(
+        app = create_app(
             GatewaySettings(
                 port=port,
                 redis_url=redis_url,
@@ -158,46 +158,23 @@ def test_a_stream_is_relayed_as_the_worker_sent_it(serve: Callable[..., str]) ->
             assert r.headers["transfer-encoding"] == "chunked"
             assert r.content == b"".join(EVENTS)
     assert len(worker.streams_on) == 1  # the worker's connection was kept alive and reused
-    assert relayed(url) == 3  # ... by the relay, not the regular path
+    assert relayed(url) == 3
     # the tenant's cache_salt was added, as on every worker request without a session
     assert all(isinstance(req.get("cache_salt"), str) for req in worker.requests)
     assert len(worker.requests) == 3
 
 
-# the worker's chunks, with what a relay that re-framed them would lose: an extension and
-# a trailer on the last chunk
+# the worker's chunks, one with an extension, the last with a trailer: valid HTTP the
+# client need not see
 CHUNKS = chunk(EVENTS[0]) + b"5;note=x\r\nhello\r\n" + chunk(EVENTS[1]) + b"0\r\nx-t: 1\r\n\r\n"
 
 
-def raw_stream(port: int, times: int) -> list[bytes]:
-    """`times` streams on one raw connection: each answer's bytes after its head."""
-    payload = orjson.dumps({"model": "m", "prompt": "hi", "stream": True})
-    request = (
-        b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-        b"authorization: Bearer %b\r\ncontent-length: %d\r\n\r\n%b"
-        % (KEY.encode(), len(payload), payload)
-    )
-    bodies = []
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-        for _ in range(times):
-            sock.sendall(request)
-            got = b""
-            while not got.endswith(b"\r\n\r\n") or b"\r\n0\r\n" not in got:
-                data = sock.recv(65536)
-                assert data, got
-                got += data
-            head, _, body = got.partition(b"\r\n\r\n")
-            assert head.startswith(b"HTTP/1.1 200 OK") and b"transfer-encoding: chunked" in head
-            bodies.append(body)
-    return bodies
-
-
 @pytest.mark.parametrize("piece", [1, 7, 4096])
-def test_a_workers_chunks_go_on_as_they_came_however_they_are_read(
+def test_a_workers_chunks_arrive_whole_however_they_are_read(
     serve: Callable[..., str], piece: int
 ) -> None:
-    """The head (split or not) is ours; what follows it is the worker's, byte for byte,
-    whatever reads it comes in, and the connection serves the next stream."""
+    """Whatever reads the worker's bytes come in, the client gets the same payload, and the
+    worker's connection serves the next stream."""
 
     async def dribble(_: asyncio.StreamReader, w: asyncio.StreamWriter, body: dict) -> None:
         whole = HEAD + CHUNKS
@@ -208,7 +185,10 @@ def test_a_workers_chunks_go_on_as_they_came_however_they_are_read(
 
     worker = Worker(dribble).start()
     url = serve(worker)
-    assert raw_stream(int(url.rsplit(":", 1)[1]), 2) == [CHUNKS, CHUNKS]
+    with httpx.Client(timeout=10) as client:
+        for _ in range(2):
+            r = stream(url, client)
+            assert r.status_code == 200 and r.content == EVENTS[0] + b"hello" + EVENTS[1]
     assert len(worker.streams_on) == 1
     assert relayed(url) == 2
 
@@ -291,7 +271,7 @@ def test_a_worker_error_is_our_envelope(serve: Callable[..., str]) -> None:
         r = stream(url)
         assert r.status_code == 400
         assert r.json()["error"]["code"] == "context_length_exceeded"
-    assert relayed(url) == 2
+    assert relayed(url) == 0  # an error answer, no stream
 
 
 def test_a_worker_that_hangs_up_before_answering_fails_over(serve: Callable[..., str]) -> None:
@@ -316,7 +296,7 @@ def test_a_worker_that_never_answers_is_a_backend_timeout(serve: Callable[..., s
     assert r.status_code == 504
     assert r.json()["error"]["code"] == "backend_timeout"
     assert worker.closed.wait(5)
-    assert relayed(url) == 1
+    assert relayed(url) == 0
 
 
 def test_a_stream_that_ends_with_the_workers_connection_is_whole(
@@ -368,9 +348,7 @@ def test_a_client_that_leaves_closes_the_workers_stream(serve: Callable[..., str
     "case",
     ["bad key", "expect 100-continue", "body over 64 KiB", "bad cache_salt", "unknown model"],
 )
-def test_what_the_relay_does_not_take_is_answered_the_regular_way(
-    serve: Callable[..., str], case: str
-) -> None:
+def test_edge_requests_get_the_answer_they_should(serve: Callable[..., str], case: str) -> None:
     url = serve(Worker().start())
     body: dict[str, object] = {"model": "m", "prompt": "hi", "stream": True}
     headers = dict(AUTH)
@@ -393,7 +371,7 @@ def test_what_the_relay_does_not_take_is_answered_the_regular_way(
         "unknown model": (404, None),
     }[case]
     assert r.status_code == expected[0], r.text
-    assert relayed(url) == 0
+    assert relayed(url) == (1 if expected[0] == 200 else 0)
     if expected[1] is not None:
         assert r.content == expected[1]
     else:
@@ -401,9 +379,8 @@ def test_what_the_relay_does_not_take_is_answered_the_regular_way(
 
 
 def test_the_head_goes_out_before_a_slow_first_event(serve: Callable[..., str]) -> None:
-    """The relay holds a worker's head back a moment, to send it with the first event; a
-    long prefill must not hold it back (the worker here sends its first event only once
-    the client has the head)."""
+    """A long prefill does not hold the head back (the worker here sends its first event
+    only once the client has the head)."""
     client_has_head = threading.Event()
 
     async def slow(_: asyncio.StreamReader, w: asyncio.StreamWriter, body: dict) -> None:
@@ -427,8 +404,9 @@ def test_the_head_goes_out_before_a_slow_first_event(serve: Callable[..., str]) 
 
 
 def test_a_slow_client_pauses_reading_from_the_worker(serve: Callable[..., str]) -> None:
-    """The relay reads the worker no faster than the client takes the stream: what it holds
-    for a client that stopped reading stays bounded by the sockets' buffers."""
+    """The gateway reads the worker no faster than the client takes the stream: what it
+    holds for a client that stopped reading stays bounded (the sockets' buffers and the
+    worker client's high-water mark)."""
     piece = chunk(b"data: " + b"x" * 65_536 + b"\n\n")
     written = [0]
 
@@ -454,3 +432,52 @@ def test_a_slow_client_pauses_reading_from_the_worker(serve: Callable[..., str])
                 break
         assert written[0] > stalled_at
     assert worker.closed.wait(5)
+
+
+def test_bytes_after_a_streams_last_chunk_reach_nobody(serve: Callable[..., str]) -> None:
+    """A worker that writes more after its last chunk, in the same read: the client's
+    stream ends where the worker's answer ended, at once, without those bytes; the worker
+    connection is not used again."""
+
+    async def chatty(_: asyncio.StreamReader, w: asyncio.StreamWriter, body: dict) -> None:
+        extra = b'HTTP/1.1 200 OK\r\ncontent-length: 6\r\n\r\n"evil"'
+        w.write(HEAD + b"".join(chunk(e) for e in EVENTS) + b"0\r\n\r\n" + extra)
+
+    worker = Worker(chatty).start()
+    url = serve(worker, request_timeout_s=30)
+    for _ in range(2):
+        r = httpx.post(
+            f"{url}/v1/completions",
+            json={"model": "m", "prompt": "hi", "stream": True},
+            headers=AUTH,
+            timeout=5,  # (a stream that hung until the request timeout fails here)
+        )
+        assert r.status_code == 200 and r.content == b"".join(EVENTS)
+    assert len(worker.streams_on) == 2  # a connection each
+
+
+def test_a_misframed_worker_answer_is_a_worker_error_and_poisons_nothing(
+    serve: Callable[..., str],
+) -> None:
+    """A plain answer with two lengths: a worker error (503, our envelope), and the next
+    request gets its own answer on a new connection, not the tail of that one."""
+    sent: list[int] = []
+
+    async def misframed(_: asyncio.StreamReader, w: asyncio.StreamWriter, body: dict) -> None:
+        payload = orjson.dumps({"n": len(sent)})
+        sent.append(1)
+        if len(sent) == 1:
+            w.write(
+                b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\ncontent-length: 2\r\n\r\n" % len(payload)
+                + payload
+            )
+        else:
+            w.write(answer(200, payload))
+
+    worker = Worker(misframed).start()
+    url = serve(worker)
+    body = {"model": "m", "prompt": "hi"}
+    r = httpx.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=5)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "backend_unavailable"
+    r = httpx.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=5)
+    assert r.status_code == 200 and r.json() == {"n": 1}
