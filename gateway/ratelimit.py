@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from typing import Any
 
 import orjson
@@ -45,6 +46,7 @@ GENERATING: dict[str, int | None] = {
 _MAX_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 _PROMPT_FIELDS = ("prompt", "messages", "input", "instructions")
 _HUGE = 10**15  # more than any budget: a larger maximum is reserved as this
+WARN_EVERY_S = 10.0  # a store outage is logged at most this often
 _CAPTURE_MAX = 8 * 2**20  # a JSON answer larger than this is not parsed for its usage
 
 
@@ -247,6 +249,7 @@ class RateLimits:
         self.default_max_tokens = default_max_tokens
         self.max_body_bytes = max_body_bytes
         self.tenant_metrics = tenant_metrics
+        self._warned_at = -WARN_EVERY_S
 
     def engaged(self, key: ApiKey) -> bool:
         """Whether this key's requests are looked at (limits, or per-tenant metrics)."""
@@ -311,11 +314,13 @@ class RateLimits:
                 self.metrics.rate_limit_store_errors.labels(
                     "open" if self.fail_open else "closed"
                 ).inc()
-                log.warning(
-                    "rate limit not counted (%s): %s",
-                    "served" if self.fail_open else "refused",
-                    exc,
-                )
+                if time.monotonic() - self._warned_at > WARN_EVERY_S:  # (an outage: not each)
+                    self._warned_at = time.monotonic()
+                    log.warning(
+                        "rate limits not counted, requests %s: %s",
+                        "served (fail open)" if self.fail_open else "refused (fail closed)",
+                        exc,
+                    )
                 if not self.fail_open:
                     await error_response(
                         StoreUnavailable("rate limits cannot be counted: " + exc.message)
