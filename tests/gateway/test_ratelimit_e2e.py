@@ -1,5 +1,6 @@
 """The issue's acceptance run: the openai SDK against two real gateway replicas sharing one
-Redis, in front of a real worker (tiny model). A key with `rpm=30`: 60 requests at once ->
+Redis (one with the manager in its process, one through the manager service), in front of a
+real worker (tiny model). A key with `rpm=30`: 60 requests at once ->
 exactly 30 succeed, the other 30 get 429 with `retry-after-ms`; the SDK's own retries
 (`max_retries`) then complete all 60, each refused request retried once, after the window's
 end (the window is shortened with CTX_GATEWAY_RATE_LIMIT_WINDOW_S). The same with `tpm`.
@@ -19,11 +20,12 @@ import pytest
 from ctxcache.redis_server import RedisServer
 from tests.utils import ServiceProcess, metric
 
-WINDOW_S = 6.0  # long enough for a burst of 60 to arrive within one window
+WINDOW_S = 10.0  # long enough for a burst of 60 to arrive within one window, even on a busy CI
 PROMPT = [11, 12, 13, 14]  # token ids: the estimate is exact (one token each)
 MAX_TOKENS = 8  # with ignore_eos: usage.total_tokens = 12, exactly the reservation
 TPM = 30 * (len(PROMPT) + MAX_TOKENS)
 METRICS_TOKEN = "tenant-metrics-token-e2e"
+MANAGER_TOKEN = "manager-token-e2e"
 
 
 @pytest.fixture(scope="module")
@@ -39,21 +41,29 @@ def replicas(
             startup_timeout=120,
         ).start()
         procs.append(worker)
+        manager = ServiceProcess(
+            ["manager", "--redis-url", redis_server.url, "--token", MANAGER_TOKEN],
+            log_path=root / "manager.log",
+        ).start()
+        procs.append(manager)
+        # one replica with the manager in its process, one reaching it as a service (HTTP)
+        stores = [["--redis-url", redis_server.url], ["--manager-url", manager.url]]
         for i in range(2):
-            argv = ["gateway", "--redis-url", redis_server.url, "--worker", worker.url]
+            argv = ["gateway", *stores[i], "--worker", worker.url]
             argv += ["--api-key", "k-rpm=acme:rpm=30", "--api-key", f"k-tpm=acme:tpm={TPM}"]
             argv += ["--api-key", "k-big=beta:tpm=100000"]
             env = {
                 "CTX_GATEWAY_RATE_LIMIT_WINDOW_S": str(WINDOW_S),
                 "CTX_GATEWAY_METRICS_TOKEN": METRICS_TOKEN,
                 "CTX_GATEWAY_HEALTH_INTERVAL_S": "0.5",
+                "CTX_GATEWAY_MANAGER_TOKEN": MANAGER_TOKEN,
             }
             procs.append(
                 ServiceProcess(
                     argv, log_path=root / f"gateway{i}.log", env=env, health_path="/ready"
                 ).start()
             )
-        yield [p.url for p in procs[1:]]
+        yield [p.url for p in procs[2:]]
     finally:
         for p in procs:
             p.stop()
