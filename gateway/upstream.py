@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, NoReturn
 
 import orjson
 
@@ -39,15 +39,19 @@ def mapped(worker: Worker, exc: Exception) -> Exception:
     return exc
 
 
+def reraise_mapped(worker: Worker, exc: Exception) -> NoReturn:
+    error = mapped(worker, exc)
+    if error is exc:
+        raise exc
+    raise error from exc
+
+
 @contextlib.asynccontextmanager
 async def mapped_errors(worker: Worker) -> AsyncIterator[None]:
     try:
         yield
     except Exception as exc:
-        error = mapped(worker, exc)
-        if error is exc:
-            raise
-        raise error from exc
+        reraise_mapped(worker, exc)
 
 
 def worker_error(status: int, payload: bytes) -> CtxError:
@@ -71,8 +75,10 @@ async def post_raw(
     worker: Worker, path: str, body: dict[str, Any] | bytes, *, headers: Headers = ()
 ) -> tuple[int, bytes]:
     """Pass-through: the worker's status and body, as they are."""
-    async with mapped_errors(worker):
+    try:
         return await worker.client.post(path, _content(body), headers=headers)
+    except Exception as exc:  # (no context manager: this runs on every request)
+        reraise_mapped(worker, exc)
 
 
 async def post_json(
@@ -117,8 +123,10 @@ async def open_stream(
     worker: Worker, path: str, body: dict[str, Any] | bytes, *, headers: Headers = ()
 ) -> SSEStream:
     """Start a worker's stream: its answer's head is in, and it is not an error."""
-    async with mapped_errors(worker):
+    try:
         answer = await worker.client.request("POST", path, _content(body), headers=headers)
         if answer.status >= 400:
             raise worker_error(answer.status, await answer.read())
-        return SSEStream(worker, answer)
+    except Exception as exc:  # (no context manager: this runs on every stream)
+        reraise_mapped(worker, exc)
+    return SSEStream(worker, answer)

@@ -157,10 +157,9 @@ class WorkerClient:
 class Answer:
     """A worker's answer to one request: its head, then its body as it arrives."""
 
-    def __init__(self, conn: _Connection, deadline: float) -> None:
+    def __init__(self, conn: _Connection) -> None:
         self._conn: _Connection | None = conn
-        loop = asyncio.get_running_loop()
-        self._expiry = loop.call_at(deadline, self._expire)
+        self._expiry: asyncio.TimerHandle | None = None  # (`expire_at`)
         self._waiter: asyncio.Future[None] | None = None
         self._pending: list[bytes] = []
         self._pending_size = 0
@@ -202,10 +201,14 @@ class Answer:
             if not self.done:
                 self.close()
 
+    def expire_at(self, deadline: float) -> None:
+        """Fail the call (and drop its connection) if it is not over by `deadline`."""
+        self._expiry = asyncio.get_running_loop().call_at(deadline, self._expire)
+
     def close(self) -> None:
         """Done with this answer: if its body is not whole yet, its connection is dropped
         (the worker sees the caller leave, and stops generating)."""
-        self._expiry.cancel()
+        self._stop_expiry()
         conn, self._conn = self._conn, None
         if conn is not None and not self.done:
             conn.transport.abort()
@@ -220,7 +223,7 @@ class Answer:
 
     def end(self) -> None:
         self.done = True
-        self._expiry.cancel()
+        self._stop_expiry()
         self._conn = None
         self._wake()
 
@@ -228,9 +231,13 @@ class Answer:
         if self.done or self.error is not None:
             return
         self.error = error
-        self._expiry.cancel()
+        self._stop_expiry()
         self._conn = None
         self._wake()
+
+    def _stop_expiry(self) -> None:
+        if self._expiry is not None:
+            self._expiry.cancel()
 
     def _expire(self) -> None:
         conn = self._conn
@@ -267,9 +274,10 @@ class _Connection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
 
     def send(self, request: bytes, deadline: float) -> Answer:
-        answer = self.answer = Answer(self, deadline)
+        answer = self.answer = Answer(self)
         self.framed = False
-        self.transport.write(request)
+        self.transport.write(request)  # first: the worker starts on it meanwhile
+        answer.expire_at(deadline)
         return answer
 
     def data_received(self, data: bytes) -> None:

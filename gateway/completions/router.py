@@ -9,16 +9,20 @@ same middleware and error handlers as every other route; `openapi_paths` documen
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from ctxcache.disconnect import ClientLeft, until_the_client_leaves
 from gateway.auth import authorization
 from gateway.completions.service import PATHS, CompletionService
 from gateway.protocol import ChatBody, CompletionBody
 from gateway.requests import body_doc
+
+log = logging.getLogger(__name__)
 
 
 class CompletionsEndpoint:
@@ -28,13 +32,38 @@ class CompletionsEndpoint:
         self.kind = kind
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        request = Request(scope, receive)
-        state = request.app.state
-        tenant = state.keys.tenant_for(authorization(scope["headers"]))
+        state = scope["app"].state
+        headers = scope["headers"]
+        tenant = state.keys.tenant_for(authorization(headers))
+        body = await read_body(receive)
         service: CompletionService = state.completions
-        session_header = request.headers.get("x-session-id")
-        response = await service.serve(tenant, self.kind, await request.body(), session_header)
+        answer = service.serve(tenant, self.kind, body, header(headers, b"x-session-id"))
+        try:  # a client that leaves cancels its request, on the worker too
+            response = await until_the_client_leaves(receive, answer)
+        except ClientLeft:
+            log.info("the client left before its answer: its request is cancelled")
+            return
         await response(scope, receive, send)
+
+
+async def read_body(receive: Receive) -> bytes:
+    """The request's body (the body-size limit is the middleware's)."""
+    message = await receive()
+    body = message.get("body", b"")
+    while message.get("more_body", False):
+        message = await receive()
+        body += message.get("body", b"")
+    if message["type"] == "http.disconnect":
+        raise ClientDisconnect()
+    return body  # type: ignore[no-any-return]
+
+
+def header(headers: list[tuple[bytes, bytes]], name: bytes) -> str | None:
+    """A header's first value (as Starlette's `request.headers.get` reads it)."""
+    for key, value in headers:
+        if key == name:
+            return value.decode("latin-1")
+    return None
 
 
 routes = [Route(path, CompletionsEndpoint(kind), methods=["POST"]) for kind, path in PATHS.items()]

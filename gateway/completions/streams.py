@@ -2,7 +2,7 @@
 
 A stream without a session passes the worker's bytes on as they arrive (`relayed`); a
 session turn's events are shaped by `TurnService.stream`. Either way one task watches for
-the client to leave (`until_the_client_leaves`); if it does, the stream is cancelled, its
+the client to leave (`ctxcache.disconnect`); if it does, the stream is cancelled, its
 generator closed, and so the worker's connection: the worker stops generating for nobody.
 
 A worker that breaks off mid-stream cannot change the status already sent: the response
@@ -12,14 +12,13 @@ sees a cut answer, never a complete-looking one.
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine
-from typing import Any
+from collections.abc import AsyncGenerator, Awaitable, Callable
 
 from fastapi import Response
 from starlette.types import Message, Receive, Scope, Send
 
+from ctxcache.disconnect import ClientLeft, until_the_client_leaves
 from ctxcache.errors import CtxError
 from gateway.pool import WorkerPool
 from gateway.upstream import SSEStream, WorkerDown
@@ -32,39 +31,6 @@ SSE_HEADERS = [
 _START: Message = {"type": "http.response.start", "status": 200, "headers": SSE_HEADERS}
 _END: Message = {"type": "http.response.body", "body": b"", "more_body": False}
 log = logging.getLogger(__name__)
-
-
-async def until_the_client_leaves(receive: Receive, work: Coroutine[Any, Any, None]) -> bool:
-    """Run `work` in this task, cancelled if the client disconnects meanwhile: True if it
-    ran to its end, False if the client left first."""
-    task = asyncio.current_task()
-    assert task is not None
-    running, left = True, False
-
-    def on_leave(_: object) -> None:
-        nonlocal left
-        if running:  # (after the last byte, `receive` says disconnect too)
-            left = True
-            task.cancel()
-
-    watch = asyncio.ensure_future(_disconnect(receive))
-    watch.add_done_callback(on_leave)
-    try:
-        await work
-    except asyncio.CancelledError:
-        if not left:
-            raise
-        task.uncancel()  # the client left: nobody is left to answer
-        return False
-    finally:
-        running = False
-        watch.cancel()
-    return True
-
-
-async def _disconnect(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
 
 
 class SSEResponse(Response):
@@ -95,7 +61,10 @@ class SSEResponse(Response):
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
 
         try:
-            ended = await until_the_client_leaves(receive, stream())
+            await until_the_client_leaves(receive, stream())
+        except ClientLeft:
+            log.info("the client left mid-stream: the stream is dropped")
+            return
         except (CtxError, WorkerDown) as exc:  # the status is sent: the answer is cut
             log.warning("a stream broke off mid-answer: %s", exc)
             return
@@ -104,8 +73,7 @@ class SSEResponse(Response):
                 await self.events.aclose()
             else:
                 await self.never_started()
-        if ended:
-            await send(_END)
+        await send(_END)
 
 
 def relayed(pool: WorkerPool, upstream: SSEStream) -> SSEResponse:

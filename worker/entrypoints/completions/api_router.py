@@ -7,6 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Request
 from starlette.responses import Response
 
+from ctxcache.disconnect import ClientLeft, until_the_client_leaves
 from worker.entrypoints.completions.protocol import CompletionRequest
 from worker.entrypoints.completions.serving import CompletionServing
 
@@ -21,5 +22,10 @@ ServingDep = Annotated[CompletionServing, Depends(get_serving)]
 
 
 @router.post("/v1/completions", response_model=None)
-async def create_completion(body: CompletionRequest, serving: ServingDep) -> Response | object:
-    return await serving.create(body)
+async def create_completion(
+    body: CompletionRequest, serving: ServingDep, request: Request
+) -> Response | object:
+    try:  # a client that leaves cancels the generation (`Generation.events`)
+        return await until_the_client_leaves(request.receive, serving.create(body))
+    except ClientLeft:
+        return Response(status_code=499)  # (nobody reads it)
