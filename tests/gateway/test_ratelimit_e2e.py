@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -28,10 +29,19 @@ METRICS_TOKEN = "tenant-metrics-token-e2e"
 MANAGER_TOKEN = "manager-token-e2e"
 
 
+@dataclass
+class Replicas:
+    urls: list[str]  # the two gateways
+    worker: str
+
+    def __getitem__(self, i: int) -> str:
+        return self.urls[i]
+
+
 @pytest.fixture(scope="module")
 def replicas(
     tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer, tiny_model: Path
-) -> Iterator[list[str]]:
+) -> Iterator[Replicas]:
     root = tmp_path_factory.mktemp("ratelimit")
     procs: list[ServiceProcess] = []
     try:
@@ -51,7 +61,7 @@ def replicas(
         for i in range(2):
             argv = ["gateway", *stores[i], "--worker", worker.url]
             argv += ["--api-key", "k-rpm=acme:rpm=30", "--api-key", f"k-tpm=acme:tpm={TPM}"]
-            argv += ["--api-key", "k-big=beta:tpm=100000"]
+            argv += ["--api-key", "k-big=beta:tpm=100000", "--api-key", "k-gone=gamma:tpm=100000"]
             env = {
                 "CTX_GATEWAY_RATE_LIMIT_WINDOW_S": str(WINDOW_S),
                 "CTX_GATEWAY_METRICS_TOKEN": METRICS_TOKEN,
@@ -63,23 +73,25 @@ def replicas(
                     argv, log_path=root / f"gateway{i}.log", env=env, health_path="/ready"
                 ).start()
             )
-        yield [p.url for p in procs[2:]]
+        yield Replicas([p.url for p in procs[2:]], worker.url)
     finally:
         for p in procs:
             p.stop()
 
 
-def limited_total(urls: list[str], limit: str) -> float:
+def limited_total(replicas: Replicas, limit: str) -> float:
     headers = {"authorization": f"Bearer {METRICS_TOKEN}"}
     name = f'ctxcache_tenant_rate_limited_total{{limit="{limit}",tenant="acme"}}'
-    return sum(metric(httpx.get(f"{u}/metrics/tenants", headers=headers).text, name) for u in urls)
+    return sum(
+        metric(httpx.get(f"{u}/metrics/tenants", headers=headers).text, name) for u in replicas.urls
+    )
 
 
-async def burst_raw(urls: list[str], key: str) -> list[httpx.Response]:
+async def burst_raw(replicas: Replicas, key: str) -> list[httpx.Response]:
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "ignore_eos": True}
     async with httpx.AsyncClient(timeout=60, headers={"authorization": f"Bearer {key}"}) as http:
         return await asyncio.gather(
-            *(http.post(f"{urls[i % 2]}/v1/completions", json=body) for i in range(60))
+            *(http.post(f"{replicas[i % 2]}/v1/completions", json=body) for i in range(60))
         )
 
 
@@ -106,7 +118,7 @@ async def burst_sdk(urls: list[str], key: str) -> list[int]:
 
 
 @pytest.mark.parametrize(("key", "limit"), [("k-rpm", "requests"), ("k-tpm", "tokens")])
-async def test_sdk_burst_on_two_replicas(replicas: list[str], key: str, limit: str) -> None:
+async def test_sdk_burst_on_two_replicas(replicas: Replicas, key: str, limit: str) -> None:
     answers = await burst_raw(replicas, key)
     ok = [r for r in answers if r.status_code == 200]
     refused = [r for r in answers if r.status_code == 429]
@@ -130,7 +142,7 @@ async def test_sdk_burst_on_two_replicas(replicas: list[str], key: str, limit: s
     assert elapsed > WINDOW_S * 0.5  # half of them had to wait for the next window
 
 
-def test_responses_settle_to_their_usage(replicas: list[str]) -> None:
+def test_responses_settle_to_their_usage(replicas: Replicas) -> None:
     """A Responses answer (JSON, and a stream's `response.completed`) and a chat turn on a
     session are charged their real `usage.total_tokens`: the next request's headers show
     the budget minus what was used, not minus the reservations."""
@@ -155,3 +167,70 @@ def test_responses_settle_to_their_usage(replicas: list[str]) -> None:
     reserved = len(PROMPT) + MAX_TOKENS
     assert probe.headers["x-ratelimit-remaining-tokens"] == str(100000 - spent - reserved)
     client.close()
+
+
+def running(replicas: Replicas) -> float:
+    return metric(httpx.get(f"{replicas.worker}/metrics").text, "ctxcache_worker_running")
+
+
+def wait_idle(replicas: Replicas) -> None:
+    deadline = time.monotonic() + 10
+    while running(replicas) != 0:
+        assert time.monotonic() < deadline, "the worker still generates for nobody"
+        time.sleep(0.02)
+
+
+def test_a_limited_key_that_leaves_still_cancels_and_is_charged_fairly(
+    replicas: Replicas,
+) -> None:
+    """The limiter reads the body ahead and watches the answer, and still the client's
+    leaving reaches the worker. A request that left before its answer gives its
+    reservation back; a stream cut mid-way keeps it (no usage came)."""
+    auth = {"authorization": "Bearer k-gone"}
+    long = {"model": "tiny", "prompt": PROMPT, "max_tokens": 3000, "ignore_eos": True}
+    reserved = len(PROMPT) + 3000
+    probe_body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 1, "ignore_eos": True}
+    probe_cost = len(PROMPT) + 1
+
+    probes = 0
+
+    def remaining() -> int:
+        """The tokens left after a probe (which costs `probe_cost`, reserved and used)."""
+        nonlocal probes
+        probes += 1
+        r = httpx.post(f"{replicas[0]}/v1/completions", json=probe_body, headers=auth)
+        assert r.status_code == 200
+        return int(r.headers["x-ratelimit-remaining-tokens"])
+
+    def charged_since_first_probe(charged: int) -> bool:
+        """Whether the budget shows `charged` tokens beyond the probes (a settlement runs
+        as the request's task ends, just after the worker stopped: polled a while)."""
+        deadline = time.monotonic() + 10
+        while True:
+            got = remaining()
+            if got == first - (probes - 1) * probe_cost - charged:
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
+
+    wait_idle(replicas)
+    first = remaining()
+    leaving = httpx.Client(base_url=replicas[0], headers=auth)
+    with pytest.raises(httpx.ReadTimeout), leaving:  # hangs up after 1.5 s
+        leaving.post("/v1/completions", json=long, timeout=httpx.Timeout(10, read=1.5))
+    wait_idle(replicas)
+    assert charged_since_first_probe(0)  # the request that left cost nothing
+
+    with (
+        httpx.Client(base_url=replicas[0], headers=auth, timeout=30) as http,
+        http.stream("POST", "/v1/completions", json={**long, "stream": True}) as r,
+    ):
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        next(lines)  # mid-stream
+        next(lines)
+    wait_idle(replicas)
+    assert charged_since_first_probe(reserved)  # the cut stream kept its reservation...
+    time.sleep(0.5)
+    assert charged_since_first_probe(reserved)  # ... after its settlement too
