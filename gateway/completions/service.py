@@ -9,12 +9,15 @@ session, run as a turn.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from typing import Any
 
 from fastapi import Response
 from pydantic import BaseModel
 
 from ctxcache.errors import InvalidRequest
+from ctxcache.logs import bind_session
 from ctxcache.responses import JSONResponse
 from gateway.completions.streams import SSEResponse, relayed
 from gateway.pool import WorkerPool
@@ -30,6 +33,7 @@ from gateway.shaping import (
 from gateway.turns import Generation, Turn, TurnService
 from gateway.upstream import open_stream, post_raw
 
+log = logging.getLogger(__name__)
 PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 KINDS = {path: kind for kind, path in PATHS.items()}
 BODIES: dict[str, type[BaseModel]] = {"chat": ChatBody, "completion": CompletionBody}
@@ -78,8 +82,11 @@ class CompletionService:
                 return await self._stream(turn, body)
             gen = await self.turns.generate(turn)
             info = await self.turns.commit(turn, gen)
-        except BaseException:
+        except BaseException as exc:
             await self.turns.release_now(tenant, turn.state)
+            if isinstance(exc, asyncio.CancelledError):
+                with bind_session(session_id):
+                    log.info("turn dropped: the client left before its answer")
             raise
         return JSONResponse(self._shape(turn, gen, session_ref(info), body))
 
