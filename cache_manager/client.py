@@ -24,6 +24,9 @@ from cache_manager.protocol import (
     BeginTurn,
     CreateSession,
     ManagerStats,
+    RateSettle,
+    RateTake,
+    RateWindow,
     ReleaseLock,
     ResponseDeleted,
     ResponseRecord,
@@ -33,6 +36,7 @@ from cache_manager.protocol import (
     TenantUsage,
     UpdateSession,
 )
+from cache_manager.ratelimits import RateLimitStore
 from cache_manager.service import SessionService
 from cache_manager.store import valid_session_id
 from ctxcache.errors import SessionNotFound, StoreUnavailable, error_from_envelope
@@ -88,7 +92,7 @@ class ManagerClient:
     async def in_process(app: FastAPI) -> AsyncIterator[ManagerClient]:
         """Run the manager app's lifespan here and call its service directly."""
         async with app.router.lifespan_context(app):
-            yield LocalManager(app.state.service)
+            yield LocalManager(app.state.service, app.state.rate_limits)
 
     async def aclose(self) -> None:
         await self.transport.aclose()
@@ -190,6 +194,13 @@ class ManagerClient:
     async def usage(self, tenant: str) -> TenantUsage:
         return await self._call("GET", f"/tenants/{tenant}/usage", TenantUsage)  # type: ignore[return-value]
 
+    async def rate_take(self, key_id: str, req: RateTake) -> RateWindow:
+        """Count a request in an API key's window (`cache_manager/ratelimits.py`)."""
+        return await self._call("POST", f"/ratelimits/{key_id}/take", RateWindow, body=req)  # type: ignore[return-value]
+
+    async def rate_settle(self, key_id: str, req: RateSettle) -> None:
+        await self._call("POST", f"/ratelimits/{key_id}/settle", None, body=req)
+
     async def live_sessions(self) -> int:
         stats = await self._call("GET", "/stats", ManagerStats)
         assert stats is not None
@@ -206,8 +217,9 @@ class ManagerClient:
 class LocalManager(ManagerClient):
     """The manager inside this process: `ManagerClient`'s calls on the service itself."""
 
-    def __init__(self, service: SessionService) -> None:
+    def __init__(self, service: SessionService, rate_limits: RateLimitStore) -> None:
         self.service = service
+        self.rate_limits = rate_limits
 
     async def aclose(self) -> None:
         return None
@@ -246,6 +258,12 @@ class LocalManager(ManagerClient):
 
     async def usage(self, tenant: str) -> TenantUsage:
         return await self.service.usage(tenant)
+
+    async def rate_take(self, key_id: str, req: RateTake) -> RateWindow:
+        return await self.rate_limits.take(key_id, req)
+
+    async def rate_settle(self, key_id: str, req: RateSettle) -> None:
+        await self.rate_limits.settle(key_id, req)
 
     async def live_sessions(self) -> int:
         return await self.service.live_sessions()
