@@ -29,6 +29,9 @@ from cache_manager.protocol import (
     ItemsEdited,
     LockRenewed,
     ManagerStats,
+    RateSettle,
+    RateTake,
+    RateWindow,
     ReleaseLock,
     RenewLock,
     ResponseDeleted,
@@ -39,6 +42,7 @@ from cache_manager.protocol import (
     TenantUsage,
     UpdateSession,
 )
+from cache_manager.ratelimits import RateLimitStore
 from cache_manager.service import SessionService
 from cache_manager.store import valid_session_id
 from ctxcache.errors import SessionNotFound, StoreUnavailable, error_from_envelope
@@ -94,7 +98,7 @@ class ManagerClient:
     async def in_process(app: FastAPI) -> AsyncIterator[ManagerClient]:
         """Run the manager app's lifespan here and call its service directly."""
         async with app.router.lifespan_context(app):
-            yield LocalManager(app.state.service)
+            yield LocalManager(app.state.service, app.state.rate_limits)
 
     async def aclose(self) -> None:
         await self.transport.aclose()
@@ -212,6 +216,13 @@ class ManagerClient:
     async def usage(self, tenant: str) -> TenantUsage:
         return await self._call("GET", f"/tenants/{tenant}/usage", TenantUsage)  # type: ignore[return-value]
 
+    async def rate_take(self, key_id: str, req: RateTake) -> RateWindow:
+        """Count a request in an API key's window (`cache_manager/ratelimits.py`)."""
+        return await self._call("POST", f"/ratelimits/{key_id}/take", RateWindow, body=req)  # type: ignore[return-value]
+
+    async def rate_settle(self, key_id: str, req: RateSettle) -> None:
+        await self._call("POST", f"/ratelimits/{key_id}/settle", None, body=req)
+
     async def live_sessions(self) -> int:
         stats = await self._call("GET", "/stats", ManagerStats)
         assert stats is not None
@@ -228,8 +239,9 @@ class ManagerClient:
 class LocalManager(ManagerClient):
     """The manager inside this process: `ManagerClient`'s calls on the service itself."""
 
-    def __init__(self, service: SessionService) -> None:
+    def __init__(self, service: SessionService, rate_limits: RateLimitStore) -> None:
         self.service = service
+        self.rate_limits = rate_limits
 
     async def aclose(self) -> None:
         return None
@@ -277,6 +289,12 @@ class LocalManager(ManagerClient):
 
     async def usage(self, tenant: str) -> TenantUsage:
         return await self.service.usage(tenant)
+
+    async def rate_take(self, key_id: str, req: RateTake) -> RateWindow:
+        return await self.rate_limits.take(key_id, req)
+
+    async def rate_settle(self, key_id: str, req: RateSettle) -> None:
+        await self.rate_limits.settle(key_id, req)
 
     async def live_sessions(self) -> int:
         return await self.service.live_sessions()

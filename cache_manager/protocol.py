@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
@@ -220,3 +220,32 @@ class ManagerStats(StrictModel):
     """Counts across every tenant, for metrics (no tenant is named)."""
 
     live_sessions: int
+
+
+KeyId = Annotated[str, Field(pattern=r"^[0-9a-f]{16,64}$")]  # `gateway.limits.key_id`
+
+
+class RateTake(StrictModel):
+    """Count one request (and reserve its tokens) in an API key's window, if both fit."""
+
+    window_ms: int = Field(ge=1, le=3_600_000)
+    max_requests: int = Field(0, ge=0, le=10**12, description="0: no limit")
+    max_tokens: int = Field(0, ge=0, le=10**12, description="0: no limit")
+    tokens: int = Field(0, ge=0, le=10**12, description="to reserve")
+
+
+class RateWindow(StrictModel):
+    """The key's window after a take: what it counts, and when it ends."""
+
+    allowed: bool
+    requests: int
+    tokens: int
+    reset_ms: int  # from now until the window ends
+    window_end_ms: int  # names the window for `RateSettle`
+
+
+class RateSettle(StrictModel):
+    """A request's real token count replaces its reservation (in the window it was taken)."""
+
+    window_end_ms: int = Field(ge=0)
+    delta: int = Field(ge=-(10**12), le=10**12, description="used minus reserved")

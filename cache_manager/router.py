@@ -16,8 +16,12 @@ from cache_manager.protocol import (
     Deleted,
     EditItems,
     ItemsEdited,
+    KeyId,
     LockRenewed,
     ManagerStats,
+    RateSettle,
+    RateTake,
+    RateWindow,
     ReleaseLock,
     RenewLock,
     ResponseDeleted,
@@ -28,6 +32,7 @@ from cache_manager.protocol import (
     TenantUsage,
     UpdateSession,
 )
+from cache_manager.ratelimits import RateLimitStore
 from cache_manager.service import SessionService
 
 
@@ -134,3 +139,25 @@ async def get_stats(svc: ServiceDep) -> ManagerStats:
 @tenants.get("/{tenant}/usage", response_model=TenantUsage)
 async def usage(tenant: str, svc: ServiceDep) -> TenantUsage:
     return await svc.usage(tenant)
+
+
+async def get_rate_limits(request: Request) -> RateLimitStore:
+    return request.app.state.rate_limits  # type: ignore[no-any-return]
+
+
+RateLimitsDep = Annotated[RateLimitStore, Depends(get_rate_limits)]
+ratelimits = APIRouter(prefix="/ratelimits")
+
+
+@ratelimits.post("/{key_id}/take", response_model=RateWindow)
+async def rate_take(
+    key_id: Annotated[KeyId, Path()], body: RateTake, rl: RateLimitsDep
+) -> Response:
+    return _json(await rl.take(key_id, body))
+
+
+@ratelimits.post("/{key_id}/settle", status_code=204)
+async def rate_settle(
+    key_id: Annotated[KeyId, Path()], body: RateSettle, rl: RateLimitsDep
+) -> None:
+    await rl.settle(key_id, body)

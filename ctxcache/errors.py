@@ -166,6 +166,14 @@ class QuotaExceeded(CtxError):
     default_message = "tenant quota exceeded"
 
 
+class RateLimited(CtxError):
+    """A key's requests or tokens per minute are used up (gateway/limits.py). The answer
+    carries `retry-after`, `retry-after-ms` and the `x-ratelimit-*` headers."""
+
+    status, code, type = 429, "rate_limit_exceeded", "rate_limit_exceeded"
+    default_message = "rate limit reached"
+
+
 class BackendUnavailable(CtxError):
     status, code, type = 503, "backend_unavailable", "server_error"
     default_message = "no healthy inference worker"

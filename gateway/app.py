@@ -31,6 +31,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.pool import WorkerPool
 from gateway.prompts import PromptBuilder
 from gateway.protocol import ChatBody, CompletionBody, ContextCreate
+from gateway.ratelimit import RateLimits
 from gateway.recent import RecentHistories
 from gateway.responses.protocol import (
     ConversationCreate,
@@ -46,6 +47,19 @@ from gateway.system import router as system_router
 from gateway.turns import TurnService
 
 log = logging.getLogger(__name__)
+
+
+def _rate_limits(inner: ASGIApp, app: FastAPI, settings: GatewaySettings) -> RateLimits:
+    return RateLimits(
+        inner,
+        state=app.state,
+        metrics=app.state.metrics,
+        window_s=settings.rate_limit_window_s,
+        on_store_error=settings.rate_limit_on_store_error,
+        default_max_tokens=settings.rate_limit_default_max_tokens,
+        max_body_bytes=settings.max_body_bytes,
+        tenant_metrics=settings.metrics_token is not None,
+    )
 
 
 def create_app(settings: GatewaySettings) -> FastAPI:
@@ -116,6 +130,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     )
     app.state.metrics = metrics
     app.state.idempotency_ttl_s = settings.idempotency_ttl_s
+    app.state.metrics_token = settings.metrics_token
     install_error_handlers(app)
     # the busiest two first: a request is matched against the routes in order
     app.router.routes[:0] = completion_routes.routes
@@ -125,6 +140,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app.include_router(system_router)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
+    # outermost: every request a key with limits makes is counted (gateway/ratelimit.py)
+    app.add_middleware(_rate_limits, app=app, settings=settings)  # type: ignore[arg-type]
     _document_bodies(app)
     return app
 

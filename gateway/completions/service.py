@@ -9,6 +9,8 @@ session, run as a turn.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -17,6 +19,7 @@ from pydantic import BaseModel
 
 from cache_manager.protocol import Replay
 from ctxcache.errors import InvalidRequest
+from ctxcache.logs import bind_session
 from ctxcache.responses import JSONResponse
 from gateway.completions.streams import SSEResponse, relayed
 from gateway.idempotency import IdempotencyKey, check_header, with_session
@@ -33,6 +36,8 @@ from gateway.shaping import (
 )
 from gateway.turns import Generation, Turn, TurnService
 from gateway.upstream import open_stream, post_raw
+
+log = logging.getLogger(__name__)
 
 
 async def _nothing() -> None:
@@ -127,8 +132,11 @@ class CompletionService:
             gen = await self.turns.generate(turn)
             out = self._shape(turn, gen, body)
             info = await self.turns.commit(turn, gen, answer=out)
-        except BaseException:
+        except BaseException as exc:
             await self.turns.release_now(tenant, turn.state)
+            if isinstance(exc, asyncio.CancelledError):
+                with bind_session(session_id):
+                    log.info("turn dropped: the client left before its answer")
             raise
         return JSONResponse(with_session(out, session_ref(info)))
 

@@ -21,8 +21,7 @@ LONG = {"model": "tiny", "max_tokens": 3000, "ignore_eos": True, "temperature": 
 def running(stack: Stack) -> float:
     """Sequences the workers are generating (their own gauge)."""
     return sum(
-        metric(httpx.get(f"{w.url}/metrics").text, "ctxcache_worker_running")
-        for w in stack.workers
+        metric(httpx.get(f"{w.url}/metrics").text, "ctxcache_worker_running") for w in stack.workers
     )
 
 

@@ -196,3 +196,48 @@ def test_a_killed_sidecar_costs_speed_only(vllm_stack: VllmStack) -> None:
             break
         assert time.monotonic() < deadline, "the sidecar was not used again after a restart"
         time.sleep(2.0)
+
+
+def vllm_running(stack: VllmStack) -> float:
+    text = httpx.get(f"{stack.vllm.url}/metrics", timeout=30).text
+    found = re.findall(r"^vllm:num_requests_running\{[^}]*\} ([0-9.e+]+)$", text, re.M)
+    return sum(float(v) for v in found)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_leaves_aborts_vllms_request(vllm_stack: VllmStack, stream: bool) -> None:
+    """Mid-answer, the client hangs up: vLLM frees the sequence (its own gauge drops back
+    to 0, seconds before the 1,500 tokens would have ended), the session holds nothing of
+    the dropped turn, and the next turn is served at once."""
+    chat = Chat(vllm_stack, seed=7)
+    before = chat.info()
+    body = {
+        "model": "tiny",
+        "session_id": chat.sid,
+        "messages": [{"role": "user", "content": "tell me everything"}],
+        "max_tokens": 1500,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": stream,
+    }
+    if stream:
+        with vllm_stack.http.stream("POST", "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            next(lines)
+            next(lines)  # tokens are coming
+            assert vllm_running(vllm_stack) == 1
+    else:
+        with (
+            pytest.raises(httpx.ReadTimeout),
+            httpx.Client(base_url=vllm_stack.url) as leaving,
+        ):
+            leaving.post("/v1/chat/completions", json=body, timeout=httpx.Timeout(60, read=3))
+    t0 = time.monotonic()
+    wait_for(lambda: vllm_running(vllm_stack) == 0, timeout=5.0)
+    assert time.monotonic() - t0 < 5.0  # (the whole answer would take far longer)
+    assert chat.info()["turns"] == before["turns"]
+    assert chat.info()["context_tokens"] == before["context_tokens"]
+    t0 = time.monotonic()
+    chat.turn("and then?")  # the lock is free: no wait for its TTL
+    assert time.monotonic() - t0 < 60
