@@ -107,6 +107,12 @@ class GatewayMetrics:
             "(per tenant: ctxcache_tenant_idempotent_replays_total)",
             registry=r,
         )
+        self.cancellations = Counter(
+            "ctxcache_gateway_cancellations_total",
+            "requests dropped because their client left before the answer was complete "
+            "(the worker's request cancelled; per tenant: ctxcache_tenant_cancellations_total)",
+            registry=r,
+        )
         self.turn_lock_renewals = Counter(
             "ctxcache_gateway_turn_lock_renewals_total",
             "turn locks extended because their turn ran longer than a third of the lock TTL",
@@ -117,6 +123,10 @@ class GatewayMetrics:
     def replayed(self, tenant: str) -> None:
         self.idempotent_replays.inc()
         self.tenants.replayed(tenant)
+
+    def cancelled(self, tenant: str) -> None:
+        self.cancellations.inc()
+        self.tenants.cancelled(tenant)
 
     def observe(self, route: str, status: int, seconds: float) -> None:
         # the labelled series, looked up once per (route, status): both are bounded sets
@@ -165,9 +175,18 @@ class TenantMetrics:
             ["tenant"],
             registry=r,
         )
+        self._cancellations = Counter(
+            "ctxcache_tenant_cancellations_total",
+            "requests dropped because their client left before the answer was complete",
+            ["tenant"],
+            registry=r,
+        )
 
     def replayed(self, tenant: str) -> None:
         self._replays.labels(tenant).inc()
+
+    def cancelled(self, tenant: str) -> None:
+        self._cancellations.labels(tenant).inc()
 
     def request(self, tenant: str) -> None:
         self._requests.labels(tenant).inc()

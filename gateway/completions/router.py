@@ -18,6 +18,7 @@ from starlette.types import Receive, Scope, Send
 from ctxcache.disconnect import ClientLeft, until_the_client_leaves
 from gateway.auth import authorization
 from gateway.completions.service import PATHS, CompletionService
+from gateway.completions.streams import SSEResponse
 from gateway.protocol import ChatBody, CompletionBody
 from gateway.requests import body_doc
 
@@ -44,8 +45,11 @@ class CompletionsEndpoint:
             response = await until_the_client_leaves(receive, answer)
         except ClientLeft:
             log.debug("the client left before its answer: its request is cancelled")
+            state.metrics.cancelled(tenant)
             return
         await response(scope, receive, send)
+        if isinstance(response, SSEResponse) and response.client_left:
+            state.metrics.cancelled(tenant)
 
 
 async def read_body(receive: Receive) -> bytes:

@@ -49,6 +49,7 @@ class SSEResponse(Response):
         self.status_code = 200
         self.background = None
         self.raw_headers = SSE_HEADERS
+        self.client_left = False  # (once answered) the client left before the end
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = False
@@ -64,6 +65,7 @@ class SSEResponse(Response):
             await until_the_client_leaves(receive, stream())
         except ClientLeft:
             log.info("the client left mid-stream: the stream is dropped")
+            self.client_left = True
             return
         except (CtxError, WorkerDown) as exc:  # the status is sent: the answer is cut
             log.warning("a stream broke off mid-answer: %s", exc)

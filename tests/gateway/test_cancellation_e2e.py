@@ -45,6 +45,7 @@ def test_a_client_that_leaves_cancels_its_request(
             body["session_id"] = sid = new_session(a)
             before = a.get(f"/v1/context/{sid}").json()
         assert wait_running(stack, 0) >= 0
+        cancelled = metric(a.get("/metrics").text, "ctxcache_gateway_cancellations_total")
         if stream:
             with a.stream("POST", "/v1/completions", json=body) as r:
                 assert r.status_code == 200
@@ -58,6 +59,8 @@ def test_a_client_that_leaves_cancels_its_request(
                 leaving.post("/v1/completions", json=body, timeout=httpx.Timeout(10, read=1.5))
         # the client is gone: the worker stops generating for nobody
         wait_running(stack, 0)
+        counted = metric(a.get("/metrics").text, "ctxcache_gateway_cancellations_total")
+        assert counted == cancelled + 1
         if not session:
             return
         # the lock is free at once (not after its TTL) and nothing was appended
