@@ -23,6 +23,8 @@ from ctxcache.errors import InvalidRequest
 from gateway.auth import TenantDep
 
 HEADER = "idempotency-key"
+# on a replayed answer (Stripe's name): nothing ran, so the rate limiter charges no tokens
+REPLAYED = {"idempotent-replayed": "true"}
 MAX_KEY_CHARS = 255  # Stripe's limit; an SDK's `stainless-python-retry-<uuid>` is 59
 
 

@@ -188,8 +188,12 @@ class _Usage:
 
     def start(self, message: Message) -> None:
         self.status = message["status"]
-        for name, value in message.get("headers", ()):
-            if name.lower() == b"content-type":
+        headers = [(name.lower(), value) for name, value in message.get("headers", ())]
+        if any(name == b"idempotent-replayed" for name, _ in headers):
+            self.total = 0  # an Idempotency-Key replay: nothing ran, nothing to charge
+            return
+        for name, value in headers:
+            if name == b"content-type":
                 if value.startswith(b"application/json"):
                     self.kind = "json"
                 elif value.startswith(b"text/event-stream"):

@@ -22,7 +22,7 @@ from ctxcache.errors import InvalidRequest
 from ctxcache.logs import bind_session
 from ctxcache.responses import JSONResponse
 from gateway.completions.streams import SSEResponse, relayed
-from gateway.idempotency import IdempotencyKey, check_header, with_session
+from gateway.idempotency import REPLAYED, IdempotencyKey, check_header, with_session
 from gateway.pool import WorkerPool
 from gateway.protocol import ChatBody, CompletionBody
 from gateway.requests import parse_body, parse_json, session_id_of
@@ -124,8 +124,10 @@ class CompletionService:
         if (replay := turn.replay) is not None:
             self.turns.metrics.replayed(tenant)
             if body.get("stream"):
-                return SSEResponse(self._replay_stream(turn, body, replay), _nothing)
-            return JSONResponse(with_session(replay.answer, replay.session))
+                return SSEResponse(
+                    self._replay_stream(turn, body, replay), _nothing, headers=REPLAYED
+                )
+            return JSONResponse(with_session(replay.answer, replay.session), headers=REPLAYED)
         try:
             if body.get("stream"):  # from here on, the stream releases the lock
                 return await self._stream(turn, body)

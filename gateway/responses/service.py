@@ -50,7 +50,7 @@ from ctxcache.lmcache_keys import session_key
 from ctxcache.logs import bind_session
 from ctxcache.responses import JSONResponse
 from gateway.completions.streams import SSEResponse
-from gateway.idempotency import IdempotencyKey, KeyOf
+from gateway.idempotency import REPLAYED, IdempotencyKey, KeyOf
 from gateway.metrics import GatewayMetrics
 from gateway.requests import parse_json
 from gateway.responses.protocol import (
@@ -186,8 +186,10 @@ class ResponseService:
         if isinstance(planned, Replay):
             self.metrics.replayed(tenant)
             if req.stream:
-                return SSEResponse(_events(replay_events(planned.answer)), _nothing)
-            return JSONResponse(planned.answer)
+                return SSEResponse(
+                    _events(replay_events(planned.answer)), _nothing, headers=REPLAYED
+                )
+            return JSONResponse(planned.answer, headers=REPLAYED)
         turn = planned.turn
         try:
             if req.stream:  # from here on, the stream releases the lock (and the claim)

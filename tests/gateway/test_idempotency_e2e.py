@@ -80,6 +80,8 @@ def test_a_retried_chat_turn_answers_the_first_answer_and_appends_once(stack: St
             again = http.post("/v1/chat/completions", json=body, headers={"Idempotency-Key": key})
             assert again.status_code == 200, again.text
             assert again.json() == first.json()  # same id, text, usage, session
+            assert again.headers["idempotent-replayed"] == "true"  # (charged no tokens)
+        assert "idempotent-replayed" not in first.headers
         assert context(http, sid)["turns"] == after["turns"]
         assert context(http, sid)["context_tokens"] == after["context_tokens"]
         assert replays(http) == replayed_before + 2
@@ -100,6 +102,7 @@ def test_a_retried_stream_is_the_same_stream_and_appends_once(stack: Stack) -> N
         again = http.post("/v1/chat/completions", json=body, headers={"Idempotency-Key": key})
         assert again.status_code == 200
         assert again.headers["content-type"].startswith("text/event-stream")
+        assert again.headers["idempotent-replayed"] == "true"
         a, b = sse(first.text), sse(again.text)
         assert a[-1] == b[-1] == "[DONE]"
 

@@ -233,3 +233,20 @@ def test_bad_gateway_settings_in_the_environment_stop_it_without_the_key() -> No
         assert "sk-secret" not in done.stderr
     done = run_cli("gateway", env={"CTX_GATEWAY_RATE_LIMIT_ON_STORE_ERROR": "sometimes"})
     assert done.returncode == 1 and "rate_limit_on_store_error" in done.stderr
+
+
+def test_a_replayed_answer_is_charged_no_tokens() -> None:
+    """An Idempotency-Key replay ran nothing: its usage (the first attempt's) is not charged
+    again; the same answer not replayed is."""
+    from gateway.ratelimit import _Usage
+
+    body = b'{"usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}}'
+    for replayed, charged in ((False, 7), (True, 0)):
+        usage = _Usage()
+        headers = [(b"content-type", b"application/json")]
+        if replayed:
+            headers.append((b"idempotent-replayed", b"true"))
+        usage.start({"type": "http.response.start", "status": 200, "headers": headers})
+        usage.body(body)
+        usage.end()
+        assert usage.total == charged
