@@ -9,8 +9,9 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request, Response
 
+from cache_manager.ratelimits import RateLimitStore
 from cache_manager.redis_url import open_store_redis, redact
-from cache_manager.router import router, stats, tenants
+from cache_manager.router import ratelimits, router, stats, tenants
 from cache_manager.service import SessionService
 from cache_manager.settings import ManagerSettings
 from cache_manager.sidecar_link import BackgroundLink, HttpSidecarLink, SidecarLink
@@ -35,6 +36,7 @@ def create_app(settings: ManagerSettings, *, sidecar_link: SidecarLink | None = 
                 wait_timeout_ms=settings.redis_wait_timeout_ms,
             )
             app.state.service = SessionService(store, settings, link)
+            app.state.rate_limits = RateLimitStore(r)
             log.info("manager ready, redis at %s", redact(settings.redis_url))
             try:
                 yield
@@ -48,6 +50,7 @@ def create_app(settings: ManagerSettings, *, sidecar_link: SidecarLink | None = 
     app.include_router(router)
     app.include_router(tenants)
     app.include_router(stats)
+    app.include_router(ratelimits)
 
     if settings.token:
         expected = f"Bearer {settings.token}".encode()

@@ -23,9 +23,18 @@ from pydantic import BaseModel
 from cache_manager.protocol import (
     AppendTurn,
     BeginTurn,
+    Claim,
+    ClaimKey,
     CreateSession,
+    EditItems,
+    ItemsEdited,
+    LockRenewed,
     ManagerStats,
+    RateSettle,
+    RateTake,
+    RateWindow,
     ReleaseLock,
+    RenewLock,
     ResponseDeleted,
     ResponseRecord,
     SessionInfo,
@@ -34,6 +43,7 @@ from cache_manager.protocol import (
     TenantUsage,
     UpdateSession,
 )
+from cache_manager.ratelimits import RateLimitStore
 from cache_manager.service import SessionService
 from cache_manager.store import valid_session_id
 from ctxcache import tracing
@@ -92,7 +102,7 @@ class ManagerClient:
     async def in_process(app: FastAPI) -> AsyncIterator[ManagerClient]:
         """Run the manager app's lifespan here and call its service directly."""
         async with app.router.lifespan_context(app):
-            yield LocalManager(app.state.service)
+            yield LocalManager(app.state.service, app.state.rate_limits)
 
     async def aclose(self) -> None:
         await self.transport.aclose()
@@ -171,6 +181,22 @@ class ManagerClient:
             body=ReleaseLock(tenant=tenant, lock=lock),
         )
 
+    async def claim(self, session_id: str, req: ClaimKey) -> Claim:
+        return await self._call("POST", self._path(session_id, "/claim"), Claim, body=req)  # type: ignore[return-value]
+
+    async def items(self, session_id: str, req: EditItems) -> ItemsEdited:
+        return await self._call("POST", self._path(session_id, "/items"), ItemsEdited, body=req)  # type: ignore[return-value]
+
+    async def renew(self, session_id: str, tenant: str, lock: str) -> bool:
+        out = await self._call(
+            "POST",
+            self._path(session_id, "/renew"),
+            LockRenewed,
+            body=RenewLock(tenant=tenant, lock=lock),
+        )
+        assert out is not None
+        return out.held
+
     async def update(self, session_id: str, req: UpdateSession) -> SessionInfo:
         return await self._call("PATCH", self._path(session_id), SessionInfo, body=req)  # type: ignore[return-value]
 
@@ -197,6 +223,13 @@ class ManagerClient:
 
     async def usage(self, tenant: str) -> TenantUsage:
         return await self._call("GET", f"/tenants/{tenant}/usage", TenantUsage)  # type: ignore[return-value]
+
+    async def rate_take(self, key_id: str, req: RateTake) -> RateWindow:
+        """Count a request in an API key's window (`cache_manager/ratelimits.py`)."""
+        return await self._call("POST", f"/ratelimits/{key_id}/take", RateWindow, body=req)  # type: ignore[return-value]
+
+    async def rate_settle(self, key_id: str, req: RateSettle) -> None:
+        await self._call("POST", f"/ratelimits/{key_id}/settle", None, body=req)
 
     async def live_sessions(self) -> int:
         stats = await self._call("GET", "/stats", ManagerStats)
@@ -254,8 +287,9 @@ def _traced(op: str, call: Callable[..., Awaitable[Any]]) -> Callable[..., Await
 class LocalManager(ManagerClient):
     """The manager inside this process: `ManagerClient`'s calls on the service itself."""
 
-    def __init__(self, service: SessionService) -> None:
+    def __init__(self, service: SessionService, rate_limits: RateLimitStore) -> None:
         self.service = service
+        self.rate_limits = rate_limits
         if tracing.enabled():  # (off: the methods as they are, nothing in between)
             for name, op in _LOCAL_OPS.items():
                 setattr(self, name, _traced(op, getattr(self, name)))
@@ -281,6 +315,15 @@ class LocalManager(ManagerClient):
     async def release(self, session_id: str, tenant: str, lock: str) -> None:
         await self.service.release(session_id, tenant, lock)
 
+    async def claim(self, session_id: str, req: ClaimKey) -> Claim:
+        return await self.service.claim(session_id, req)
+
+    async def items(self, session_id: str, req: EditItems) -> ItemsEdited:
+        return await self.service.items(session_id, req)
+
+    async def renew(self, session_id: str, tenant: str, lock: str) -> bool:
+        return await self.service.renew(session_id, tenant, lock)
+
     async def update(self, session_id: str, req: UpdateSession) -> SessionInfo:
         return await self.service.update(session_id, req)
 
@@ -297,6 +340,12 @@ class LocalManager(ManagerClient):
 
     async def usage(self, tenant: str) -> TenantUsage:
         return await self.service.usage(tenant)
+
+    async def rate_take(self, key_id: str, req: RateTake) -> RateWindow:
+        return await self.rate_limits.take(key_id, req)
+
+    async def rate_settle(self, key_id: str, req: RateSettle) -> None:
+        await self.rate_limits.settle(key_id, req)
 
     async def live_sessions(self) -> int:
         return await self.service.live_sessions()

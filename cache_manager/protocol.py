@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
@@ -39,15 +39,83 @@ class SessionInfo(StrictModel):
     # the session it was forked from (a fork reads its parent's blocks; docs/responses.md)
     kv_key: str = ""
     kv_shared: bool = False  # a fork reads this session's blocks: a delete leaves them
+    # the version of a conversation's last items edit: its token ids were re-rendered then,
+    # so a point stored before it is continued from its messages alone
+    edited: int = 0
+
+
+class Idempotency(StrictModel):
+    """A write's `Idempotency-Key`, as the gateway hashed it (docs/limits.md). The record
+    `ctx:{<session>}:i:<key>` lives in the session's slot and is written by the script that
+    writes the turn (or creates the session), so the outcome and the write are one."""
+
+    key: str = Field(pattern=r"^[0-9a-f]{32}$", description="hash of tenant + client key")
+    body: str = Field(pattern=r"^[0-9a-f]{64}$", description="hash of route + request body")
+    ttl_s: int = Field(86_400, ge=1, le=30 * 86_400, description="how long a recorded key lives")
+    answer: dict[str, Any] | None = Field(None, description="with a write: the answer it gave")
+
+
+class Replay(StrictModel):
+    """What the first attempt with an idempotency key answered, and its session right after
+    its write (`session_id`, `context_tokens`, `expires_at`)."""
+
+    answer: dict[str, Any]
+    session: dict[str, Any]
 
 
 class SessionState(StrictModel):
-    """A session loaded for a turn: metadata, history, and the lock token if one was taken."""
+    """A session loaded for a turn: metadata, history, and the lock token if one was taken
+    (held `lock_ttl_ms` unless renewed). `replay`: the key's first attempt already wrote;
+    nothing was loaded or locked, answer this."""
 
     info: SessionInfo
     tokens: TokenIds = Field(default_factory=list)
     messages: list[dict[str, Any]] = Field(default_factory=list)
     lock: str | None = None
+    lock_ttl_ms: int | None = None
+    replay: Replay | None = None
+
+
+class ClaimKey(StrictModel):
+    """Claim an idempotency key for a create (the session id is derived from the key)."""
+
+    tenant: str = Field(min_length=1, max_length=256)
+    idempotency: Idempotency
+
+
+class Claim(StrictModel):
+    """A claimed key: the lock that marks the attempt running (renew it; the create
+    releases it) — or the first attempt's answer."""
+
+    lock: str | None = None
+    lock_ttl_ms: int | None = None
+    replay: Replay | None = None
+
+
+class EditItems(StrictModel):
+    """Add messages to a conversation, or delete one (`delete`: its index, at version
+    `expected_version`). The session's token ids are dropped: the next turn renders the
+    conversation's messages again."""
+
+    tenant: str
+    add: list[dict[str, Any]] | None = Field(None, max_length=20)
+    delete: int | None = Field(None, ge=0)
+    expected_version: int | None = Field(None, ge=0)
+    idempotency: Idempotency | None = None
+
+
+class ItemsEdited(StrictModel):
+    info: SessionInfo | None = None
+    replay: Replay | None = None
+
+
+class RenewLock(StrictModel):
+    tenant: str
+    lock: str
+
+
+class LockRenewed(StrictModel):
+    held: bool  # false: the lock is gone (expired, or the session deleted)
 
 
 class StoredResponse(StrictModel):
@@ -82,6 +150,9 @@ class CreateSession(StrictModel):
     origin: Origin = "context"
     kv_key: str | None = Field(None, description="share this KV tag (a fork); None: its own")
     response: StoredResponse | None = None
+    idempotency: Idempotency | None = None
+    lock: str | None = Field(None, description="the claim's lock (ClaimKey), released")
+    created_ms: int | None = Field(None, ge=0, description="when (default: now), as answered")
 
 
 class BeginTurn(StrictModel):
@@ -93,6 +164,8 @@ class BeginTurn(StrictModel):
     # with `messages`: the caller already holds the messages of this version; a session still
     # at it returns none (its record's `version` tells the caller which case it is)
     known_version: int = Field(0, ge=0)
+    # checked even without a lock (a recorded answer is replayed); claimed with the lock
+    idempotency: Idempotency | None = None
 
 
 class AppendTurn(StrictModel):
@@ -105,6 +178,7 @@ class AppendTurn(StrictModel):
     sidecar: str | None = None
     model: str | None = Field(None, description="adopted by a session that has none yet")
     response: StoredResponse | None = None
+    idempotency: Idempotency | None = None
 
 
 class ReleaseLock(StrictModel):
@@ -146,3 +220,32 @@ class ManagerStats(StrictModel):
     """Counts across every tenant, for metrics (no tenant is named)."""
 
     live_sessions: int
+
+
+KeyId = Annotated[str, Field(pattern=r"^[0-9a-f]{16,64}$")]  # `gateway.limits.key_id`
+
+
+class RateTake(StrictModel):
+    """Count one request (and reserve its tokens) in an API key's window, if both fit."""
+
+    window_ms: int = Field(ge=1, le=3_600_000)
+    max_requests: int = Field(0, ge=0, le=10**12, description="0: no limit")
+    max_tokens: int = Field(0, ge=0, le=10**12, description="0: no limit")
+    tokens: int = Field(0, ge=0, le=10**12, description="to reserve")
+
+
+class RateWindow(StrictModel):
+    """The key's window after a take: what it counts, and when it ends."""
+
+    allowed: bool
+    requests: int
+    tokens: int
+    reset_ms: int  # from now until the window ends
+    window_end_ms: int  # names the window for `RateSettle`
+
+
+class RateSettle(StrictModel):
+    """A request's real token count replaces its reservation (in the window it was taken)."""
+
+    window_end_ms: int = Field(ge=0)
+    delta: int = Field(ge=-(10**12), le=10**12, description="used minus reserved")

@@ -10,10 +10,20 @@ from pydantic import BaseModel
 from cache_manager.protocol import (
     AppendTurn,
     BeginTurn,
+    Claim,
+    ClaimKey,
     CreateSession,
     Deleted,
+    EditItems,
+    ItemsEdited,
+    KeyId,
+    LockRenewed,
     ManagerStats,
+    RateSettle,
+    RateTake,
+    RateWindow,
     ReleaseLock,
+    RenewLock,
     ResponseDeleted,
     ResponseRecord,
     SessionInfo,
@@ -22,6 +32,7 @@ from cache_manager.protocol import (
     TenantUsage,
     UpdateSession,
 )
+from cache_manager.ratelimits import RateLimitStore
 from cache_manager.service import SessionService
 
 
@@ -73,6 +84,21 @@ async def release(session_id: str, body: ReleaseLock, svc: ServiceDep) -> None:
     await svc.release(session_id, body.tenant, body.lock)
 
 
+@router.post("/{session_id}/renew", response_model=LockRenewed)
+async def renew(session_id: str, body: RenewLock, svc: ServiceDep) -> LockRenewed:
+    return LockRenewed(held=await svc.renew(session_id, body.tenant, body.lock))
+
+
+@router.post("/{session_id}/items", response_model=ItemsEdited)
+async def items(session_id: str, body: EditItems, svc: ServiceDep) -> ItemsEdited:
+    return await svc.items(session_id, body)
+
+
+@router.post("/{session_id}/claim", response_model=Claim)
+async def claim(session_id: str, body: ClaimKey, svc: ServiceDep) -> Claim:
+    return await svc.claim(session_id, body)
+
+
 @router.patch("/{session_id}", response_model=SessionInfo)
 async def update(session_id: str, body: UpdateSession, svc: ServiceDep) -> SessionInfo:
     return await svc.update(session_id, body)
@@ -113,3 +139,25 @@ async def get_stats(svc: ServiceDep) -> ManagerStats:
 @tenants.get("/{tenant}/usage", response_model=TenantUsage)
 async def usage(tenant: str, svc: ServiceDep) -> TenantUsage:
     return await svc.usage(tenant)
+
+
+async def get_rate_limits(request: Request) -> RateLimitStore:
+    return request.app.state.rate_limits  # type: ignore[no-any-return]
+
+
+RateLimitsDep = Annotated[RateLimitStore, Depends(get_rate_limits)]
+ratelimits = APIRouter(prefix="/ratelimits")
+
+
+@ratelimits.post("/{key_id}/take", response_model=RateWindow)
+async def rate_take(
+    key_id: Annotated[KeyId, Path()], body: RateTake, rl: RateLimitsDep
+) -> Response:
+    return _json(await rl.take(key_id, body))
+
+
+@ratelimits.post("/{key_id}/settle", status_code=204)
+async def rate_settle(
+    key_id: Annotated[KeyId, Path()], body: RateSettle, rl: RateLimitsDep
+) -> None:
+    await rl.settle(key_id, body)

@@ -13,7 +13,12 @@ import orjson
 from cache_manager.protocol import (
     AppendTurn,
     BeginTurn,
+    Claim,
+    ClaimKey,
     CreateSession,
+    EditItems,
+    ItemsEdited,
+    Replay,
     ResponseDeleted,
     ResponseRecord,
     SessionInfo,
@@ -97,7 +102,7 @@ class SessionService:
             max_sessions=quota.max_sessions,
             max_tokens=quota.max_context_tokens,
         )
-        now_ms = int(time.time() * 1000)
+        now_ms = req.created_ms or int(time.time() * 1000)
         fields: dict[str, Any] = {
             "tenant": req.tenant,
             "model": req.model,
@@ -118,7 +123,14 @@ class SessionService:
         response = (req.response.id, req.response.record) if req.response else None
         try:
             created = await self.store.create(
-                session_id, fields, exp_ms, req.tokens, req.messages, response
+                session_id,
+                fields,
+                exp_ms,
+                req.tokens,
+                req.messages,
+                response,
+                idempotency=req.idempotency,
+                lock=req.lock,
             )
         except BaseException:
             await self.store.unindex(req.tenant, session_id)
@@ -151,7 +163,7 @@ class SessionService:
         lock = secrets.token_urlsafe(16) if req.lock else None
         known = self._known_total(req.tenant) if req.lock else None
         try:
-            info, tokens, messages, usage = await self.store.begin(
+            loaded = await self.store.begin(
                 session_id,
                 req.tenant,
                 lock=lock,
@@ -161,11 +173,20 @@ class SessionService:
                 touch=req.touch,
                 usage=req.lock and known is None,
                 known_version=req.known_version,
+                idempotency=req.idempotency,
             )
         except StoreUnavailable:
             if lock is not None:
                 self._release_later(session_id, lock)
             raise
+        if isinstance(loaded, Replay):  # the key's first attempt wrote: nothing taken
+            with bind_session(session_id):
+                log.info("idempotent replay of a turn")
+            info = await self.store.get(session_id, req.tenant)
+            return SessionState.model_construct(
+                info=info, tokens=[], messages=[], lock=None, lock_ttl_ms=None, replay=loaded
+            )
+        info, tokens, messages, usage = loaded
         if usage is not None:
             self._learn(req.tenant, usage[1])
         total = usage[1] if usage is not None else (known or 0)
@@ -177,7 +198,58 @@ class SessionService:
             self._learn(info.tenant, await self.store.record(info))
             self.link.pin(info.sidecar, info.kv_key, info.expires_at, ttl=info.ttl)
         # built from what the store returned: nothing to validate again
-        return SessionState.model_construct(info=info, tokens=tokens, messages=messages, lock=lock)
+        return SessionState.model_construct(
+            info=info,
+            tokens=tokens,
+            messages=messages,
+            lock=lock,
+            lock_ttl_ms=self.settings.lock_ttl_ms if lock else None,
+            replay=None,
+        )
+
+    async def claim(self, session_id: str, req: ClaimKey) -> Claim:
+        """Claim an idempotency key for a create of `session_id` (derived from the key by
+        the gateway): the lock marks the attempt running until the create releases it (or
+        it runs out: the attempt died, and the key is free again)."""
+        if not valid_session_id(session_id):
+            raise InvalidRequest("malformed session_id", param="session_id")
+        lock = secrets.token_urlsafe(16)
+        ttl = self.settings.lock_ttl_ms
+        try:
+            replay = await self.store.claim(session_id, req.idempotency, lock=lock, lock_ttl_ms=ttl)
+        except StoreUnavailable:
+            self._release_later(session_id, lock)
+            raise
+        if replay is not None:
+            with bind_session(session_id):
+                log.info("idempotent replay of a create")
+            return Claim(replay=replay)
+        return Claim(lock=lock, lock_ttl_ms=ttl)
+
+    async def items(self, session_id: str, req: EditItems) -> ItemsEdited:
+        """A conversation's items: messages added or one deleted (docs/responses.md)."""
+        self._check_id(session_id)
+        if (req.add is None) == (req.delete is None):
+            raise InvalidRequest("give exactly one of add or delete")
+        done = await self.store.items(
+            session_id,
+            req.tenant,
+            add=req.add,
+            delete=req.delete,
+            expected_version=req.expected_version,
+            idempotency=req.idempotency,
+        )
+        if isinstance(done, Replay):
+            return ItemsEdited(replay=done)
+        self._index_later(done)
+        with bind_session(session_id):
+            log.info("conversation items edited: version %d", done.version)
+        return ItemsEdited(info=done)
+
+    async def renew(self, session_id: str, tenant: str, lock: str) -> bool:
+        """Extend a lock we hold by the lock TTL (a turn longer than it renews it)."""
+        self._check_id(session_id)
+        return await self.store.renew(session_id, lock, self.settings.lock_ttl_ms)
 
     def _release_later(self, session_id: str, lock: str) -> None:
         """A begin that timed out on a stalled Redis still takes the lock when Redis
@@ -218,6 +290,7 @@ class SessionService:
                 sidecar=req.sidecar,
                 model=req.model,
                 response=(req.response.id, req.response.record) if req.response else None,
+                idempotency=req.idempotency,
             )
         except StoreUnavailable:
             if req.lock is not None:  # appended or not, the session must not stay busy
@@ -239,7 +312,14 @@ class SessionService:
 
     async def release(self, session_id: str, tenant: str, lock: str) -> None:
         self._check_id(session_id)
-        await self.store.get(session_id, tenant)  # tenant check
+        try:
+            await self.store.get(session_id, tenant)  # tenant check
+        except SessionNotFound:
+            # a create's idempotency claim locks a session not made yet: the token (128
+            # random bits) is all there is to check
+            if not await self.store.release(session_id, lock):
+                raise
+            return
         try:
             await self.store.release(session_id, lock)
         except StoreUnavailable:

@@ -36,7 +36,10 @@ class ManagerSettings(BaseSettings):
     min_ttl: int = Field(60, ge=1, description="smallest ttl accepted")
     max_ttl: int = Field(7 * 24 * 3600, ge=1, description="largest ttl accepted")
     lock_ttl_ms: int = Field(
-        120_000, ge=100, description="a turn lock expires after this even if its holder crashed"
+        30_000,
+        ge=100,
+        description="a turn lock expires after this unless renewed (its turn renews it every "
+        "third of it while it runs): how long a crashed holder blocks the session",
     )
     default_quota: TenantQuota = Field(TenantQuota(), description="quota of every tenant")
     tenant_quotas: dict[str, TenantQuota] = Field(

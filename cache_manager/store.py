@@ -6,6 +6,8 @@ Key layout (see docs/architecture.md):
     ctx:{<id>}:m      list    chat messages, one JSON document each
     ctx:{<id>}:lock   string  the turn lock: holder token, PX expiry
     ctx:{<id>}:r      hash    /v1/responses objects made in the session: id -> JSON
+    ctx:{<id>}:i:<k>  hash    an Idempotency-Key's record: request hash, running lock or
+                              the answer it gave (written by the script that wrote the turn)
     tn:{<tenant>}:exp zset    live session ids by expires_at ms (purge + quota count)
     tn:{<tenant>}:new zset    session ids by created ms (listing order)
     tn:{<tenant>}:tok hash    id -> "version:context_tokens"
@@ -38,12 +40,14 @@ from redis import exceptions as rexc
 from redis.asyncio.cluster import RedisCluster
 from redis.commands.core import AsyncScript
 
-from cache_manager.protocol import SessionInfo
+from cache_manager.protocol import Idempotency, Replay, SessionInfo
 from cache_manager.redis_url import StoreRedis
 from cache_manager.tokens import pack_tokens, unpack_tokens
 from ctxcache.errors import (
+    IdempotencyKeyReused,
     InvalidRequest,
     QuotaExceeded,
+    RequestInProgress,
     SessionBusy,
     SessionNotFound,
     StoreUnavailable,
@@ -90,6 +94,12 @@ def _data_keys(session_id: str) -> list[str]:
     return [*keys[:3], keys[4]]
 
 
+def idempotency_key(session_id: str, key: str) -> str:
+    """The record of an idempotency key (a hash of tenant + client key) of a write on the
+    session: in the session's slot, so the script that writes the turn writes it too."""
+    return f"ctx:{{{session_id}}}:i:{key}"
+
+
 def tenant_keys(tenant: str) -> list[str]:
     base = f"tn:{{{tenant}}}"
     return [f"{base}:exp", f"{base}:new", f"{base}:tok", f"{base}:sum", f"{base}:del"]
@@ -134,6 +144,7 @@ def parse_info(session_id: str, rec: dict[bytes, bytes]) -> SessionInfo:
         origin=s("origin") or "context",  # type: ignore[arg-type]
         kv_key=s("kv_key") or session_key(session_id),
         kv_shared=s("kv_shared") == "1",
+        edited=i("edited"),
     )
 
 
@@ -172,6 +183,29 @@ async def redis_errors() -> AsyncIterator[None]:
         raise
 
 
+def _idempotency_args(idempotency: Idempotency | None) -> list[Any]:
+    """request hash, answer, record ttl ms (all '' without a key)."""
+    if idempotency is None:
+        return ["", "", ""]
+    return [idempotency.body, orjson.dumps(idempotency.answer), idempotency.ttl_s * 1000]
+
+
+def _replay_or_raise(session_id: str, res: list[Any]) -> Replay | None:
+    """The answer of a begin or claim script about an idempotency key."""
+    if res[0] == -3:
+        raise IdempotencyKeyReused()
+    if res[0] == -4:
+        raise RequestInProgress(retry_after_ms=max(100, min(int(res[1]), 5000)))
+    if res[0] == 2:
+        session = {
+            "session_id": session_id,
+            "context_tokens": int(res[2]),
+            "expires_at": -(-int(res[3]) // 1000),
+        }
+        return Replay(answer=orjson.loads(res[1]), session=session)
+    return None
+
+
 class SessionStore:
     """Session records in Redis. Every method is one round trip unless it says otherwise."""
 
@@ -187,6 +221,9 @@ class SessionStore:
         self._update = _script(redis, "update")
         self._delete = _script(redis, "delete")
         self._release = _script(redis, "release")
+        self._renew = _script(redis, "renew")
+        self._claim = _script(redis, "claim")
+        self._items = _script(redis, "items")
         self._tenant = _script(redis, "tenant")
         self._response = _script(redis, "response")
         # tenants with an index, for the live-session count: seen here, or found by SCAN
@@ -267,19 +304,42 @@ class SessionStore:
         tokens: list[int],
         messages: list[dict[str, Any]],
         response: tuple[str, dict[str, Any]] | None = None,
+        idempotency: Idempotency | None = None,
+        lock: str | None = None,
     ) -> bool:
+        """Create; with `idempotency`, its answer is recorded in the same script, and the
+        claim's `lock` (`claim`) released."""
         flat: list[Any] = []
         for k, v in fields.items():
             flat += [k, v]
         rid, record = response or ("", None)
         args = [expires_at_ms, pack_tokens(tokens), rid, orjson.dumps(record) if rid else b""]
-        args += [len(fields), *flat]
+        args += _idempotency_args(idempotency)
+        args += [lock or "", len(fields), *flat]
         args += [orjson.dumps(m) for m in messages]
+        keys = [*_data_keys(session_id), session_keys(session_id)[3]]
+        if idempotency is not None:
+            keys.append(idempotency_key(session_id, idempotency.key))
         async with redis_errors():
-            (created,) = await self._pipelined(
-                (self._create, _data_keys(session_id), args), durable=True
-            )
+            (created,) = await self._pipelined((self._create, keys, args), durable=True)
         return bool(created)
+
+    async def claim(
+        self, session_id: str, idempotency: Idempotency, *, lock: str, lock_ttl_ms: int
+    ) -> Replay | None:
+        """Claim an idempotency key for a create of `session_id` (derived from the key):
+        None (claimed: `lock` marks the attempt running), or the first attempt's answer."""
+        keys = [*session_keys(session_id)[0:1], session_keys(session_id)[3]]
+        keys.append(idempotency_key(session_id, idempotency.key))
+        args = [idempotency.body, lock, lock_ttl_ms, idempotency.ttl_s * 1000]
+        async with redis_errors():
+            (res,) = await self._pipelined((self._claim, keys, args), durable=True)
+        if res[0] == -5:
+            raise IdempotencyKeyReused(
+                "the session this Idempotency-Key created still exists, but the key's "
+                "record has expired: use a new key"
+            )
+        return _replay_or_raise(session_id, res)
 
     async def get(self, session_id: str, tenant: str) -> SessionInfo:
         async with redis_errors():
@@ -300,9 +360,12 @@ class SessionStore:
         touch: bool,
         usage: bool = True,
         known_version: int = 0,
-    ) -> tuple[SessionInfo, list[int], list[dict[str, Any]], tuple[int, int] | None]:
+        idempotency: Idempotency | None = None,
+    ) -> tuple[SessionInfo, list[int], list[dict[str, Any]], tuple[int, int] | None] | Replay:
         """Load (and lock) a session — and with `usage` the tenant's usage, pipelined in
-        the same round trip. No messages if the session is at `known_version`."""
+        the same round trip. No messages if the session is at `known_version`. With
+        `idempotency`: the key's first attempt's answer if it wrote (nothing is loaded or
+        locked then), else the key is claimed with the lock."""
         args = [
             tenant,
             lock or "",
@@ -312,18 +375,26 @@ class SessionStore:
             int(touch),
             known_version,
         ]
+        keys = session_keys(session_id)
+        if idempotency is not None:
+            args += [idempotency.body, idempotency.ttl_s * 1000]
+            keys = [*keys, idempotency_key(session_id, idempotency.key)]
         async with redis_errors():
             if usage:
                 res, counts = await self._pipelined(
-                    (self._begin, session_keys(session_id), args),
+                    (self._begin, keys, args),
                     (self._tenant, tenant_keys(tenant), ["status"]),
                 )
             else:
-                res, counts = await self._begin(keys=session_keys(session_id), args=args), None
+                (res,), counts = await self._pipelined((self._begin, keys, args)), None
         if res[0] == 0:
             raise SessionNotFound()
         if res[0] == -1:
             raise SessionBusy(retry_after_ms=max(50, min(int(res[1]), 2000)))
+        if res[0] != 1:
+            replay = _replay_or_raise(session_id, res)
+            assert replay is not None
+            return replay
         info = parse_info(session_id, _as_dict(res[1]))
         ids = unpack_tokens(res[2]) if tokens else []
         msgs = [orjson.loads(m) for m in res[3]] if messages else []
@@ -342,9 +413,11 @@ class SessionStore:
         sidecar: str | None,
         model: str | None = None,
         response: tuple[str, dict[str, Any]] | None = None,
+        idempotency: Idempotency | None = None,
     ) -> tuple[SessionInfo, str | None]:
-        """CAS append (with the response the turn made, if any); returns the new info and
-        the sidecar the session moved away from."""
+        """CAS append (with the response the turn made, if any, and the answer of its
+        idempotency key); returns the new info and the sidecar the session moved away
+        from."""
         rid, record = response or ("", None)
         args: list[Any] = [
             tenant,
@@ -357,12 +430,14 @@ class SessionStore:
             model or "",
             rid,
             orjson.dumps(record) if rid else b"",
+            *_idempotency_args(idempotency),
         ]
         args += [orjson.dumps(m) for m in messages]
+        keys = session_keys(session_id)
+        if idempotency is not None:
+            keys = [*keys, idempotency_key(session_id, idempotency.key)]
         async with redis_errors():
-            (res,) = await self._pipelined(
-                (self._append, session_keys(session_id), args), durable=True
-            )
+            (res,) = await self._pipelined((self._append, keys, args), durable=True)
         if res[0] == 0:
             raise SessionNotFound()
         if res[0] == -1:
@@ -380,6 +455,52 @@ class SessionStore:
     async def release(self, session_id: str, lock: str) -> bool:
         async with redis_errors():
             return bool(await self._release(keys=session_keys(session_id)[3:4], args=[lock]))
+
+    async def renew(self, session_id: str, lock: str, ttl_ms: int) -> bool:
+        """Extend a turn lock we hold; False: it is gone (expired, or the session deleted)."""
+        async with redis_errors():
+            (held,) = await self._pipelined(
+                (self._renew, session_keys(session_id)[3:4], [lock, ttl_ms])
+            )
+        return bool(held)
+
+    async def items(
+        self,
+        session_id: str,
+        tenant: str,
+        *,
+        add: list[dict[str, Any]] | None = None,
+        delete: int | None = None,
+        expected_version: int | None = None,
+        idempotency: Idempotency | None = None,
+    ) -> SessionInfo | Replay:
+        """Add messages to a conversation (`add`) or delete its `delete`-th; its token ids
+        are dropped (the next response renders the conversation again). A turn in flight
+        is `session_busy`; a version other than `expected_version`, a conflict."""
+        keys = session_keys(session_id)[:4]
+        if idempotency is not None:
+            keys.append(idempotency_key(session_id, idempotency.key))
+        args: list[Any] = [
+            tenant,
+            "add" if add is not None else "delete",
+            "" if expected_version is None else expected_version,
+            delete or 0,
+            *_idempotency_args(idempotency),
+        ]
+        args += [orjson.dumps(m) for m in add or []]
+        async with redis_errors():
+            (res,) = await self._pipelined((self._items, keys, args), durable=True)
+        if res[0] == 0:
+            raise SessionNotFound()
+        if res[0] == -1:
+            raise SessionBusy(retry_after_ms=max(50, min(int(res[1]), 2000)))
+        if res[0] == -2:
+            raise VersionConflict(f"the conversation is at version {int(res[1])}")
+        if res[0] != 1:
+            replay = _replay_or_raise(session_id, res)
+            assert replay is not None
+            return replay
+        return parse_info(session_id, _as_dict(res[1]))
 
     async def update(
         self,

@@ -134,6 +134,28 @@ class VersionConflict(CtxError):
     default_message = "the session was modified concurrently"
 
 
+class IdempotencyKeyReused(CtxError):
+    """An `Idempotency-Key` already used for a request with another body (or route)."""
+
+    status, code, type = 409, "idempotency_key_reused", "invalid_request_error"
+    default_message = (
+        "this Idempotency-Key was already used with a different request: use a new key"
+    )
+
+
+class RequestInProgress(CtxError):
+    """The first attempt with this `Idempotency-Key` is still running."""
+
+    status, code, type = 409, "request_in_progress", "conflict_error"
+    default_message = (
+        "a request with this Idempotency-Key is still in progress: retry after it finishes"
+    )
+
+    def __init__(self, message: str | None = None, *, retry_after_ms: int = 1000) -> None:
+        super().__init__(message, headers={"retry-after-ms": str(retry_after_ms)})
+        self.retry_after_ms = retry_after_ms
+
+
 class PayloadTooLarge(CtxError):
     status, code, type = 413, "request_too_large", "invalid_request_error"
     default_message = "request body too large"
@@ -142,6 +164,14 @@ class PayloadTooLarge(CtxError):
 class QuotaExceeded(CtxError):
     status, code, type = 429, "quota_exceeded", "rate_limit_error"
     default_message = "tenant quota exceeded"
+
+
+class RateLimited(CtxError):
+    """A key's requests or tokens per minute are used up (gateway/limits.py). The answer
+    carries `retry-after`, `retry-after-ms` and the `x-ratelimit-*` headers."""
+
+    status, code, type = 429, "rate_limit_exceeded", "rate_limit_exceeded"
+    default_message = "rate limit reached"
 
 
 class BackendUnavailable(CtxError):
@@ -185,7 +215,7 @@ def error_from_envelope(status: int, body: Any) -> CtxError:
         return err
     cls = _registry().get(str(info.get("code")), CtxError)
     message = str(info.get("message") or cls.default_message)
-    if cls in (SessionBusy, StoreUnavailable):
+    if cls in (SessionBusy, StoreUnavailable, RequestInProgress):
         return cls(message)
     return cls(message, param=info.get("param"))
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from ctxcache.supervisor import Child, Interrupted, Supervisor, http_ready
 from ctxcache.vllm_engine import available as vllm_available
 from ctxcache.vllm_engine import default_engine
+from gateway.cli import add_api_key_argument, api_keys
 
 log = logging.getLogger("ctxcache.serve")
 
@@ -40,6 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "redis[s]+cluster://host:port,..., redis[s]+sentinel://host:port,.../service[/db]",
     )
     p.add_argument("--model", default=None, help="local HF model dir (default: tiny preset)")
+    add_api_key_argument(p)
     p.add_argument("--sidecar-memory-bytes", type=int, default=512 * 2**20)
     p.add_argument("--sidecar-disk-bytes", type=int, default=4 * 2**30)
     p.add_argument(
@@ -66,6 +68,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from ctxcache.logs import setup_logging
 
+    keys = api_keys(args.api_key or [])  # a bad or repeated key stops here, before anything runs
+    args.gateway_env = (
+        {"CTX_GATEWAY_API_KEYS": json.dumps({k: p.spec() for k, p in keys.items()})} if keys else {}
+    )
     setup_logging("serve")
     data = args.data_dir.resolve()
     data.mkdir(parents=True, exist_ok=True)
@@ -158,6 +164,9 @@ def _run(args: argparse.Namespace, sup: Supervisor, data: Path) -> int:
                 f"http://127.0.0.1:{worker_port}={sidecar_control}",
             ],
             ready=http_ready(f"http://127.0.0.1:{args.port}/ready"),
+            # the keys go to the gateway in its environment, not its command line (which
+            # every user of the machine can read)
+            env=args.gateway_env,
         )
     )
 

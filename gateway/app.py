@@ -26,12 +26,19 @@ from gateway.context.router import router as context_router
 from gateway.context.service import ContextService
 from gateway.conversations.router import router as conversations_router
 from gateway.conversations.service import ConversationService
+from gateway.locks import LockKeeper
 from gateway.metrics import GatewayMetrics
 from gateway.pool import WorkerPool
 from gateway.prompts import PromptBuilder
 from gateway.protocol import ChatBody, CompletionBody, ContextCreate
+from gateway.ratelimit import RateLimits
 from gateway.recent import RecentHistories
-from gateway.responses.protocol import ConversationCreate, ConversationUpdate, ResponseCreate
+from gateway.responses.protocol import (
+    ConversationCreate,
+    ConversationUpdate,
+    ItemsCreate,
+    ResponseCreate,
+)
 from gateway.responses.router import router as responses_router
 from gateway.responses.service import ResponseService
 from gateway.salt import CacheSalt
@@ -40,6 +47,19 @@ from gateway.system import router as system_router
 from gateway.turns import TurnService
 
 log = logging.getLogger(__name__)
+
+
+def _rate_limits(inner: ASGIApp, app: FastAPI, settings: GatewaySettings) -> RateLimits:
+    return RateLimits(
+        inner,
+        state=app.state,
+        metrics=app.state.metrics,
+        window_s=settings.rate_limit_window_s,
+        on_store_error=settings.rate_limit_on_store_error,
+        default_max_tokens=settings.rate_limit_default_max_tokens,
+        max_body_bytes=settings.max_body_bytes,
+        tenant_metrics=settings.metrics_token is not None,
+    )
 
 
 def create_app(settings: GatewaySettings) -> FastAPI:
@@ -75,17 +95,25 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             stack.push_async_callback(pool.aclose)
             salt = CacheSalt(settings.tenant_cache_salt)
             recent = RecentHistories(max_sessions=settings.recent_chat_sessions)
-            turns = TurnService(manager, pool, metrics, PromptBuilder(), salt, recent)
+            keeper = LockKeeper(
+                manager,
+                max_hold_s=settings.request_timeout_s,
+                on_renew=metrics.turn_lock_renewals.inc,
+            )
+            stack.push_async_callback(keeper.aclose)
+            turns = TurnService(manager, pool, metrics, PromptBuilder(), salt, recent, keeper)
             stack.push_async_callback(turns.background.drain)
             app.state.keys = KeyRing(settings.api_keys)
             app.state.manager = manager
             app.state.pool = pool
             app.state.metrics = metrics
             app.state.turns = turns
-            app.state.completions = CompletionService(turns, pool)
+            app.state.completions = CompletionService(
+                turns, pool, idempotency_ttl_s=settings.idempotency_ttl_s
+            )
             app.state.contexts = ContextService(manager, turns, pool, settings, metrics)
             app.state.responses = ResponseService(manager, turns, settings, metrics)
-            app.state.conversations = ConversationService(manager, turns, settings)
+            app.state.conversations = ConversationService(manager, turns, settings, metrics)
             log.info(
                 "gateway ready: %d worker(s), manager %s",
                 len(pool.workers),
@@ -101,6 +129,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         default_response_class=JSONResponse,
     )
     app.state.metrics = metrics
+    app.state.idempotency_ttl_s = settings.idempotency_ttl_s
+    app.state.metrics_token = settings.metrics_token
     install_error_handlers(app)
     # the busiest two first: a request is matched against the routes in order
     app.router.routes[:0] = completion_routes.routes
@@ -110,6 +140,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app.include_router(system_router)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
+    # outermost: every request a key with limits makes is counted (gateway/ratelimit.py)
+    app.add_middleware(_rate_limits, app=app, settings=settings)  # type: ignore[arg-type]
     _document_bodies(app)
     return app
 
@@ -175,7 +207,7 @@ def _document_bodies(app: FastAPI) -> None:
         schema["paths"] = {**completion_routes.openapi_paths(), **schema["paths"]}
         components = schema.setdefault("components", {}).setdefault("schemas", {})
         bodies = (CompletionBody, ChatBody, ContextCreate, ErrorResponse, ResponseCreate)
-        for model in (*bodies, ConversationCreate, ConversationUpdate):
+        for model in (*bodies, ConversationCreate, ConversationUpdate, ItemsCreate):
             doc = model.model_json_schema(ref_template="#/components/schemas/{model}")
             components.update(doc.pop("$defs", {}))
             components[model.__name__] = doc

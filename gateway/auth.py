@@ -5,13 +5,15 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import Depends, Request
 
 from ctxcache import tracing
 from ctxcache.errors import InvalidAPIKey
+from gateway.limits import KeyPolicy, key_id
 
 log = logging.getLogger(__name__)
 
@@ -21,15 +23,35 @@ OPEN_TENANT = "default"
 _KNOWN_MAX = 1024  # Authorization values remembered as valid
 
 
+@dataclass(frozen=True, slots=True)
+class ApiKey:
+    """A valid key as requests see it: its tenant, its limits, its name in the store."""
+
+    tenant: str
+    id: str  # `limits.key_id`: the key's counters in the store, never the key itself
+    rpm: int | None = None
+    tpm: int | None = None
+
+    @property
+    def limited(self) -> bool:
+        return self.rpm is not None or self.tpm is not None
+
+
+OPEN_KEY = ApiKey(OPEN_TENANT, "")
+
+
 class KeyRing:
-    def __init__(self, keys: dict[str, str]) -> None:
+    def __init__(self, keys: Mapping[str, str | KeyPolicy]) -> None:
         # Compare fixed-size digests: the time taken does not depend on where a guess
         # differs, nor on the length of the real keys.
-        self._keys = [(hashlib.sha256(k.encode()).digest(), t) for k, t in keys.items()]
-        # Authorization values already found valid -> tenant: a request with a known
+        self._keys = [
+            (hashlib.sha256(k.encode()).digest(), _api_key(k, p)) for k, p in keys.items()
+        ]
+        # Authorization values already found valid -> key: a request with a known
         # value skips the hashing (the gateway's hot path). Only valid values are kept
         # (a guess is never remembered), at most _KNOWN_MAX of them.
-        self._known: dict[str, str] = {}
+        self._known: dict[str, ApiKey] = {}
+        self.limited = any(k.limited for _, k in self._keys)  # any key with a rate limit
         if not self._keys:
             log.warning(
                 "NO API KEYS CONFIGURED: the gateway is OPEN, every caller is tenant "
@@ -44,17 +66,23 @@ class KeyRing:
     @property
     def tenants(self) -> list[str]:
         """Every tenant a key names (the open gateway's one tenant if there are none)."""
-        return sorted({t for _, t in self._keys}) if self._keys else [OPEN_TENANT]
+        return sorted({k.tenant for _, k in self._keys}) if self._keys else [OPEN_TENANT]
 
     def tenant_for(self, authorization: str | None) -> str:
-        if tracing.enabled():
-            with tracing.span("ctxcache.auth"):
-                return self._tenant_for(authorization)
-        return self._tenant_for(authorization)
-
-    def _tenant_for(self, authorization: str | None) -> str:
         if not self._keys:  # (open)
             return OPEN_TENANT
+        return self.key_for(authorization).tenant
+
+    def key_for(self, authorization: str | None) -> ApiKey:
+        """The key an `Authorization` value presents; `invalid_api_key` if none."""
+        if tracing.enabled():
+            with tracing.span("ctxcache.auth"):
+                return self._key_for(authorization)
+        return self._key_for(authorization)
+
+    def _key_for(self, authorization: str | None) -> ApiKey:
+        if not self._keys:  # (open)
+            return OPEN_KEY
         if authorization is not None and (known := self._known.get(authorization)):
             return known
         scheme, _, key = (authorization or "").partition(" ")
@@ -62,14 +90,20 @@ class KeyRing:
             raise InvalidAPIKey()
         digest = hashlib.sha256(key.strip().encode()).digest()
         found = None
-        for known, tenant in self._keys:  # no early exit: same work for every key
-            if hmac.compare_digest(digest, known):
-                found = tenant
+        for known_digest, api_key in self._keys:  # no early exit: same work for every key
+            if hmac.compare_digest(digest, known_digest):
+                found = api_key
         if found is None:
             raise InvalidAPIKey()
         if authorization is not None and len(self._known) < _KNOWN_MAX:
             self._known[authorization] = found
         return found
+
+
+def _api_key(key: str, policy: str | KeyPolicy) -> ApiKey:
+    if isinstance(policy, str):  # a bare tenant name
+        return ApiKey(policy, key_id(key))
+    return ApiKey(policy.tenant, key_id(key), policy.rpm, policy.tpm)
 
 
 def authorization(headers: Iterable[tuple[bytes, bytes]]) -> str | None:

@@ -4,6 +4,38 @@ from __future__ import annotations
 
 import argparse
 
+from gateway.limits import KeyPolicy, parse_key_spec, parse_key_specs
+
+
+def api_key_spec(spec: str) -> str:
+    """`--api-key`'s type: checked here, so a bad spec stops the command with its reason
+    (the message never repeats the key)."""
+    try:
+        parse_key_spec(spec)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return spec
+
+
+def add_api_key_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        type=api_key_spec,
+        metavar="KEY=TENANT[:rpm=N][,tpm=N]",
+        help="an API key, its tenant and optionally its requests (rpm) and tokens (tpm) "
+        "per minute (repeatable); none: open gateway. docs/limits.md",
+    )
+
+
+def api_keys(specs: list[str]) -> dict[str, KeyPolicy]:
+    """Every `--api-key`; a key given twice stops the command."""
+    try:
+        return parse_key_specs(specs)
+    except ValueError as exc:
+        raise SystemExit(f"ctxcache: --api-key: {exc}") from None
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
@@ -21,17 +53,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="the manager service (default: run the manager in this process on --redis-url)",
     )
     p.add_argument("--redis-url", default=None, help="Redis of the in-process manager")
-    p.add_argument(
-        "--api-key",
-        action="append",
-        default=None,
-        metavar="KEY=TENANT",
-        help="an API key and its tenant (repeatable); none: open gateway",
-    )
+    add_api_key_argument(p)
     p.add_argument("--log-level", default=None)
 
 
 def main(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+    from pydantic_settings import SettingsError
+
     from ctxcache import tracing
     from ctxcache.logs import setup_logging
     from ctxcache.settings import from_args, serve_app
@@ -39,20 +68,41 @@ def main(args: argparse.Namespace) -> int:
     from gateway.settings import GatewaySettings
 
     if args.api_key is not None:
-        args.api_keys = dict(k.split("=", 1) for k in args.api_key)
-    settings = from_args(
-        GatewaySettings,
-        args,
-        host="host",
-        port="port",
-        workers="worker",
-        manager_url="manager_url",
-        redis_url="redis_url",
-        api_keys="api_keys",
-        log_level="log_level",
-    )
+        args.api_keys = api_keys(args.api_key)
+    try:
+        settings = from_args(
+            GatewaySettings,
+            args,
+            host="host",
+            port="port",
+            workers="worker",
+            manager_url="manager_url",
+            redis_url="redis_url",
+            api_keys="api_keys",
+            log_level="log_level",
+        )
+    except ValidationError as exc:
+        raise SystemExit(f"ctxcache gateway: bad settings: {settings_errors(exc)}") from None
+    except SettingsError as exc:  # e.g. a CTX_GATEWAY_* variable that is not valid JSON
+        raise SystemExit(f"ctxcache gateway: bad settings: {exc}") from None
     setup_logging("gateway", settings.log_level)
     tracing.configure("gateway")  # before the app: its clients look at it once
     app = tracing.server_middleware(create_app(settings), "gateway")
     serve_app(app, host=settings.host, port=settings.port)
     return 0
+
+
+def settings_errors(exc: Exception) -> str:
+    """A settings error without the values (an API key is a secret): where and why. A
+    key in `api_keys` is named by its tenant's spec, never by itself."""
+    from pydantic import ValidationError
+
+    assert isinstance(exc, ValidationError)
+    parts = []
+    for err in exc.errors(include_input=False, include_url=False):
+        loc = [str(p) for p in err["loc"]]
+        if loc[:1] == ["api_keys"] and len(loc) > 1:
+            loc[1] = "<key>"  # the key itself
+        where = ".".join(loc)
+        parts.append(f"{where}: {err['msg']}" if where else str(err["msg"]))
+    return "; ".join(parts)

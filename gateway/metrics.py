@@ -1,9 +1,8 @@
-"""Prometheus metrics of one gateway (its own registry: no globals).
+"""Prometheus metrics of one gateway (its own registry: no globals, no tenant labels).
 
-No label carries an id (session, request, key). The only tenant-labelled series are the
-turn counter and the per-tenant session gauges: tenants are the configured API keys' tenants,
-a set the operator bounds (docs/operations.md).
-"""
+The per-tenant counters (`TenantMetrics`) are a second registry, served only to a caller
+with the metrics token (`GET /metrics/tenants`): `/metrics` is reachable by anyone who
+can reach the API port, and must not tell one tenant the names of the others."""
 
 from __future__ import annotations
 
@@ -72,14 +71,9 @@ class GatewayMetrics:
         self._e2e = {mode: self.completion_seconds.labels(mode) for mode in MODES}
         self.turns = Counter(
             "ctxcache_gateway_turns_total",
-            "session turns committed, by tenant and kind (chat, completion)",
-            ["tenant", "kind"],
-            registry=r,
-        )
-        self.tenant_sessions = Gauge(
-            "ctxcache_gateway_tenant_sessions",
-            "live sessions of each configured tenant (read at scrape)",
-            ["tenant"],
+            "session turns committed, by kind (chat, completion; per tenant: "
+            "ctxcache_tenant_turns_total)",
+            ["kind"],
             registry=r,
         )
         self.store_up = Gauge(
@@ -120,6 +114,51 @@ class GatewayMetrics:
         self.worker_healthy = Gauge(
             "ctxcache_gateway_worker_healthy", "1 if healthy", ["worker"], registry=r
         )
+        self.rate_limited = Counter(
+            "ctxcache_gateway_rate_limited_total",
+            "requests refused with 429 rate_limit_exceeded, by the limit reached "
+            "(requests, tokens; too_large: a request over the whole tpm budget)",
+            ["limit"],
+            registry=r,
+        )
+        self.rate_limit_store_errors = Counter(
+            "ctxcache_gateway_rate_limit_store_errors_total",
+            "rate-limit calls the store could not answer, by what happened: open (served "
+            "uncounted), closed (refused with 503), settle (a reservation left as it was)",
+            ["outcome"],
+            registry=r,
+        )
+        self.idempotent_replays = Counter(
+            "ctxcache_gateway_idempotent_replays_total",
+            "requests answered with the recorded answer of their Idempotency-Key "
+            "(per tenant: ctxcache_tenant_idempotent_replays_total)",
+            registry=r,
+        )
+        self.cancellations = Counter(
+            "ctxcache_gateway_cancellations_total",
+            "requests dropped because their client left before the answer was complete "
+            "(the worker's request cancelled; per tenant: ctxcache_tenant_cancellations_total)",
+            registry=r,
+        )
+        self.turn_lock_renewals = Counter(
+            "ctxcache_gateway_turn_lock_renewals_total",
+            "turn locks extended because their turn ran longer than a third of the lock TTL",
+            registry=r,
+        )
+        self.tenants = TenantMetrics()
+
+    def turn(self, tenant: str, kind: str) -> None:
+        """A session turn committed."""
+        self.turns.labels(kind).inc()
+        self.tenants.turn(tenant, kind)
+
+    def replayed(self, tenant: str) -> None:
+        self.idempotent_replays.inc()
+        self.tenants.replayed(tenant)
+
+    def cancelled(self, tenant: str) -> None:
+        self.cancellations.inc()
+        self.tenants.cancelled(tenant)
 
     def observe(self, route: str, status: int, seconds: float) -> None:
         # the labelled series, looked up once per (route, status): both are bounded sets
@@ -143,6 +182,77 @@ class GatewayMetrics:
     def tokens(self, usage: dict[str, Any]) -> None:
         self.prompt_tokens.inc(usage.get("prompt_tokens", 0))
         self.cached_tokens.inc((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class TenantMetrics:
+    """Counters per tenant (a bounded set: the configured keys' tenants)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self._requests = Counter(
+            "ctxcache_tenant_requests_total",
+            "requests under /v1/ by keys with limits (all keys with a metrics token)",
+            ["tenant"],
+            registry=r,
+        )
+        self._tokens = Counter(
+            "ctxcache_tenant_tokens_total",
+            "tokens charged: answers' usage.total_tokens (a stream without usage: its reservation)",
+            ["tenant"],
+            registry=r,
+        )
+        self._limited = Counter(
+            "ctxcache_tenant_rate_limited_total",
+            "requests refused with 429 rate_limit_exceeded, by the limit reached",
+            ["tenant", "limit"],
+            registry=r,
+        )
+        self._replays = Counter(
+            "ctxcache_tenant_idempotent_replays_total",
+            "requests answered with the recorded answer of their Idempotency-Key",
+            ["tenant"],
+            registry=r,
+        )
+        self._cancellations = Counter(
+            "ctxcache_tenant_cancellations_total",
+            "requests dropped because their client left before the answer was complete",
+            ["tenant"],
+            registry=r,
+        )
+        self._turns = Counter(
+            "ctxcache_tenant_turns_total",
+            "session turns committed, by kind (chat, completion)",
+            ["tenant", "kind"],
+            registry=r,
+        )
+        self.live_sessions = Gauge(
+            "ctxcache_tenant_live_sessions",
+            "live sessions of each configured tenant (read from the store at each scrape)",
+            ["tenant"],
+            registry=r,
+        )
+
+    def turn(self, tenant: str, kind: str) -> None:
+        self._turns.labels(tenant, kind).inc()
+
+    def replayed(self, tenant: str) -> None:
+        self._replays.labels(tenant).inc()
+
+    def cancelled(self, tenant: str) -> None:
+        self._cancellations.labels(tenant).inc()
+
+    def request(self, tenant: str) -> None:
+        self._requests.labels(tenant).inc()
+
+    def tokens(self, tenant: str, n: int) -> None:
+        self._tokens.labels(tenant).inc(n)
+
+    def limited(self, tenant: str, limit: str) -> None:
+        self._limited.labels(tenant, limit).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

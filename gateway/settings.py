@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, Field, field_validator
 from pydantic_settings import BaseSettings
 
 from ctxcache.settings import service_config
+from gateway.limits import KeyPolicy, coerce_policy
 
 
 class WorkerEndpoint(BaseModel):
@@ -39,8 +42,32 @@ class GatewaySettings(BaseSettings):
         "redis://127.0.0.1:6379/0",
         description="store of the in-process manager (CTX_MANAGER_REDIS_URL's grammar)",
     )
-    api_keys: dict[str, str] = Field(
-        default_factory=dict, description='JSON {"<key>": "<tenant>"}; empty: open'
+    api_keys: dict[str, KeyPolicy] = Field(
+        default_factory=dict,
+        description='JSON {"<key>": "<tenant>[:rpm=N][,tpm=N]"} (or {"tenant", "rpm", "tpm"} '
+        "objects); empty: open",
+    )
+    rate_limit_window_s: float = Field(
+        60.0,
+        ge=0.1,
+        le=3600.0,
+        description="the window rpm and tpm count over (a minute; shorter in tests)",
+    )
+    rate_limit_on_store_error: Literal["open", "closed"] = Field(
+        "open",
+        description="the store cannot count: open (serve, uncounted) or closed (503); "
+        "counted in ctxcache_gateway_rate_limit_store_errors_total either way",
+    )
+    rate_limit_default_max_tokens: int = Field(
+        256,
+        ge=0,
+        le=10**9,
+        description="tokens a tpm key reserves for the answer of a body that names no max",
+    )
+    metrics_token: str | None = Field(
+        None,
+        min_length=16,
+        description="bearer token of GET /metrics/tenants (per-tenant counters); unset: off",
     )
     default_ttl: int = Field(3600, description="seconds, when a create gives no ttl")
     min_ttl: int = Field(60, description="smallest ttl a client may ask for")
@@ -66,7 +93,28 @@ class GatewaySettings(BaseSettings):
         ge=0,
         description="chat histories kept in memory to render a turn early; 0: none",
     )
+    idempotency_ttl_s: int = Field(
+        86_400,
+        ge=60,
+        le=30 * 86_400,
+        description="how long an Idempotency-Key's recorded answer is kept (docs/limits.md)",
+    )
     log_level: str = Field("INFO", description="DEBUG, INFO, WARNING, ...")
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _api_keys(cls, value: object) -> object:
+        if isinstance(value, dict):
+            return {k: coerce_policy(v) for k, v in value.items()}
+        return value
+
+    @field_validator("api_keys")
+    @classmethod
+    def _nonempty_keys(cls, value: dict[str, KeyPolicy]) -> dict[str, KeyPolicy]:
+        for key in value:
+            if not key.strip() or key != key.strip() or not key.isprintable():
+                raise ValueError("an API key is empty, has spaces around it or control chars")
+        return value
 
     @field_validator("workers", mode="before")
     @classmethod

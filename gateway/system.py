@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import hmac
 import time
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import PlainTextResponse
 
-from ctxcache.errors import BackendUnavailable, CtxError, StoreUnavailable
+from ctxcache.errors import BackendUnavailable, CtxError, InvalidAPIKey, NotFound, StoreUnavailable
 from ctxcache.responses import JSONResponse
 
 router = APIRouter()
@@ -54,9 +55,25 @@ async def metrics(request: Request) -> Response:
     if up:
         with contextlib.suppress(CtxError):  # store down: the gauges keep their last value
             m.live_sessions.set(await manager.live_sessions())
-            for tenant in request.app.state.keys.tenants[:MAX_TENANT_SERIES]:
-                m.tenant_sessions.labels(tenant).set((await manager.usage(tenant)).sessions)
     for w in request.app.state.pool.workers:
         m.worker_inflight.labels(w.id).set(w.inflight)
         m.worker_healthy.labels(w.id).set(1 if w.healthy else 0)
     return Response(m.render(), media_type="text/plain; version=0.0.4")
+
+
+@router.get("/metrics/tenants", response_class=PlainTextResponse)
+async def tenant_metrics(request: Request) -> Response:
+    """Per-tenant counters (requests, tokens, rate-limited, turns) and live sessions, for
+    the metrics token only."""
+    token: str | None = request.app.state.metrics_token
+    if token is None:
+        raise NotFound("per-tenant metrics are off: set CTX_GATEWAY_METRICS_TOKEN")
+    given = request.headers.get("authorization", "").encode()
+    if not hmac.compare_digest(given, f"Bearer {token}".encode()):
+        raise InvalidAPIKey("missing or invalid metrics token")
+    tenants = request.app.state.metrics.tenants
+    with contextlib.suppress(CtxError):  # store down: the gauges keep their last value
+        for tenant in request.app.state.keys.tenants[:MAX_TENANT_SERIES]:
+            usage = await request.app.state.manager.usage(tenant)
+            tenants.live_sessions.labels(tenant).set(usage.sessions)
+    return Response(tenants.render(), media_type="text/plain; version=0.0.4")

@@ -21,6 +21,8 @@ from cache_manager.client import ManagerClient
 from cache_manager.protocol import (
     AppendTurn,
     BeginTurn,
+    Idempotency,
+    Replay,
     SessionInfo,
     SessionState,
     StoredResponse,
@@ -29,12 +31,14 @@ from ctxcache import tracing
 from ctxcache.errors import (
     BackendUnavailable,
     ContextLengthExceeded,
+    CtxError,
     InvalidRequest,
     SessionModelMismatch,
 )
 from ctxcache.lmcache_keys import session_key
 from ctxcache.logs import bind_session
 from ctxcache.tasks import BackgroundTasks
+from gateway.locks import LockKeeper
 from gateway.metrics import GatewayMetrics
 from gateway.pool import ModelNotFound, Worker, WorkerPool
 from gateway.prompts import PromptBuilder
@@ -77,16 +81,40 @@ class Turn:
     sampling: dict[str, Any] = field(default_factory=dict)
     kv_key: str | None = None  # the tag of the KV blocks; None: the session's own key
     started: float = field(default_factory=time.perf_counter)  # for the end-to-end time
+    idempotency: Idempotency | None = None  # the request's key, recorded with the append
 
     @property
     def append(self) -> bool:
         return self.state is not None and self.state.lock is not None
 
     @property
+    def replay(self) -> Replay | None:
+        """The first attempt with this turn's idempotency key wrote: answer what it did."""
+        return self.state.replay if self.state is not None else None
+
+    @property
     def kv_tag(self) -> str | None:
         if self.kv_key is not None:
             return self.kv_key
         return session_key(self.session_id) if self.session_id is not None else None
+
+
+def replayed(
+    kind: str, body: dict[str, Any], tenant: str, session_id: str, state: SessionState
+) -> Turn:
+    """A turn whose idempotency key's first attempt already wrote: nothing to run."""
+    return Turn(
+        kind=kind,
+        model=body["model"],
+        tenant=tenant,
+        prompt=[],
+        new_tokens=[],
+        new_messages=[],
+        history=[],
+        window=0,
+        state=state,
+        session_id=session_id,
+    )
 
 
 def check_turn_body(kind: str, body: dict[str, Any]) -> None:
@@ -135,8 +163,10 @@ class TurnService:
         prompts: PromptBuilder,
         salt: CacheSalt | None = None,
         recent: RecentHistories | None = None,
+        keeper: LockKeeper | None = None,
     ) -> None:
         self.manager = manager
+        self.keeper = keeper if keeper is not None else LockKeeper(manager, max_hold_s=300.0)
         self.salt = salt or CacheSalt()
         self.pool = pool
         self.metrics = metrics
@@ -145,12 +175,22 @@ class TurnService:
         self.background = BackgroundTasks(log)
 
     # -- planning ---------------------------------------------------------------------
-    async def begin(self, tenant: str, session_id: str, kind: str, body: dict[str, Any]) -> Turn:
-        """Load (and lock, unless `session_append` is false) the session; plan the turn."""
+    async def begin(
+        self,
+        tenant: str,
+        session_id: str,
+        kind: str,
+        body: dict[str, Any],
+        idempotency: Idempotency | None = None,
+    ) -> Turn:
+        """Load (and lock, unless `session_append` is false) the session; plan the turn.
+        With `idempotency` (a turn that appends): if the key's first attempt already wrote,
+        the turn only carries its answer (`Turn.replay`), and nothing is locked or run."""
         t0 = time.perf_counter()
         check_turn_body(kind, body)  # before the lock: a bad body never blocks the session
         tracing.set_session(session_id)
         append = body.get("session_append", True) is not False
+        idempotency = idempotency if append else None  # a read-only turn writes nothing
         early = self._start_early(kind, session_id, body)
         try:
             state = await self.manager.begin(
@@ -163,9 +203,13 @@ class TurnService:
                     touch=not append,
                     # a chat history this gateway holds is not sent again
                     known_version=(early and early.version) or 0,
+                    idempotency=idempotency,
                 ),
             )
+            if state.replay is not None:
+                return replayed(kind, body, tenant, session_id, state)
             turn = await self.plan(tenant, session_id, kind, body, state, early)
+            turn.idempotency = idempotency
             turn.started = t0
             return turn
         finally:
@@ -216,6 +260,8 @@ class TurnService:
         """Plan a turn on a loaded session (`state`; a lock it holds is released if the
         plan fails). `gateway.responses` passes states of its own: a session cut at a
         stored response, to fork from it."""
+        if state.lock is not None:  # renewed while the turn runs (commit or release stop it)
+            self.keeper.keep(session_id, tenant, state.lock, state.lock_ttl_ms)
         try:
             info = state.info
             model = body["model"]
@@ -363,13 +409,18 @@ class TurnService:
         )
 
     async def commit(
-        self, turn: Turn, gen: Generation, response: StoredResponse | None = None
+        self,
+        turn: Turn,
+        gen: Generation,
+        response: StoredResponse | None = None,
+        answer: dict[str, Any] | None = None,
     ) -> SessionInfo:
         """Append the turn (CAS on the version we loaded, releasing our lock), with the
-        `/v1/responses` object it made, if any."""
+        `/v1/responses` object it made, if any, and with an idempotency key, the `answer`
+        (without its session: a replay adds the session as this write left it)."""
         with tracing.span("ctxcache.commit", self._span_attributes(turn)):
-            info = await self._commit(turn, gen, response)
-        self.metrics.turns.labels(turn.tenant, turn.kind).inc()
+            info = await self._commit(turn, gen, response, answer)
+        self.metrics.turn(turn.tenant, turn.kind)
         self.metrics.completed("session", time.perf_counter() - turn.started)
         return info
 
@@ -382,7 +433,11 @@ class TurnService:
         }
 
     async def _commit(
-        self, turn: Turn, gen: Generation, response: StoredResponse | None
+        self,
+        turn: Turn,
+        gen: Generation,
+        response: StoredResponse | None,
+        answer: dict[str, Any] | None,
     ) -> SessionInfo:
         state = turn.state
         assert state is not None and turn.session_id is not None and turn.worker is not None
@@ -391,20 +446,25 @@ class TurnService:
         messages = list(turn.new_messages)
         if turn.kind == "chat":
             messages.append({"role": "assistant", "content": gen.text})
-        info = await self.manager.append(
-            turn.session_id,
-            AppendTurn(
-                tenant=turn.tenant,
-                expected_version=state.info.version,
-                lock=state.lock,
-                tokens=turn.new_tokens + gen.token_ids,
-                messages=messages,
-                worker=turn.worker.id,
-                sidecar=turn.worker.sidecar,
-                model=None if state.info.model else turn.model,
-                response=response,
-            ),
-        )
+        key = turn.idempotency
+        try:
+            info = await self.manager.append(
+                turn.session_id,
+                AppendTurn(
+                    tenant=turn.tenant,
+                    expected_version=state.info.version,
+                    lock=state.lock,
+                    tokens=turn.new_tokens + gen.token_ids,
+                    messages=messages,
+                    worker=turn.worker.id,
+                    sidecar=turn.worker.sidecar,
+                    model=None if state.info.model else turn.model,
+                    response=response,
+                    idempotency=key.model_copy(update={"answer": answer or {}}) if key else None,
+                ),
+            )
+        finally:
+            self.keeper.stop(state.lock)
         if turn.kind == "chat" and not self.recent.advance(
             turn.session_id, info.version, messages, info.expires_at, after=state.info.version
         ):
@@ -433,6 +493,7 @@ class TurnService:
         """Give the turn lock back in the background (it expires by itself if this fails)."""
         if state is None or state.lock is None:
             return None
+        self.keeper.stop(state.lock)
         sid = state.info.session_id
         return self.background.spawn(
             self.manager.release(sid, tenant, state.lock), what="turn lock release", session_id=sid
@@ -463,6 +524,7 @@ class TurnService:
         """
         assert turn.worker is not None
         committed = False
+        fail = getattr(shaper, "failed", None)  # a shaper that can end a stream with an error
         try:
             if head := shaper.start():
                 yield head
@@ -494,6 +556,18 @@ class TurnService:
                 if include_usage:
                     yield shaper.usage(gen.usage, session)
                 yield shaper.end
+        except Exception as exc:
+            if fail is None:
+                raise  # the client's connection is cut: that is how its format ends badly
+            error = exc
+            if isinstance(exc, WorkerDown):
+                self.pool.mark_down(exc.worker, str(exc))
+                error = BackendUnavailable(f"the worker stopped mid-answer ({exc})")
+            elif not isinstance(exc, CtxError):
+                log.exception("a streamed turn failed")
+            await self.release_now(turn.tenant, turn.state)
+            committed = True  # (released: nothing left to do below)
+            yield fail(error)
         finally:
             if not committed:
                 await self.release_now(turn.tenant, turn.state)

@@ -1,9 +1,12 @@
 -- Append a turn with compare-and-set on the version, slide the TTL, release our lock.
 -- KEYS: 1 ctx:{id}  2 ctx:{id}:t  3 ctx:{id}:m  4 ctx:{id}:lock  5 ctx:{id}:r
+--       6 ctx:{id}:i:<key> (with an idempotency key)
 -- ARGV: 1 tenant  2 expected version  3 lock token ('' = none held)  4 packed new token ids
 --       5 number of new tokens  6 worker id ('' = keep)  7 sidecar url ('' = keep)
 --       8 model, set if the session has none ('' = keep)  9 response id ('' = none)
---       10 response JSON  11.. new messages (JSON strings)
+--       10 response JSON  11 request hash ('' = no idempotency key)  12 the answer (JSON)
+--       13 idempotency record ttl ms  14.. new messages (JSON strings)
+-- With an idempotency key, the answer is recorded with the turn (begin.lua replays it).
 -- Returns {1, record fields...} | {0} not found | {-1} another turn holds the lock
 --         | {-2, current version} version conflict
 -- Idempotent for a locked turn: the record keeps the lock token of the last append, so a
@@ -27,7 +30,7 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local exp = now + tonumber(rec[3]) * 1000
 redis.call('APPEND', KEYS[2], ARGV[4])
-for i = 11, #ARGV do
+for i = 14, #ARGV do
   redis.call('RPUSH', KEYS[3], ARGV[i])
 end
 if ARGV[9] ~= '' then
@@ -49,6 +52,12 @@ redis.call('PEXPIREAT', KEYS[1], exp)
 redis.call('PEXPIREAT', KEYS[2], exp)
 redis.call('PEXPIREAT', KEYS[3], exp)
 redis.call('PEXPIREAT', KEYS[5], exp)
+if ARGV[11] ~= '' then
+  redis.call('DEL', KEYS[6])
+  redis.call('HSET', KEYS[6], 'body', ARGV[11], 'answer', ARGV[12],
+    'context_tokens', redis.call('HGET', KEYS[1], 'context_tokens'), 'expires_at', exp)
+  redis.call('PEXPIRE', KEYS[6], ARGV[13])
+end
 if holder then
   redis.call('DEL', KEYS[4])
 end

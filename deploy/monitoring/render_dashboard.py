@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import shutil
 import signal
@@ -28,6 +29,7 @@ import httpx
 
 HERE = Path(__file__).resolve().parent
 DASHBOARD = HERE / "grafana" / "dashboards" / "ctxcache.json"
+TOKEN = "render-metrics-token"  # the gateway's metrics token (GET /metrics/tenants)
 RATE_INTERVAL = "20s"  # what Grafana's $__rate_interval is at a 2 s scrape and this width
 WORDS = "the cat sat on a mat while dogs ran over green hills and people talked of rain".split()  # noqa: SIM905
 
@@ -60,6 +62,7 @@ def main() -> int:
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
+                    env={**os.environ, "CTX_GATEWAY_METRICS_TOKEN": TOKEN},
                 )
             )
             gateway = f"http://127.0.0.1:{port}"
@@ -112,6 +115,11 @@ def _prometheus_config(gateway: int, ports: dict[str, int]) -> str:
     scrape = "".join(
         f"  - job_name: {job}\n    static_configs:\n      - targets: ['127.0.0.1:{port}']\n"
         for job, port in jobs.items()
+    )
+    scrape += (
+        "  - job_name: ctxcache-gateway-tenants\n    metrics_path: /metrics/tenants\n"
+        f"    authorization: {{credentials: {TOKEN}}}\n"
+        f"    static_configs:\n      - targets: ['127.0.0.1:{gateway}']\n"
     )
     return (
         "global:\n  scrape_interval: 2s\n  evaluation_interval: 2s\n"

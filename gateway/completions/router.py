@@ -12,13 +12,13 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from starlette.requests import ClientDisconnect
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from ctxcache.disconnect import ClientLeft, until_the_client_leaves
 from gateway.auth import authorization
 from gateway.completions.service import PATHS, CompletionService
+from gateway.completions.streams import SSEResponse
 from gateway.protocol import ChatBody, CompletionBody
 from gateway.requests import body_doc
 
@@ -35,26 +35,33 @@ class CompletionsEndpoint:
         state = scope["app"].state
         headers = scope["headers"]
         tenant = state.keys.tenant_for(authorization(headers))
-        body = await read_body(receive)
         service: CompletionService = state.completions
-        answer = service.serve(tenant, self.kind, body, header(headers, b"x-session-id"))
         try:  # a client that leaves cancels its request, on the worker too
+            body = await read_body(receive)
+            keys = [v.decode("latin-1") for k, v in headers if k == b"idempotency-key"]
+            answer = service.serve(
+                tenant, self.kind, body, header(headers, b"x-session-id"), keys or None
+            )
             response = await until_the_client_leaves(receive, answer)
         except ClientLeft:
-            log.info("the client left before its answer: its request is cancelled")
+            log.debug("the client left before its answer: its request is cancelled")
+            state.metrics.cancelled(tenant)
             return
         await response(scope, receive, send)
+        if isinstance(response, SSEResponse) and response.client_left:
+            state.metrics.cancelled(tenant)
 
 
 async def read_body(receive: Receive) -> bytes:
-    """The request's body (the body-size limit is the middleware's)."""
+    """The request's body (the body-size limit is the middleware's); `ClientLeft` if the
+    client disconnects first."""
     message = await receive()
     body = message.get("body", b"")
     while message.get("more_body", False):
         message = await receive()
         body += message.get("body", b"")
     if message["type"] == "http.disconnect":
-        raise ClientDisconnect()
+        raise ClientLeft()
     return body  # type: ignore[no-any-return]
 
 

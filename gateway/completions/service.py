@@ -9,20 +9,27 @@ session, run as a turn.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from fastapi import Response
 from pydantic import BaseModel
 
+from cache_manager.protocol import Replay
 from ctxcache.errors import InvalidRequest
+from ctxcache.logs import bind_session
 from ctxcache.responses import JSONResponse
 from gateway.completions.streams import SSEResponse, relayed
+from gateway.idempotency import REPLAYED, IdempotencyKey, check_header, with_session
 from gateway.pool import WorkerPool
 from gateway.protocol import ChatBody, CompletionBody
 from gateway.requests import parse_body, parse_json, session_id_of
 from gateway.shaping import (
     CHAT_ONLY_UNSUPPORTED,
+    DONE,
     ChunkShaper,
     chat_completion,
     session_ref,
@@ -31,23 +38,41 @@ from gateway.shaping import (
 from gateway.turns import Generation, Turn, TurnService
 from gateway.upstream import open_stream, post_raw
 
+log = logging.getLogger(__name__)
+
+
+async def _nothing() -> None:
+    return None
+
+
 PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 KINDS = {path: kind for kind, path in PATHS.items()}
 BODIES: dict[str, type[BaseModel]] = {"chat": ChatBody, "completion": CompletionBody}
 
 
 class CompletionService:
-    def __init__(self, turns: TurnService, pool: WorkerPool) -> None:
+    def __init__(
+        self, turns: TurnService, pool: WorkerPool, *, idempotency_ttl_s: int = 86_400
+    ) -> None:
         self.turns = turns
         self.pool = pool
+        self.idempotency_ttl_s = idempotency_ttl_s
 
     async def serve(
-        self, tenant: str, kind: str, raw: bytes, session_header: str | None
+        self,
+        tenant: str,
+        kind: str,
+        raw: bytes,
+        session_header: str | None,
+        idempotency_key: list[str] | None = None,
     ) -> Response:
-        """A request to one of the two routes, from its raw body."""
+        """A request to one of the two routes, from its raw body (`idempotency_key`: the
+        values of its `Idempotency-Key` header, if any)."""
         doc = parse_body(raw)
         if doc is None or session_header is not None or not routable(doc):
-            return await self.answer(tenant, kind, raw, session_header, parsed=doc)
+            return await self.answer(
+                tenant, kind, raw, session_header, parsed=doc, idempotency_key=idempotency_key
+            )
         return await self.passthrough(tenant, kind, raw, doc)
 
     async def answer(
@@ -58,14 +83,36 @@ class CompletionService:
         session_header: str | None,
         *,
         parsed: dict[str, Any] | None = None,
+        idempotency_key: list[str] | str | None = None,
     ) -> Response:
         """A completion request from its raw body (`parsed`: the same, already decoded):
-        validated, then passed through to a worker, or run as a session turn."""
+        validated, then passed through to a worker, or run as a session turn. (The FastAPI
+        routes and `gateway.fastpath` both answer through here.) `idempotency_key`: the
+        request's `Idempotency-Key` header value(s); a session turn that appends records
+        its answer under it (docs/limits.md), anything else ignores it."""
         body, _ = parse_json(raw, BODIES[kind], parsed)
-        return await self.handle(tenant, kind, raw, body, session_id_of(body, session_header))
+        sid = session_id_of(body, session_header)
+        key = None
+        if sid is not None and idempotency_key is not None:
+            values = [idempotency_key] if isinstance(idempotency_key, str) else idempotency_key
+            key = IdempotencyKey.of(
+                check_header(values),
+                tenant,
+                PATHS[kind],
+                raw,
+                ttl_s=self.idempotency_ttl_s,
+                scope=session_header or "",
+            )
+        return await self.handle(tenant, kind, raw, body, sid, key)
 
     async def handle(
-        self, tenant: str, kind: str, raw: bytes, body: dict[str, Any], session_id: str | None
+        self,
+        tenant: str,
+        kind: str,
+        raw: bytes,
+        body: dict[str, Any],
+        session_id: str | None,
+        key: IdempotencyKey | None = None,
     ) -> Response:
         if session_id is None:
             return await self.passthrough(tenant, kind, raw, body)
@@ -73,36 +120,73 @@ class CompletionService:
             bad = [k for k in CHAT_ONLY_UNSUPPORTED if body.get(k) not in (None, False)]
             if bad:
                 raise InvalidRequest(f"{bad[0]} is not supported on a session turn", param=bad[0])
-        turn = await self.turns.begin(tenant, session_id, kind, body)
+        record = key.record() if key is not None else None
+        turn = await self.turns.begin(tenant, session_id, kind, body, record)
+        if (replay := turn.replay) is not None:
+            self.turns.metrics.replayed(tenant)
+            if body.get("stream"):
+                return SSEResponse(
+                    self._replay_stream(turn, body, replay), _nothing, headers=REPLAYED
+                )
+            return JSONResponse(with_session(replay.answer, replay.session), headers=REPLAYED)
         try:
             if body.get("stream"):  # from here on, the stream releases the lock
                 return await self._stream(turn, body)
             gen = await self.turns.generate(turn)
-            info = await self.turns.commit(turn, gen)
-        except BaseException:
+            out = self._shape(turn, gen, body)
+            info = await self.turns.commit(turn, gen, answer=out)
+        except BaseException as exc:
             await self.turns.release_now(tenant, turn.state)
+            if isinstance(exc, asyncio.CancelledError):
+                with bind_session(session_id):
+                    log.info("turn dropped: the client left before its answer")
             raise
-        return JSONResponse(self._shape(turn, gen, session_ref(info), body))
+        return JSONResponse(with_session(out, session_ref(info)))
 
     @staticmethod
     def _shape(
-        turn: Turn, gen: Generation, session: dict[str, Any], body: dict[str, Any]
+        turn: Turn, gen: Generation, body: dict[str, Any], shaper: ChunkShaper | None = None
     ) -> dict[str, Any]:
+        """The answer without its session (`with_session` adds it); a stream's carries the
+        stream's id and time, so a replay of it is the same stream."""
         if turn.kind == "chat":
             out = chat_completion(turn.model, gen.text, gen.finish_reason, gen.usage)
         else:
             ids = gen.token_ids if body.get("return_token_ids") else None
             out = text_completion(turn.model, gen.text, gen.finish_reason, gen.usage, ids)
-        out["session_id"] = session["session_id"]
-        out["session"] = session
+        if shaper is not None:
+            out.update(id=shaper.id, created=shaper.created)
         return out
+
+    @staticmethod
+    async def _replay_stream(
+        turn: Turn, body: dict[str, Any], replay: Replay
+    ) -> AsyncGenerator[bytes, None]:
+        """The recorded answer of a streamed turn, as the same stream: its text in one
+        chunk, the usage chunk if asked for, `[DONE]`."""
+        answer = replay.answer
+        shaper = ChunkShaper(turn.kind, answer["model"], bool(body.get("return_token_ids")))
+        shaper.id, shaper.created = answer["id"], answer["created"]
+        choice = answer["choices"][0]
+        text = choice["message"]["content"] if turn.kind == "chat" else choice["text"]
+        yield shaper.content(
+            {
+                "text": text,
+                "finish_reason": choice.get("finish_reason"),
+                "token_ids": choice.get("token_ids"),
+            }
+        )
+        if (body.get("stream_options") or {}).get("include_usage"):
+            yield shaper.usage(answer["usage"], replay.session)
+        yield DONE
 
     async def _stream(self, turn: Turn, body: dict[str, Any]) -> SSEResponse:
         shaper = ChunkShaper(turn.kind, turn.model, bool(body.get("return_token_ids")))
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
 
         async def on_done(gen: Generation) -> dict[str, Any]:
-            return session_ref(await self.turns.commit(turn, gen))
+            answer = self._shape(turn, gen, body, shaper) if turn.idempotency else None
+            return session_ref(await self.turns.commit(turn, gen, answer=answer))
 
         upstream = await self.turns.open_stream(turn)
 

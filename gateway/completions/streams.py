@@ -44,18 +44,27 @@ class SSEResponse(Response):
         self,
         events: AsyncGenerator[bytes, None],
         never_started: Callable[[], Awaitable[None]],
+        headers: dict[str, str] | None = None,
     ) -> None:
         self.events, self.never_started = events, never_started
         self.status_code = 200
         self.background = None
         self.raw_headers = SSE_HEADERS
+        if headers:
+            extra = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+            self.raw_headers = [*SSE_HEADERS, *extra]
+        self.client_left = False  # (once answered) the client left before the end
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = False
 
         async def stream() -> None:
             nonlocal started
-            await send(_START)
+            await send(
+                _START
+                if self.raw_headers is SSE_HEADERS
+                else {**_START, "headers": self.raw_headers}
+            )
             started = True  # from the first step on, the generator's own `finally` runs
             async for chunk in self.events:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
@@ -64,6 +73,7 @@ class SSEResponse(Response):
             await until_the_client_leaves(receive, stream())
         except ClientLeft:
             log.info("the client left mid-stream: the stream is dropped")
+            self.client_left = True
             return
         except (CtxError, WorkerDown) as exc:  # the status is sent: the answer is cut
             log.warning("a stream broke off mid-answer: %s", exc)

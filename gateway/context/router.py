@@ -9,6 +9,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from ctxcache.responses import JSONResponse
 from gateway.auth import TenantDep
 from gateway.context.service import ContextService
+from gateway.idempotency import IdempotencyDep
 from gateway.protocol import (
     ContextCreate,
     ContextDeleted,
@@ -28,9 +29,11 @@ router = APIRouter(prefix="/v1/context")
 
 
 @router.post("", openapi_extra=body_doc(ContextCreate))
-async def create(request: Request, tenant: TenantDep, svc: ServiceDep) -> JSONResponse:
-    _, body, req = await read_json(request, ContextCreate)
-    out: dict[str, Any] = await svc.create(tenant, req, body)
+async def create(
+    request: Request, tenant: TenantDep, svc: ServiceDep, key: IdempotencyDep
+) -> JSONResponse:
+    raw, body, req = await read_json(request, ContextCreate)
+    out: dict[str, Any] = await svc.create(tenant, req, body, key(raw))
     return JSONResponse(out)
 
 

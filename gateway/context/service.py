@@ -6,10 +6,11 @@ import time
 from typing import Any
 
 from cache_manager.client import ManagerClient
-from cache_manager.protocol import CreateSession, SessionInfo, UpdateSession
+from cache_manager.protocol import ClaimKey, CreateSession, SessionInfo, UpdateSession
 from cache_manager.store import new_session_id
 from ctxcache.errors import InvalidRequest
 from ctxcache.settings import check_ttl
+from gateway.idempotency import IdempotencyKey, with_session
 from gateway.metrics import GatewayMetrics
 from gateway.pool import Worker, WorkerPool
 from gateway.protocol import ContextCreate, ContextList, ContextObject
@@ -54,10 +55,56 @@ class ContextService:
         s = self.settings
         return check_ttl(ttl, default=s.default_ttl, low=s.min_ttl, high=s.max_ttl)
 
-    async def create(self, tenant: str, req: ContextCreate, body: dict[str, Any]) -> dict[str, Any]:
-        started = time.perf_counter()
+    async def create(
+        self,
+        tenant: str,
+        req: ContextCreate,
+        body: dict[str, Any],
+        key: IdempotencyKey | None = None,
+    ) -> dict[str, Any]:
+        """Create a session. With an idempotency key, its id is derived from the key: a
+        retry finds what the first attempt created, and answers what it answered."""
         if (req.prompt is None) == (req.messages is None):
             raise InvalidRequest("give exactly one of prompt or messages", param="prompt")
+        self.check_ttl(req.ttl)
+        if key is None:
+            return await self._create(tenant, req, body, new_session_id(), None, None)
+        session_id = key.session_id()
+        claim = await self.manager.claim(
+            session_id, ClaimKey(tenant=tenant, idempotency=key.record())
+        )
+        if claim.replay is not None:
+            self.metrics.replayed(tenant)
+            out = with_session(claim.replay.answer, claim.replay.session)
+            out["expires_at"] = claim.replay.session["expires_at"]
+            return out
+        assert claim.lock is not None
+        keeper = self.turns.keeper
+        keeper.keep(session_id, tenant, claim.lock, claim.lock_ttl_ms)
+        try:
+            return await self._create(tenant, req, body, session_id, key, claim.lock)
+        except BaseException:
+            keeper.stop(claim.lock)
+            # the key is free again once its lock is gone (nothing was written)
+            self.turns.background.spawn(
+                self.manager.release(session_id, tenant, claim.lock),
+                what="idempotency claim release",
+                session_id=session_id,
+            )
+            raise
+        finally:
+            keeper.stop(claim.lock)
+
+    async def _create(
+        self,
+        tenant: str,
+        req: ContextCreate,
+        body: dict[str, Any],
+        session_id: str,
+        key: IdempotencyKey | None,
+        lock: str | None,
+    ) -> dict[str, Any]:
+        started = time.perf_counter()
         ttl = self.check_ttl(req.ttl)
         generate = req.max_tokens > 0
         messages = [m.model_dump(exclude_none=True) for m in req.messages or []]
@@ -72,7 +119,6 @@ class ContextService:
             return await self.turns.prompts.text(worker, req.model, req.prompt, special=True)
 
         (prompt, window), worker = await self.turns.failover(req.model, build)
-        session_id = new_session_id()
         sampling = {k: v for k, v in sampling_fields(body).items() if k not in CREATE_ONLY}
         sampling["max_tokens"] = req.max_tokens  # the worker's own default is not ours (0)
         turn = Turn(
@@ -94,6 +140,11 @@ class ContextService:
         assert turn.worker is not None
         if generate and kind == "chat":
             messages = [*messages, {"role": "assistant", "content": gen.text}]
+        text = gen.text if generate else None
+        if kind == "chat":
+            out = chat_completion(req.model, text, gen.finish_reason, gen.usage)
+        else:
+            out = text_completion(req.model, text, gen.finish_reason, gen.usage)
         info = await self.manager.create(
             CreateSession(
                 session_id=session_id,
@@ -106,16 +157,13 @@ class ContextService:
                 metadata=req.metadata or {},
                 worker=turn.worker.id,
                 sidecar=turn.worker.sidecar,
+                idempotency=key.record(out) if key is not None else None,
+                lock=lock,
             )
         )
         self.metrics.sessions_created.inc()
         if kind == "chat":
             self.turns.recent.put(session_id, info.version, messages, info.expires_at)
-        text = gen.text if generate else None
-        if kind == "chat":
-            out = chat_completion(req.model, text, gen.finish_reason, gen.usage)
-        else:
-            out = text_completion(req.model, text, gen.finish_reason, gen.usage)
         out.update(session_id=session_id, expires_at=info.expires_at, session=session_ref(info))
         return out
 

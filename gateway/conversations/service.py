@@ -4,14 +4,26 @@ of its first response; its items are the session's messages."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from cache_manager.client import ManagerClient
-from cache_manager.protocol import BeginTurn, CreateSession, SessionInfo, UpdateSession
+from cache_manager.protocol import (
+    BeginTurn,
+    ClaimKey,
+    CreateSession,
+    EditItems,
+    SessionInfo,
+    SessionState,
+    UpdateSession,
+)
 from cache_manager.store import new_session_id
-from ctxcache.errors import ConversationNotFound, SessionNotFound
+from ctxcache.errors import ConversationNotFound, NotFound, SessionNotFound, VersionConflict
+from gateway.idempotency import IdempotencyKey
+from gateway.metrics import GatewayMetrics
 from gateway.responses.protocol import (
     ConversationCreate,
+    InputMessage,
     conversation_id,
     item_id,
     parse_conversation_id,
@@ -31,17 +43,66 @@ def conversation_object(info: SessionInfo) -> dict[str, Any]:
 
 
 class ConversationService:
-    def __init__(self, manager: ManagerClient, turns: TurnService, settings: GatewaySettings):
+    def __init__(
+        self,
+        manager: ManagerClient,
+        turns: TurnService,
+        settings: GatewaySettings,
+        metrics: GatewayMetrics | None = None,
+    ):
         self.manager = manager
         self.turns = turns
         self.settings = settings
+        self.metrics = metrics if metrics is not None else turns.metrics
 
-    async def create(self, tenant: str, req: ConversationCreate) -> dict[str, Any]:
+    async def create(
+        self, tenant: str, req: ConversationCreate, key: IdempotencyKey | None = None
+    ) -> dict[str, Any]:
         """A conversation lives `max_ttl` (sliding with each response); its items are not
-        tokenized until its first response names the model."""
-        info = await self.manager.create(
+        tokenized until its first response names the model. With an idempotency key its
+        id is derived from the key, and a retry answers the conversation made first."""
+        session_id, lock = new_session_id(), None
+        if key is not None:
+            session_id = key.session_id()
+            claim = await self.manager.claim(
+                session_id, ClaimKey(tenant=tenant, idempotency=key.record())
+            )
+            if claim.replay is not None:
+                self.metrics.replayed(tenant)
+                return claim.replay.answer
+            lock = claim.lock
+        answer = {
+            "id": conversation_id(session_id),
+            "object": "conversation",
+            "metadata": req.metadata or {},
+        }
+        try:
+            info = await self._create(tenant, req, session_id, key, lock, answer)
+        except BaseException:
+            if lock is not None:
+                self.turns.background.spawn(
+                    self.manager.release(session_id, tenant, lock),
+                    what="idempotency claim release",
+                    session_id=session_id,
+                )
+            raise
+        return conversation_object(info)
+
+    async def _create(
+        self,
+        tenant: str,
+        req: ConversationCreate,
+        session_id: str,
+        key: IdempotencyKey | None,
+        lock: str | None,
+        answer: dict[str, Any],
+    ) -> SessionInfo:
+        # the answer recorded for a retry: the object as it is created
+        now_ms = int(time.time() * 1000)
+        answer["created_at"] = now_ms // 1000
+        return await self.manager.create(
             CreateSession(
-                session_id=new_session_id(),
+                session_id=session_id,
                 tenant=tenant,
                 model="",
                 kind="chat",
@@ -49,9 +110,11 @@ class ConversationService:
                 ttl=self.settings.max_ttl,
                 metadata=req.metadata or {},
                 origin="conversation",
+                idempotency=key.record(answer) if key is not None else None,
+                lock=lock,
+                created_ms=now_ms,
             )
         )
-        return conversation_object(info)
 
     def _session(self, conv: str) -> str:
         sid = parse_conversation_id(conv)
@@ -90,7 +153,7 @@ class ConversationService:
         self.turns.recent.drop(info.session_id)
         return {"id": conv, "object": "conversation.deleted", "deleted": True}
 
-    async def items(self, tenant: str, conv: str, page: Page) -> dict[str, Any]:
+    async def _messages(self, tenant: str, conv: str) -> SessionState:
         sid = self._session(conv)
         try:
             state = await self.manager.begin(
@@ -100,8 +163,77 @@ class ConversationService:
             raise ConversationNotFound.of(conv) from None
         if state.info.origin != "conversation":
             raise ConversationNotFound.of(conv)
-        items = [
-            message_item(item_id(sid, i), m["role"], str(m.get("content") or ""))
-            for i, m in enumerate(state.messages)
-        ]
-        return page.of(items)
+        return state
+
+    @staticmethod
+    def _item(sid: str, index: int, message: dict[str, Any]) -> dict[str, Any]:
+        return message_item(item_id(sid, index), message["role"], str(message.get("content") or ""))
+
+    async def items(self, tenant: str, conv: str, page: Page) -> dict[str, Any]:
+        state = await self._messages(tenant, conv)
+        sid = state.info.session_id
+        return page.of([self._item(sid, i, m) for i, m in enumerate(state.messages)])
+
+    async def item(self, tenant: str, conv: str, item: str) -> dict[str, Any]:
+        state = await self._messages(tenant, conv)
+        sid = state.info.session_id
+        for i, m in enumerate(state.messages):
+            if item_id(sid, i) == item:
+                return self._item(sid, i, m)
+        raise NotFound(f"No item found with id '{item}'.", param="item_id")
+
+    async def add_items(
+        self, tenant: str, conv: str, new: list[InputMessage], key: IdempotencyKey | None = None
+    ) -> dict[str, Any]:
+        """Add items after the conversation's last (an item's id names its place). The
+        session's token ids are dropped: its next response renders the conversation."""
+        messages = [m.as_message() for m in new]
+        for _ in range(3):  # (another edit between the read and the write: read again)
+            state = await self._messages(tenant, conv)
+            sid, first = state.info.session_id, len(state.messages)
+            added = [self._item(sid, first + i, m) for i, m in enumerate(messages)]
+            answer = {
+                "object": "list",
+                "data": added,
+                "first_id": added[0]["id"],
+                "last_id": added[-1]["id"],
+                "has_more": False,
+            }
+            edit = EditItems(
+                tenant=tenant,
+                add=messages,
+                expected_version=state.info.version,
+                idempotency=key.record(answer) if key is not None else None,
+            )
+            try:
+                done = await self.manager.items(sid, edit)
+            except VersionConflict:
+                continue
+            except SessionNotFound:
+                raise ConversationNotFound.of(conv) from None
+            self.turns.recent.drop(sid)
+            if done.replay is not None:
+                self.metrics.replayed(tenant)
+                return done.replay.answer
+            return answer
+        raise VersionConflict("the conversation keeps changing: retry")
+
+    async def delete_item(self, tenant: str, conv: str, item: str) -> dict[str, Any]:
+        """Delete an item; the items after it move up a place (and get that place's id)."""
+        for _ in range(3):
+            state = await self._messages(tenant, conv)
+            sid = state.info.session_id
+            index = next((i for i in range(len(state.messages)) if item_id(sid, i) == item), None)
+            if index is None:
+                raise NotFound(f"No item found with id '{item}'.", param="item_id")
+            edit = EditItems(tenant=tenant, delete=index, expected_version=state.info.version)
+            try:
+                done = await self.manager.items(sid, edit)
+            except VersionConflict:
+                continue
+            except SessionNotFound:
+                raise ConversationNotFound.of(conv) from None
+            self.turns.recent.drop(sid)
+            assert done.info is not None
+            return conversation_object(done.info)
+        raise VersionConflict("the conversation keeps changing: retry")

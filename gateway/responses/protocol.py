@@ -124,6 +124,12 @@ class ConversationCreate(OpenAIBaseModel):
     _metadata = field_validator("metadata")(check_metadata)
 
 
+class ItemsCreate(OpenAIBaseModel):
+    """`POST /v1/conversations/{id}/items`: up to 20 items, as OpenAI allows."""
+
+    items: list[InputMessage] = Field(min_length=1, max_length=20)
+
+
 class ConversationUpdate(OpenAIBaseModel):
     metadata: Metadata
 

@@ -8,6 +8,7 @@ from fastapi import APIRouter, Depends, Query, Request, Response
 
 from ctxcache.responses import JSONResponse
 from gateway.auth import TenantDep
+from gateway.idempotency import IdempotencyDep
 from gateway.requests import STREAMS, body_doc
 from gateway.responses.protocol import ResponseCreate
 from gateway.responses.service import ResponseService
@@ -33,8 +34,10 @@ router = APIRouter(prefix="/v1/responses")
 
 
 @router.post("", openapi_extra=body_doc(ResponseCreate), responses=STREAMS)
-async def create(request: Request, tenant: TenantDep, svc: ServiceDep) -> Response:
-    return await svc.create(tenant, await request.body())
+async def create(
+    request: Request, tenant: TenantDep, svc: ServiceDep, key: IdempotencyDep
+) -> Response:
+    return await svc.create(tenant, await request.body(), key)
 
 
 @router.get("/{response_id}")

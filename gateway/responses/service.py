@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -27,7 +28,10 @@ from fastapi import Response
 from cache_manager.client import ManagerClient
 from cache_manager.protocol import (
     BeginTurn,
+    ClaimKey,
     CreateSession,
+    Idempotency,
+    Replay,
     SessionInfo,
     SessionState,
     StoredResponse,
@@ -47,6 +51,7 @@ from ctxcache.lmcache_keys import session_key
 from ctxcache.logs import bind_session
 from ctxcache.responses import JSONResponse
 from gateway.completions.streams import SSEResponse
+from gateway.idempotency import REPLAYED, IdempotencyKey, KeyOf
 from gateway.metrics import GatewayMetrics
 from gateway.requests import parse_json
 from gateway.responses.protocol import (
@@ -56,7 +61,13 @@ from gateway.responses.protocol import (
     parse_conversation_id,
     parse_response_id,
 )
-from gateway.responses.shaping import Page, ResponseDraft, ResponseEvents, message_item
+from gateway.responses.shaping import (
+    Page,
+    ResponseDraft,
+    ResponseEvents,
+    message_item,
+    replay_events,
+)
 from gateway.settings import GatewaySettings
 from gateway.turns import Generation, Turn, TurnService
 
@@ -79,6 +90,9 @@ class Planned:
     ttl: int
     missing: CtxError  # what a session deleted under the turn answers
     parent: SessionInfo | None = None  # a fork's parent: its KV key is the fork's
+    key: IdempotencyKey | None = None
+    claim: str | None = None  # mode create with a key: the claim's lock on session_id
+    kept: bool = False  # the response is stored (the claim's lock went with the create)
 
 
 def with_instructions(
@@ -96,10 +110,13 @@ def with_instructions(
 
 
 def cut(state: SessionState, at: dict[str, int]) -> SessionState:
-    """The session as it was right after a stored response (read-only: no lock)."""
+    """The session as it was right after a stored response (read-only: no lock). A
+    conversation whose items were edited since has other token ids: that point is
+    continued from its messages, rendered again."""
+    edited = at["version"] < state.info.edited
     return SessionState.model_construct(
         info=state.info,
-        tokens=state.tokens[: at["tokens"]],
+        tokens=[] if edited else state.tokens[: at["tokens"]],
         messages=state.messages[: at["messages"]],
         lock=None,
     )
@@ -137,6 +154,15 @@ def check_supported(req: ResponseCreate, body: dict[str, Any]) -> None:
         )
 
 
+async def _nothing() -> None:
+    return None
+
+
+async def _events(chunks: list[bytes]) -> AsyncGenerator[bytes, None]:
+    for chunk in chunks:
+        yield chunk
+
+
 class ResponseService:
     def __init__(
         self,
@@ -151,22 +177,56 @@ class ResponseService:
         self.metrics = metrics
 
     # -- create -------------------------------------------------------------------------
-    async def create(self, tenant: str, raw: bytes) -> Response:
+    async def create(self, tenant: str, raw: bytes, key_of: KeyOf | None = None) -> Response:
+        """Create a response. With an `Idempotency-Key` (a response that is stored), a
+        retry answers what the first attempt answered (a stream: as a stream)."""
         body, req = parse_json(raw, ResponseCreate)
         check_supported(req, body)
         started = time.perf_counter()
-        planned = await self._plan(tenant, req)
+        key = key_of(raw) if key_of is not None and req.store else None
+        planned = await self._plan(tenant, req, key)
+        if isinstance(planned, Replay):
+            self.metrics.replayed(tenant)
+            if req.stream:
+                return SSEResponse(
+                    _events(replay_events(planned.answer)), _nothing, headers=REPLAYED
+                )
+            return JSONResponse(planned.answer, headers=REPLAYED)
         turn = planned.turn
         turn.started = started  # (the load counts, as it does for a completion's turn)
         try:
-            if req.stream:  # from here on, the stream releases the lock
+            if req.stream:  # from here on, the stream releases the lock (and the claim)
                 return await self._stream(tenant, planned)
             gen = await self.turns.generate(turn)
             final = await self._keep(tenant, planned, gen)
         except BaseException:
             await self.turns.release_now(tenant, turn.state)
+            self._unclaim(tenant, planned)
             raise
         return JSONResponse(final)
+
+    async def _claim(self, tenant: str, session_id: str, key: IdempotencyKey) -> Replay | str:
+        """Claim the key for the session a new chain or a fork creates: its lock (renewed
+        while the turn runs), or the first attempt's answer."""
+        claim = await self.manager.claim(
+            session_id, ClaimKey(tenant=tenant, idempotency=key.record())
+        )
+        if claim.replay is not None:
+            return claim.replay
+        assert claim.lock is not None
+        self.turns.keeper.keep(session_id, tenant, claim.lock, claim.lock_ttl_ms)
+        return claim.lock
+
+    def _unclaim(self, tenant: str, planned: Planned) -> None:
+        """A create that failed frees its key (nothing was written)."""
+        if planned.claim is None or planned.kept:
+            return
+        self.turns.keeper.stop(planned.claim)
+        self.turns.background.spawn(
+            self.manager.release(planned.session_id, tenant, planned.claim),
+            what="idempotency claim release",
+            session_id=planned.session_id,
+        )
 
     async def _stream(self, tenant: str, planned: Planned) -> Response:
         turn = planned.turn
@@ -178,26 +238,50 @@ class ResponseService:
 
         async def never_started() -> None:
             await self.turns.release_now(tenant, turn.state)
+            self._unclaim(tenant, planned)
             await upstream.aclose()
 
         shaper = ResponseEvents(planned.draft)
-        return SSEResponse(self.turns.stream(turn, upstream, shaper, True, on_done), never_started)
+        events = self.turns.stream(turn, upstream, shaper, True, on_done)
+        return SSEResponse(self._unclaim_after(tenant, planned, events), never_started)
 
-    async def _plan(self, tenant: str, req: ResponseCreate) -> Planned:
-        """Load the point the response continues from and plan the turn on it."""
+    async def _unclaim_after(
+        self, tenant: str, planned: Planned, events: AsyncGenerator[bytes, None]
+    ) -> AsyncGenerator[bytes, None]:
+        """A stream's events; a create's claim is given back unless it was kept."""
+        try:
+            async for event in events:
+                yield event
+        finally:
+            await events.aclose()
+            if not planned.kept:
+                self._unclaim(tenant, planned)
+
+    async def _plan(
+        self, tenant: str, req: ResponseCreate, key: IdempotencyKey | None = None
+    ) -> Planned | Replay:
+        """Load the point the response continues from and plan the turn on it (with an
+        idempotency key whose first attempt wrote: its answer)."""
         new = req.messages()
         conv = req.conversation_id
         at: dict[str, int] | None = None  # the point in the session; None: its latest
         missing: CtxError = InvalidRequest("the session is gone")
+        record = key.record() if key is not None else None
+        loaded: SessionState | Replay
         if req.previous_response_id is not None:
             missing = PreviousResponseNotFound.of(req.previous_response_id)
-            sid, at, state = await self._at_response(tenant, req.previous_response_id, req.store)
+            sid, at, loaded = await self._at_response(
+                tenant, req.previous_response_id, req.store, record
+            )
         elif conv is not None:
             missing = ConversationNotFound.of(conv, param="conversation")
-            sid, state = await self._at_conversation(tenant, conv, req.store)
+            sid, loaded = await self._at_conversation(tenant, conv, req.store, record)
         else:
-            sid = new_session_id()
-            state = blank(sid, tenant, req.model)
+            sid = key.session_id() if key is not None else new_session_id()
+            loaded = blank(sid, tenant, req.model)
+        if isinstance(loaded, Replay):  # the key's first attempt appended to this session
+            return loaded
+        state = loaded
         appending = state.lock is not None and (at is None or state.info.version == at["version"])
         if state.lock is not None and not appending:  # the chain moved on: fork
             await self.turns.release_now(tenant, state)
@@ -216,10 +300,19 @@ class ResponseService:
         mode: Mode = "append" if appending else "create" if req.store else "none"
         if mode == "append":
             target = sid
+            turn.idempotency = record
+        elif fork and key is not None:
+            target = key.session_id()  # a retry finds the fork its first attempt made
         elif fork or mode == "none":
             target = new_session_id()  # (store: false: only names the response)
         else:
             target = sid
+        claim: str | None = None
+        if mode == "create" and key is not None:
+            claimed = await self._claim(tenant, target, key)
+            if isinstance(claimed, Replay):
+                return claimed
+            claim = claimed
         if mode == "none" and not fork:  # nothing to find or keep: no session tag
             turn.session_id, turn.kv_key = None, None
         if mode == "create" and fork:
@@ -258,29 +351,42 @@ class ResponseService:
             ttl=ttl,
             missing=missing,
             parent=state.info if fork else None,
+            key=key,
+            claim=claim,
         )
 
     async def _load(
-        self, tenant: str, session_id: str, *, lock: bool, missing: CtxError, fork_if_busy: bool
-    ) -> SessionState:
+        self,
+        tenant: str,
+        session_id: str,
+        *,
+        lock: bool,
+        missing: CtxError,
+        fork_if_busy: bool,
+        idempotency: Idempotency | None = None,
+    ) -> SessionState | Replay:
         """Load a session with its ids and messages (locked if `lock`); a turn in flight
-        on it means a fork if the caller may fork, else `session_busy`."""
-        begin = BeginTurn(tenant=tenant, lock=lock, tokens=True, messages=True)
+        on it means a fork if the caller may fork, else `session_busy`. With an idempotency
+        key whose first attempt appended to this session: that attempt's answer."""
+        begin = BeginTurn(
+            tenant=tenant, lock=lock, tokens=True, messages=True, idempotency=idempotency
+        )
         try:
             try:
-                return await self.manager.begin(session_id, begin)
+                state = await self.manager.begin(session_id, begin)
             except SessionBusy:
                 if not fork_if_busy:
                     raise
-                return await self.manager.begin(
+                state = await self.manager.begin(
                     session_id, begin.model_copy(update={"lock": False})
                 )
         except SessionNotFound:
             raise missing from None
+        return state.replay if state.replay is not None else state
 
     async def _at_response(
-        self, tenant: str, response_id: str, store: bool
-    ) -> tuple[str, dict[str, int], SessionState]:
+        self, tenant: str, response_id: str, store: bool, idempotency: Idempotency | None = None
+    ) -> tuple[str, dict[str, int], SessionState | Replay]:
         missing = PreviousResponseNotFound.of(response_id)
         parsed = parse_response_id(response_id)
         if parsed is None:
@@ -295,18 +401,27 @@ class ResponseService:
         in_conversation = found.record["response"].get("conversation") is not None
         latest = found.version == at["version"] and not in_conversation
         state = await self._load(
-            tenant, sid, lock=store and latest, missing=missing, fork_if_busy=True
+            tenant,
+            sid,
+            lock=store and latest,
+            missing=missing,
+            fork_if_busy=True,
+            idempotency=idempotency,
         )
         return sid, at, state
 
     async def _at_conversation(
-        self, tenant: str, conv: str, store: bool
-    ) -> tuple[str, SessionState]:
+        self, tenant: str, conv: str, store: bool, idempotency: Idempotency | None = None
+    ) -> tuple[str, SessionState | Replay]:
         missing = ConversationNotFound.of(conv, param="conversation")
         sid = parse_conversation_id(conv)
         if sid is None:
             raise missing
-        state = await self._load(tenant, sid, lock=store, missing=missing, fork_if_busy=False)
+        state = await self._load(
+            tenant, sid, lock=store, missing=missing, fork_if_busy=False, idempotency=idempotency
+        )
+        if isinstance(state, Replay):
+            return sid, state
         if state.info.origin != "conversation":
             await self.turns.release_now(tenant, state)
             raise missing
@@ -342,7 +457,7 @@ class ResponseService:
         stored = StoredResponse(id=final["id"][-16:], record=record)
         if planned.mode == "append":
             try:
-                await self.turns.commit(turn, gen, stored)
+                await self.turns.commit(turn, gen, stored, answer=final)
             except SessionNotFound:  # deleted while the turn ran
                 raise planned.missing from None
             return final
@@ -361,8 +476,12 @@ class ResponseService:
                 origin="response",
                 kv_key=parent.kv_key if parent is not None else None,
                 response=stored,
+                idempotency=planned.key.record(final) if planned.key is not None else None,
+                lock=planned.claim,
             )
         )
+        planned.kept = True
+        self.turns.keeper.stop(planned.claim)
         self.metrics.sessions_created.inc()
         with bind_session(planned.session_id):
             what = f"fork of {parent.session_id}" if parent is not None else "new chain"

@@ -8,6 +8,7 @@ from typing import Any
 
 import orjson
 
+from ctxcache.errors import CtxError
 from gateway.shaping import cached_tokens
 
 
@@ -86,7 +87,10 @@ class ResponseDraft:
         done = text is not None
         incomplete = done and finish_reason == "length"
         status = "incomplete" if incomplete else "completed" if done else "in_progress"
-        output = [message_item(self.output_id, "assistant", text or "")] if done else []
+        item_status = "incomplete" if incomplete else "completed"
+        output = (
+            [message_item(self.output_id, "assistant", text or "", item_status)] if done else []
+        )
         return {
             "id": self.id,
             "object": "response",
@@ -107,6 +111,52 @@ class ResponseDraft:
             "user": None,
             **self.request,
         }
+
+
+# the request's fields a response object repeats (ResponseDraft.request)
+REQUEST_FIELDS = (
+    "instructions",
+    "max_output_tokens",
+    "metadata",
+    "previous_response_id",
+    "conversation",
+    "store",
+    "temperature",
+    "top_p",
+    "service_tier",
+)
+
+
+def failed_object(draft: ResponseDraft, text: str, message: str) -> dict[str, Any]:
+    """A response that failed mid-way: `failed`, with OpenAI's error, and its output so far
+    marked `incomplete` (it is not stored: the turn appended nothing)."""
+    out = draft.object(text=text)
+    out["status"] = "failed"
+    out["incomplete_details"] = None
+    out["usage"] = None
+    out["error"] = {"code": "server_error", "message": message}
+    for item in out["output"]:
+        item["status"] = "incomplete"
+    return out
+
+
+def draft_of(final: dict[str, Any]) -> ResponseDraft:
+    """The draft a finished response was made from (to stream it again)."""
+    return ResponseDraft(
+        id=final["id"],
+        model=final["model"],
+        output_id=final["output"][0]["id"],
+        request={k: final.get(k) for k in REQUEST_FIELDS},
+        created_at=final["created_at"],
+    )
+
+
+def replay_events(final: dict[str, Any]) -> list[bytes]:
+    """A recorded response as the stream that made it: its text in one delta."""
+    events = ResponseEvents(draft_of(final))
+    content = final["output"][0]["content"]
+    text = content[0]["text"] if content else ""
+    return [events.start(), events.content({"text": text}), events.usage(final["usage"], final)]
 
 
 class ResponseEvents:
@@ -151,6 +201,21 @@ class ResponseEvents:
             return b""
         self.text.append(delta)
         return self._event("response.output_text.delta", **self._where(), delta=delta, logprobs=[])
+
+    def failed(self, exc: Exception) -> bytes:
+        """The end of a stream whose turn failed after it started (a worker that died, a
+        commit the store refused): `response.failed`, then an `error` event, which the
+        openai SDK raises as an `APIError` with the code and message."""
+        err = exc if isinstance(exc, CtxError) else CtxError()
+        message = f"the response failed while streaming: {err.message}"
+        failed = failed_object(self.draft, "".join(self.text), message)
+        error = {"type": err.type, "code": err.code, "message": message, "param": None}
+        return b"".join(
+            [
+                self._event("response.failed", response=failed),
+                self._event("error", code=err.code, message=message, param=None, error=error),
+            ]
+        )
 
     def usage(self, usage: dict[str, Any], final: dict[str, Any]) -> bytes:
         """The closing events; `final` is the finished response object (as stored)."""

@@ -78,8 +78,8 @@ def test_the_dashboard_answers_the_operators_questions() -> None:
         "ctxcache_gateway_ttft_seconds_bucket",  # TTFT p50/p95/p99, session vs plain
         "ctxcache_gateway_completion_seconds_bucket",  # end-to-end, session vs plain
         "ctxcache_gateway_cached_tokens_total",  # cached-token ratio
-        "ctxcache_gateway_tenant_sessions",  # live sessions by tenant
-        "ctxcache_gateway_turns_total",  # turns by tenant
+        "ctxcache_tenant_live_sessions",  # live sessions by tenant
+        "ctxcache_tenant_turns_total",  # turns by tenant
         "ctxcache_sidecar_memory_bytes_used",
         "ctxcache_sidecar_disk_bytes_used",
         "ctxcache_sidecar_hits_total",  # hit rate by tier
@@ -167,6 +167,7 @@ def test_compose_and_the_overlays_provision_the_same_files() -> None:
         == {j["job_name"] for j in k8s["scrape_configs"]}
         == {
             "ctxcache-gateway",
+            "ctxcache-gateway-tenants",
             "ctxcache-sidecar",
             "ctxcache-worker",
         }

@@ -21,8 +21,7 @@ LONG = {"model": "tiny", "max_tokens": 3000, "ignore_eos": True, "temperature": 
 def running(stack: Stack) -> float:
     """Sequences the workers are generating (their own gauge)."""
     return sum(
-        metric(httpx.get(f"{w.url}/metrics").text, "ctxcache_worker_running")
-        for w in stack.workers
+        metric(httpx.get(f"{w.url}/metrics").text, "ctxcache_worker_running") for w in stack.workers
     )
 
 
@@ -46,6 +45,7 @@ def test_a_client_that_leaves_cancels_its_request(
             body["session_id"] = sid = new_session(a)
             before = a.get(f"/v1/context/{sid}").json()
         assert wait_running(stack, 0) >= 0
+        cancelled = metric(a.get("/metrics").text, "ctxcache_gateway_cancellations_total")
         if stream:
             with a.stream("POST", "/v1/completions", json=body) as r:
                 assert r.status_code == 200
@@ -59,6 +59,8 @@ def test_a_client_that_leaves_cancels_its_request(
                 leaving.post("/v1/completions", json=body, timeout=httpx.Timeout(10, read=1.5))
         # the client is gone: the worker stops generating for nobody
         wait_running(stack, 0)
+        counted = metric(a.get("/metrics").text, "ctxcache_gateway_cancellations_total")
+        assert counted == cancelled + 1
         if not session:
             return
         # the lock is free at once (not after its TTL) and nothing was appended

@@ -348,9 +348,7 @@ def test_a_client_that_leaves_closes_the_workers_stream(serve: Callable[..., str
     "case",
     ["bad key", "expect 100-continue", "body over 64 KiB", "bad cache_salt", "unknown model"],
 )
-def test_edge_requests_get_the_answer_they_should(
-    serve: Callable[..., str], case: str
-) -> None:
+def test_edge_requests_get_the_answer_they_should(serve: Callable[..., str], case: str) -> None:
     url = serve(Worker().start())
     body: dict[str, object] = {"model": "m", "prompt": "hi", "stream": True}
     headers = dict(AUTH)
@@ -442,7 +440,7 @@ def test_bytes_after_a_streams_last_chunk_reach_nobody(serve: Callable[..., str]
     connection is not used again."""
 
     async def chatty(_: asyncio.StreamReader, w: asyncio.StreamWriter, body: dict) -> None:
-        extra = b"HTTP/1.1 200 OK\r\ncontent-length: 6\r\n\r\n\"evil\""
+        extra = b'HTTP/1.1 200 OK\r\ncontent-length: 6\r\n\r\n"evil"'
         w.write(HEAD + b"".join(chunk(e) for e in EVENTS) + b"0\r\n\r\n" + extra)
 
     worker = Worker(chatty).start()
@@ -470,8 +468,7 @@ def test_a_misframed_worker_answer_is_a_worker_error_and_poisons_nothing(
         sent.append(1)
         if len(sent) == 1:
             w.write(
-                b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\ncontent-length: 2\r\n\r\n"
-                % len(payload)
+                b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\ncontent-length: 2\r\n\r\n" % len(payload)
                 + payload
             )
         else:

@@ -231,7 +231,7 @@ async def test_an_answer_with_ambiguous_framing_fails_and_its_connection_is_neve
                 writer.write(head + b'{}{"tail": "of the first"}')
                 first = False
             else:
-                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 7\r\n\r\n\"right\"")
+                writer.write(b'HTTP/1.1 200 OK\r\nContent-Length: 7\r\n\r\n"right"')
             await writer.drain()
 
     async with server(handler) as port:
@@ -250,7 +250,7 @@ async def test_bytes_after_the_end_of_an_answer_close_its_connection(later: bool
     later, while the connection is idle): the answer is whole, the extra bytes reach
     nobody, and the connection is not reused."""
     connections = 0
-    extra = b"HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\n\"evil\""
+    extra = b'HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\n"evil"'
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         nonlocal connections
