@@ -11,7 +11,7 @@ from tests.deploy.monitoring import SYNTHETIC, exposed_names, queried_metrics
 from tests.gateway.conftest import Stack, aux_gateway
 from tests.utils import metric
 
-TOKEN = "metrics-t"
+TOKEN = "a-metrics-token-of-the-test"
 
 
 def test_every_queried_metric_is_exposed_by_the_running_stack(stack: Stack) -> None:
