@@ -95,7 +95,9 @@ def test_an_answer_the_app_does_not_end_is_cut_for_the_client(
         httpx.get(f"http://127.0.0.1:{port}/cut", timeout=5)
 
 
-async def test_a_starlette_route_to_an_asgi_app_names_its_route(redis_url: str) -> None:
+async def test_a_starlette_route_to_an_asgi_app_names_its_route(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The completion routes are ASGI apps in Starlette `Route`s: Starlette calls them as
     they are, and names the route in the scope (the metrics' `route` label)."""
     app = create_app(GatewaySettings(redis_url=redis_url, workers=["http://127.0.0.1:1"]))
@@ -109,7 +111,7 @@ async def test_a_starlette_route_to_an_asgi_app_names_its_route(redis_url: str) 
         await send({"type": "http.response.start", "status": 204, "headers": []})
         await send({"type": "http.response.body", "body": b""})
 
-    route.app = endpoint
+    monkeypatch.setattr(route, "app", endpoint)  # (the route is the module's: put back after)
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
         r = await client.post("/v1/completions", content=b"{}")
