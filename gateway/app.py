@@ -133,7 +133,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app.state.metrics_token = settings.metrics_token
     install_error_handlers(app)
     # the busiest two first: a request is matched against the routes in order
-    app.router.routes[:0] = completion_routes.routes
+    app.router.routes[:0] = completion_routes.routes()
     app.include_router(context_router)
     app.include_router(responses_router)
     app.include_router(conversations_router)

@@ -170,9 +170,9 @@ class GatewayMetrics:
         series[1].observe(seconds)
 
     def first_token(self, mode: str, seconds: float) -> None:
-        """Time to the first token (a whole response, not streamed) of a completion:
-        `mode` is "session" or "plain" (a request without a session: not yet observed for
-        streams, which `gateway.completions.streams.relayed` passes on unparsed)."""
+        """Time to the first token of a completion (a whole answer, not streamed; a stream
+        without a session: its first bytes, which `gateway.completions.streams.relayed`
+        passes on unparsed): `mode` is "session" or "plain" (a request without a session)."""
         self._ttft[mode].observe(seconds)
 
     def completed(self, mode: str, seconds: float) -> None:

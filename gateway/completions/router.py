@@ -73,7 +73,11 @@ def header(headers: list[tuple[bytes, bytes]], name: bytes) -> str | None:
     return None
 
 
-routes = [Route(path, CompletionsEndpoint(kind), methods=["POST"]) for kind, path in PATHS.items()]
+def routes() -> list[Route]:
+    """The two routes, for one app."""
+    return [
+        Route(path, CompletionsEndpoint(kind), methods=["POST"]) for kind, path in PATHS.items()
+    ]
 
 
 def openapi_paths() -> dict[str, Any]:

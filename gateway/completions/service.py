@@ -204,13 +204,13 @@ class CompletionService:
         least-loaded healthy worker."""
         path = PATHS[kind]
         raw = self.turns.salt.salted(tenant, body, raw)
+        t0 = time.perf_counter()
         if body.get("stream"):
             upstream, _ = await self.turns.failover(
                 body["model"], lambda w: open_stream(w, path, raw)
             )
             self.turns.metrics.relayed_streams.inc()
-            return relayed(self.pool, upstream)
-        t0 = time.perf_counter()
+            return relayed(self.pool, upstream, self.turns.metrics, t0)
         (status, payload), _ = await self.turns.failover(
             body["model"], lambda w: post_raw(w, path, raw)
         )

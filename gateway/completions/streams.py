@@ -13,6 +13,7 @@ sees a cut answer, never a complete-looking one.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 
 from fastapi import Response
@@ -20,6 +21,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from ctxcache.disconnect import ClientLeft, until_the_client_leaves
 from ctxcache.errors import CtxError
+from gateway.metrics import GatewayMetrics
 from gateway.pool import WorkerPool
 from gateway.upstream import SSEStream, WorkerDown
 
@@ -86,15 +88,22 @@ class SSEResponse(Response):
         await send(_END)
 
 
-def relayed(pool: WorkerPool, upstream: SSEStream) -> SSEResponse:
+def relayed(
+    pool: WorkerPool, upstream: SSEStream, metrics: GatewayMetrics, t0: float
+) -> SSEResponse:
     """A stream without a session: the worker's bytes, passed on as they arrive, nothing
-    parsed or re-serialised."""
+    parsed or re-serialised (timed from `t0`, the request's start, as `plain`)."""
 
     async def events() -> AsyncGenerator[bytes, None]:
+        first = True
         try:
             async with pool.lease(upstream.worker):
                 async for chunk in upstream.raw():
+                    if first:  # (the first bytes: the role chunk or the first token)
+                        metrics.first_token("plain", time.perf_counter() - t0)
+                        first = False
                     yield chunk
+            metrics.completed("plain", time.perf_counter() - t0)
         finally:
             await upstream.aclose()
 
