@@ -46,6 +46,11 @@ class CtxcachePromMetrics(KVConnectorPromMetrics):
             )
             for name, doc in COUNTERS.items()
         }
+        # every series exists from the start, at 0: a dashboard's `rate()` of a counter that
+        # never moved (no store dropped yet) reads 0, not "no data"
+        for counter in self._counters.values():
+            for labels in per_engine_labelvalues.values():
+                counter.labels(*labels)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         labels = self.per_engine_labelvalues[engine_idx]
