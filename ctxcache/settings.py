@@ -56,10 +56,13 @@ def serve_app(app: Any, *, host: str, port: int) -> None:
 
 
 def server_config(app: Any, *, host: str, port: int) -> Any:
-    """The uvicorn config of every ctxcache service: uvloop, httptools, our logging; the
-    app itself, wrapped in no middleware. Only uvicorn's public options: its version is
-    pinned, and tests/ctxcache/test_server_contract.py checks what we rely on."""
+    """The uvicorn config of every ctxcache service: uvloop, httptools with the writes of
+    one loop turn sent together (`ctxcache.http_protocol`), our logging; the app itself,
+    wrapped in no middleware. Only uvicorn's public options: its version is pinned, and
+    tests/ctxcache/test_server_contract.py checks what we rely on."""
     import uvicorn
+
+    from ctxcache.http_protocol import CoalescingHttp
 
     return uvicorn.Config(
         app,
@@ -69,6 +72,6 @@ def server_config(app: Any, *, host: str, port: int) -> Any:
         access_log=False,
         proxy_headers=False,  # nothing reads the client's address; saves a middleware per request
         loop="uvloop",
-        http="httptools",
+        http=CoalescingHttp,
         timeout_graceful_shutdown=5,
     )
