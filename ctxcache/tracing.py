@@ -165,7 +165,7 @@ class TracingMiddleware:
         self.service = service
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.app, name)  # (the wrapped app's `state`, `early_answers`, ...)
+        return getattr(self.app, name)  # (the wrapped app's `state`, ...)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         tracer = _state.tracer

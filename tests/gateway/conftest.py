@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 
 from ctxcache.redis_server import RedisServer
 from tests.utils import ServiceProcess, SidecarProcess
 
+SDK = Callable[..., openai.OpenAI]
 KEYS = {"key-a": "tenant-a", "key-b": "tenant-b", "key-c": "tenant-c"}
 QUOTAS = '{"tenant-c": {"max_sessions": 1, "max_context_tokens": 100000}}'
 
@@ -126,3 +128,19 @@ def aux_gateway(
         log_path=stack.root / f"{name}.log",
         env={"CTX_GATEWAY_HEALTH_INTERVAL_S": "0.5", **env},
     ).start()
+
+
+@pytest.fixture
+def sdk(stack: Stack) -> Iterator[SDK]:
+    """`sdk(key="key-a")`: an openai client on the stack's gateway, no retries, closed when
+    the test ends (a client left to the garbage collector may leave its sockets unclosed,
+    and their warning then fails whichever later test collects them)."""
+    made: list[openai.OpenAI] = []
+
+    def make(key: str = "key-a") -> openai.OpenAI:
+        made.append(openai.OpenAI(base_url=f"{stack.url}/v1", api_key=key, max_retries=0))
+        return made[-1]
+
+    yield make
+    for client in made:
+        client.close()

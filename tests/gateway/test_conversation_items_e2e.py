@@ -10,19 +10,17 @@ from typing import Any
 import openai
 import pytest
 
-from tests.gateway.conftest import Stack
-
-
-def sdk(stack: Stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{stack.url}/v1", api_key="key-a", max_retries=0)
+from tests.gateway.conftest import SDK, Stack
 
 
 def texts(items: Any) -> list[tuple[str, str]]:
     return [(i.role, i.content[0].text if i.content else "") for i in items]
 
 
-def test_items_add_retrieve_delete_and_the_next_response_sees_the_edit(stack: Stack) -> None:
-    client = sdk(stack)
+def test_items_add_retrieve_delete_and_the_next_response_sees_the_edit(
+    stack: Stack, sdk: SDK
+) -> None:
+    client = sdk()
     conv = client.conversations.create(items=[{"role": "user", "content": "Alpha."}])
     first = client.responses.create(
         model="tiny", conversation=conv.id, input="Beta?", max_output_tokens=4, temperature=0
@@ -80,8 +78,9 @@ def test_items_add_retrieve_delete_and_the_next_response_sees_the_edit(stack: St
 
 def test_an_idempotent_add_is_added_once_and_items_of_others_are_not_found(
     stack: Stack,
+    sdk: SDK,
 ) -> None:
-    client = sdk(stack)
+    client = sdk()
     conv = client.conversations.create()
     key = {"Idempotency-Key": f"items-{uuid.uuid4()}"}
     items = [{"type": "message", "role": "user", "content": "Once."}]
@@ -96,7 +95,7 @@ def test_an_idempotent_add_is_added_once_and_items_of_others_are_not_found(
             extra_headers=key,
         )
     assert reused.value.code == "idempotency_key_reused"  # type: ignore[attr-defined]
-    other = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="key-b", max_retries=0)
+    other = sdk("key-b")
     with pytest.raises(openai.NotFoundError):
         other.conversations.items.create(conv.id, items=items)  # type: ignore[arg-type]
     with pytest.raises(openai.NotFoundError):

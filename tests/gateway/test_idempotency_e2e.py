@@ -15,7 +15,7 @@ import openai
 import orjson
 import pytest
 
-from tests.gateway.conftest import Stack
+from tests.gateway.conftest import SDK, Stack
 
 
 def new_key() -> str:
@@ -117,9 +117,9 @@ def test_a_retried_stream_is_the_same_stream_and_appends_once(stack: Stack) -> N
         assert context(http, sid)["turns"] == turns
 
 
-def test_the_sdk_retry_with_a_key_gets_the_same_completion(stack: Stack) -> None:
+def test_the_sdk_retry_with_a_key_gets_the_same_completion(stack: Stack, sdk: SDK) -> None:
     """The openai SDK sends the header given in `extra_headers` on each of its retries."""
-    client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="key-a", max_retries=0)
+    client = sdk()
     with stack.client() as http:
         sid = chat_session(http)
     key = new_key()
@@ -300,8 +300,8 @@ def test_a_retried_context_create_after_deleting_it_is_409_not_a_new_session(
         assert http.get(f"/v1/context/{sid}").status_code == 404  # and nothing made again
 
 
-def test_responses_and_conversations_retries(stack: Stack) -> None:
-    client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="key-a", max_retries=0)
+def test_responses_and_conversations_retries(stack: Stack, sdk: SDK) -> None:
+    client = sdk()
     key = new_key()
 
     def create(**kw: Any) -> Any:

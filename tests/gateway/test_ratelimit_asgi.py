@@ -8,21 +8,15 @@ metrics behind their token."""
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 
 import httpx
 import orjson
 import pytest
-import uvicorn
 
-from ctxcache.net import free_port
 from ctxcache.redis_server import RedisServer
-from ctxcache.settings import server_config
-from gateway.app import create_app
-from gateway.settings import GatewaySettings
+from tests.gateway.scripted import Gateways, ScriptedWorker, answer
 from tests.utils import metric
 
 KEYS = {
@@ -39,80 +33,36 @@ def auth(key: str) -> dict[str, str]:
     return {"authorization": f"Bearer {key}"}
 
 
-@dataclass
-class Worker:
-    """A scripted OpenAI-style worker: JSON answers and SSE streams with usage."""
+def usage_answer(body: dict) -> bytes:
+    """A whole answer, JSON or a stream, that reports `USED` tokens."""
+    usage = {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": USED}
+    if not body.get("stream"):
+        return answer(
+            200, orjson.dumps({"object": "text_completion", "choices": [], "usage": usage})
+        )
+    events = [b'data: {"choices": [{"text": "a"}]}\n\n']
+    if (body.get("stream_options") or {}).get("include_usage"):
+        events.append(b"data: " + orjson.dumps({"choices": [], "usage": usage}) + b"\n\n")
+    events.append(b"data: [DONE]\n\n")
+    out = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+    out += b"transfer-encoding: chunked\r\n\r\n"
+    for e in events:
+        out += b"%x\r\n%s\r\n" % (len(e), e)
+    return out + b"0\r\n\r\n"
 
-    port: int = field(default_factory=free_port)
-    completions: int = 0
 
-    def _answer(self, body: dict) -> bytes:
-        usage = {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": USED}
-        if not body.get("stream"):
-            payload = orjson.dumps({"object": "text_completion", "choices": [], "usage": usage})
-            head = (
-                b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
-            )
-            return head % len(payload) + payload
-        events = [b'data: {"choices": [{"text": "a"}]}\n\n']
-        if (body.get("stream_options") or {}).get("include_usage"):
-            events.append(b"data: " + orjson.dumps({"choices": [], "usage": usage}) + b"\n\n")
-        events.append(b"data: [DONE]\n\n")
-        out = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-        out += b"transfer-encoding: chunked\r\n\r\n"
-        for e in events:
-            out += b"%x\r\n%s\r\n" % (len(e), e)
-        return out + b"0\r\n\r\n"
-
-    async def _serve(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        try:
-            while True:
-                head = await r.readuntil(b"\r\n\r\n")
-                path = head.split(b" ")[1]
-                length = 0
-                for line in head.split(b"\r\n"):
-                    if line.lower().startswith(b"content-length:"):
-                        length = int(line.split(b":")[1])
-                body = orjson.loads(await r.readexactly(length)) if length else {}
-                if path == b"/health":
-                    w.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
-                elif path == b"/v1/models":
-                    models = orjson.dumps({"data": [{"id": "m", "max_model_len": 4096}]})
-                    head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
-                    w.write(head + b"content-length: %d\r\n\r\n" % len(models) + models)
-                else:
-                    self.completions += 1
-                    w.write(self._answer(body))
-                await w.drain()
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            w.close()
-
-    def start(self) -> Worker:
-        ready = threading.Event()
-
-        async def main() -> None:
-            server = await asyncio.start_server(self._serve, "127.0.0.1", self.port)
-            ready.set()
-            async with server:
-                await server.serve_forever()
-
-        threading.Thread(target=asyncio.run, args=(main(),), daemon=True).start()
-        assert ready.wait(5)
-        return self
+async def reply(_: asyncio.StreamReader, w: asyncio.StreamWriter, body: dict) -> None:
+    w.write(usage_answer(body))
 
 
 @pytest.fixture
 def serve() -> Iterator[Callable[..., str]]:
     """`serve(redis_url, **settings)`: a gateway on uvicorn with our protocol; its URL."""
-    servers: list[tuple[uvicorn.Server, threading.Thread]] = []
-    worker = Worker().start()
+    gateways = Gateways()
+    worker = ScriptedWorker(reply).start()
 
     def start(redis_url: str, **settings: object) -> str:
-        port = free_port()
         fields: dict = {
-            "port": port,
             "redis_url": redis_url,
             "workers": [f"http://127.0.0.1:{worker.port}"],
             "api_keys": KEYS,
@@ -120,26 +70,10 @@ def serve() -> Iterator[Callable[..., str]]:
             "rate_limit_window_s": 60,
             **settings,
         }
-        app = create_app(GatewaySettings(**fields))
-        server = uvicorn.Server(server_config(app, host="127.0.0.1", port=port))
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        servers.append((server, thread))
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 10
-        while True:  # up, and its worker listed
-            try:
-                if httpx.get(f"{url}/v1/models").json()["data"]:
-                    return url
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the gateway did not come up"
-            time.sleep(0.05)
+        return gateways.start(**fields)
 
     yield start
-    for server, thread in servers:
-        server.should_exit = True
-        thread.join(10)
+    gateways.close()
 
 
 def completion(url: str, key: str, **body: object) -> httpx.Response:

@@ -11,7 +11,7 @@ import openai
 import pytest
 from openai.types.responses import Response
 
-from tests.gateway.conftest import Stack
+from tests.gateway.conftest import SDK, Stack
 
 DOC = " ".join(
     f"Section {i}: the cache keeps the history of every turn on the server." for i in range(40)
@@ -19,10 +19,6 @@ DOC = " ".join(
 INSTRUCTIONS = "You answer from this document. " + DOC
 QUESTIONS = ["What does the cache keep?", "Where is it kept?", "For how long?", "And then?"]
 GREEDY: dict[str, Any] = {"model": "tiny", "max_output_tokens": 12, "temperature": 0}
-
-
-def sdk(stack: Stack, key: str = "key-a") -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{stack.url}/v1", api_key=key, max_retries=0)
 
 
 def session_of(response_id: str) -> str:
@@ -53,8 +49,8 @@ def chain(
     return out
 
 
-def test_four_turn_chain_equals_the_whole_conversation(stack: Stack) -> None:
-    client = sdk(stack)
+def test_four_turn_chain_equals_the_whole_conversation(stack: Stack, sdk: SDK) -> None:
+    client = sdk()
     history: list[dict[str, str]] = []
     previous: str | None = None
     for turn, question in enumerate(QUESTIONS, start=1):
@@ -87,8 +83,8 @@ def test_four_turn_chain_equals_the_whole_conversation(stack: Stack) -> None:
     assert info["turns"] == 4 and info["kv_tokens"] > 0
 
 
-def test_fork_from_an_older_response_leaves_the_chain_as_it_was(stack: Stack) -> None:
-    client = sdk(stack)
+def test_fork_from_an_older_response_leaves_the_chain_as_it_was(stack: Stack, sdk: SDK) -> None:
+    client = sdk()
     r1, r2, r3 = chain(client, QUESTIONS[:3])
     before = client.responses.retrieve(r3.id).model_dump()
 
@@ -119,10 +115,10 @@ def test_fork_from_an_older_response_leaves_the_chain_as_it_was(stack: Stack) ->
     assert session_of(f2.id) == session_of(fork.id)
 
 
-def test_fork_reads_its_parents_blocks_from_the_sidecar(stack: Stack) -> None:
+def test_fork_reads_its_parents_blocks_from_the_sidecar(stack: Stack, sdk: SDK) -> None:
     """Workers restarted: no L1 anywhere, so the fork's reuse comes from the sidecar, under
     the parent's KV tag."""
-    client = sdk(stack)
+    client = sdk()
     r1, _ = chain(client, QUESTIONS[:2])
     for i in range(len(stack.workers)):
         stack.restart_worker(i)
@@ -140,8 +136,8 @@ def test_fork_reads_its_parents_blocks_from_the_sidecar(stack: Stack) -> None:
     assert usage.input_tokens_details.cached_tokens >= 0.9 * usage.input_tokens
 
 
-def test_streaming_with_the_sdks_event_iterator(stack: Stack) -> None:
-    client = sdk(stack)
+def test_streaming_with_the_sdks_event_iterator(stack: Stack, sdk: SDK) -> None:
+    client = sdk()
     (first,) = chain(client, QUESTIONS[:1])
     stream = client.responses.create(
         input=QUESTIONS[1],
@@ -176,8 +172,8 @@ def test_streaming_with_the_sdks_event_iterator(stack: Stack) -> None:
     assert plain.output_text == deltas  # (a fork: the first chain moved on)
 
 
-def test_conversation_create_three_responses_items_delete(stack: Stack) -> None:
-    client = sdk(stack)
+def test_conversation_create_three_responses_items_delete(stack: Stack, sdk: SDK) -> None:
+    client = sdk()
     conv = client.conversations.create(
         items=[{"type": "message", "role": "system", "content": INSTRUCTIONS}],
         metadata={"topic": "manual"},
@@ -227,8 +223,8 @@ def not_found_previous(client: openai.OpenAI, response_id: str) -> dict[str, Any
     return err.value.body  # type: ignore[return-value]
 
 
-def test_unknown_foreign_expired_and_hostile_ids_answer_like_openai(stack: Stack) -> None:
-    a, b = sdk(stack, "key-a"), sdk(stack, "key-b")
+def test_unknown_foreign_expired_and_hostile_ids_answer_like_openai(stack: Stack, sdk: SDK) -> None:
+    a, b = sdk("key-a"), sdk("key-b")
     (mine,) = chain(a, QUESTIONS[:1])
     (gone,) = chain(a, QUESTIONS[:1])
     a.responses.delete(gone.id)
@@ -270,8 +266,8 @@ def test_unknown_foreign_expired_and_hostile_ids_answer_like_openai(stack: Stack
         b.conversations.retrieve("conv_" + session_of(mine.id)[4:])  # not a conversation
 
 
-def test_store_false_leaves_nothing_behind(stack: Stack) -> None:
-    client = sdk(stack, "key-b")
+def test_store_false_leaves_nothing_behind(stack: Stack, sdk: SDK) -> None:
+    client = sdk("key-b")
     with stack.client("key-b") as http:
         before = http.get("/v1/context", params={"limit": 100}).json()["data"]
         (parent,) = chain(client, QUESTIONS[:1])
@@ -292,8 +288,8 @@ def test_store_false_leaves_nothing_behind(stack: Stack) -> None:
     assert after_info["turns"] == parent_info["turns"] == 1  # nothing appended to it
 
 
-def test_deleting_a_chains_responses_deletes_its_session(stack: Stack) -> None:
-    client = sdk(stack)
+def test_deleting_a_chains_responses_deletes_its_session(stack: Stack, sdk: SDK) -> None:
+    client = sdk()
     r1, r2 = chain(client, QUESTIONS[:2])
     sid = session_of(r1.id)
     assert client.responses.delete(r1.id) is None  # the SDK returns nothing
@@ -304,8 +300,8 @@ def test_deleting_a_chains_responses_deletes_its_session(stack: Stack) -> None:
         assert http.get(f"/v1/context/{sid}").status_code == 404
 
 
-def test_bad_requests_are_clear_400s(stack: Stack) -> None:
-    client = sdk(stack)
+def test_bad_requests_are_clear_400s(stack: Stack, sdk: SDK) -> None:
+    client = sdk()
     (r,) = chain(client, QUESTIONS[:1])
     cases: list[tuple[dict[str, Any], str | None]] = [
         ({"previous_response_id": r.id, "conversation": "conv_x"}, "conversation"),

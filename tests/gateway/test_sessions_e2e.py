@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from tests.gateway.conftest import Stack
+from tests.gateway.conftest import SDK, Stack
 from tests.utils import relayed_streams
 
 DOC = " ".join(
@@ -23,16 +23,12 @@ QUESTIONS = [
 ]
 
 
-def sdk(stack: Stack, key: str = "key-a") -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{stack.url}/v1", api_key=key, max_retries=0)
-
-
 def extra(obj: Any, name: str) -> Any:
     return (obj.model_extra or {}).get(name)
 
 
-def test_five_turn_chat_session_equals_full_history(stack: Stack) -> None:
-    client = sdk(stack)
+def test_five_turn_chat_session_equals_full_history(stack: Stack, sdk: SDK) -> None:
+    client = sdk()
     system = {"role": "system", "content": "You answer from this document. " + DOC}
     history: list[dict[str, Any]] = [system, {"role": "user", "content": QUESTIONS[0]}]
     with stack.client() as http:
@@ -85,8 +81,8 @@ def test_five_turn_chat_session_equals_full_history(stack: Stack) -> None:
     assert info["context_tokens"] > 400 and "messages" not in info
 
 
-def test_completion_session_equals_full_prompt(stack: Stack) -> None:
-    client = sdk(stack)
+def test_completion_session_equals_full_prompt(stack: Stack, sdk: SDK) -> None:
+    client = sdk()
     prompt = "Notes on caching." + DOC
     with stack.client() as http:
         r = http.post(

@@ -8,20 +8,16 @@ import asyncio
 import socket
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import httpx
 import orjson
 import pytest
-import uvicorn
 
-from ctxcache.net import free_port
-from ctxcache.settings import server_config
-from gateway.app import create_app
-from gateway.settings import GatewaySettings
 from tests.gateway.rawhttp import chunk
+from tests.gateway.scripted import Gateways, Reply, ScriptedWorker, answer
 from tests.utils import relayed_streams
 
 KEY = "relay-key"
@@ -29,15 +25,6 @@ AUTH = {"authorization": f"Bearer {KEY}"}
 EVENTS = [b'data: {"choices": [{"text": "a"}]}\n\n', b'data: {"choices": []}\n\n']
 EVENTS.append(b"data: [DONE]\n\n")
 HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
-
-
-def answer(status: int, payload: bytes) -> bytes:
-    """A JSON answer, whole."""
-    head = b"HTTP/1.1 %d X\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
-    return head % (status, len(payload)) + payload
-
-
-Reply = Callable[[asyncio.StreamReader, asyncio.StreamWriter, dict], Awaitable[None]]
 
 
 async def stream_reply(_: asyncio.StreamReader, w: asyncio.StreamWriter, body: dict) -> None:
@@ -50,94 +37,30 @@ async def stream_reply(_: asyncio.StreamReader, w: asyncio.StreamWriter, body: d
 
 
 @dataclass
-class Worker:
-    """A scripted worker on a thread of its own: health, models, and `reply` for each
-    completion request (it sees each request's body)."""
+class Worker(ScriptedWorker):
+    """A scripted worker that streams `EVENTS` unless told otherwise."""
 
     reply: Reply = stream_reply
-    port: int = field(default_factory=free_port)
-    requests: list[dict] = field(default_factory=list)
-    streams_on: set[int] = field(default_factory=set)  # connections that served a stream
-    closed: threading.Event = field(default_factory=threading.Event)  # a client hung up
-
-    async def _serve(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        try:
-            while True:
-                head = await r.readuntil(b"\r\n\r\n")
-                path = head.split(b" ")[1]
-                length = 0
-                for line in head.split(b"\r\n"):
-                    if line.lower().startswith(b"content-length:"):
-                        length = int(line.split(b":")[1])
-                body = orjson.loads(await r.readexactly(length)) if length else {}
-                if path == b"/health":
-                    w.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
-                elif path == b"/v1/models":
-                    models = orjson.dumps({"data": [{"id": "m", "max_model_len": 4096}]})
-                    w.write(answer(200, models))
-                else:
-                    self.requests.append(body)
-                    self.streams_on.add(id(w))
-                    await self.reply(r, w, body)
-                await w.drain()
-        except (asyncio.IncompleteReadError, ConnectionError):
-            self.closed.set()
-        finally:
-            w.close()
-
-    def start(self) -> Worker:
-        ready = threading.Event()
-
-        async def main() -> None:
-            server = await asyncio.start_server(self._serve, "127.0.0.1", self.port)
-            ready.set()
-            async with server:
-                await server.serve_forever()
-
-        threading.Thread(target=asyncio.run, args=(main(),), daemon=True).start()
-        assert ready.wait(5)
-        return self
 
 
 @pytest.fixture
 def serve(redis_url: str) -> Iterator[Callable[..., str]]:
     """`serve(worker, ...)`: the gateway in front of those workers, on uvicorn configured
     as `ctxcache gateway` runs it; its base URL."""
-    servers: list[tuple[uvicorn.Server, threading.Thread]] = []
+    gateways = Gateways()
 
     def start(*workers: Worker, **settings: object) -> str:
-        port = free_port()
-        app = create_app(
-            GatewaySettings(
-                port=port,
-                redis_url=redis_url,
-                workers=[f"http://127.0.0.1:{w.port}" for w in workers],
-                api_keys={KEY: "tenant"},
-                health_interval_s=0.2,
-                **settings,
-            )
+        return gateways.start(
+            AUTH,
+            redis_url=redis_url,
+            workers=[f"http://127.0.0.1:{w.port}" for w in workers],
+            api_keys={KEY: "tenant"},
+            health_interval_s=0.2,
+            **settings,
         )
-        server = uvicorn.Server(server_config(app, host="127.0.0.1", port=port))
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        servers.append((server, thread))
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 10
-        last = None
-        while True:  # up, and its workers listed
-            try:
-                last = httpx.get(f"{url}/v1/models", headers=AUTH)
-                if last.json()["data"]:
-                    return url
-            except httpx.HTTPError as e:
-                last = e
-            assert time.monotonic() < deadline, f"the gateway did not come up {last!r}"
-            time.sleep(0.05)
 
     yield start
-    for server, thread in servers:
-        server.should_exit = True
-        thread.join(10)
+    gateways.close()
 
 
 def stream(url: str, client: httpx.Client | None = None, **extra: object) -> httpx.Response:

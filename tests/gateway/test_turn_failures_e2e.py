@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from tests.gateway.conftest import Stack, aux_gateway
+from tests.gateway.conftest import SDK, Stack, aux_gateway
 from tests.utils import ServiceProcess
 
 LOCK_TTL_MS = 600
@@ -165,8 +165,8 @@ def test_a_worker_dying_mid_stream_ends_the_response_with_response_failed(
         http.close()
 
 
-def test_an_output_item_of_an_incomplete_response_is_incomplete(stack: Stack) -> None:
-    client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="key-a", max_retries=0)
+def test_an_output_item_of_an_incomplete_response_is_incomplete(stack: Stack, sdk: SDK) -> None:
+    client = sdk()
     r = client.responses.create(
         model="tiny", input="Go on.", max_output_tokens=1, extra_body={"ignore_eos": True}
     )
