@@ -142,11 +142,14 @@ async def test_sdk_burst_on_two_replicas(replicas: Replicas, key: str, limit: st
     assert elapsed > WINDOW_S * 0.5  # half of them had to wait for the next window
 
 
-def test_responses_settle_to_their_usage(replicas: Replicas) -> None:
+def test_responses_settle_to_their_usage(
+    replicas: Replicas, request: pytest.FixtureRequest
+) -> None:
     """A Responses answer (JSON, and a stream's `response.completed`) and a chat turn on a
     session are charged their real `usage.total_tokens`: the next request's headers show
     the budget minus what was used, not minus the reservations."""
     client = openai.OpenAI(base_url=f"{replicas[0]}/v1", api_key="k-big", max_retries=0)
+    request.addfinalizer(client.close)
     spent = 0
     raw = client.responses.with_raw_response.create(
         model="tiny", input="hello there", max_output_tokens=8
