@@ -13,7 +13,7 @@ stream's head with the events that were already there.
 arguments uvicorn passes to any `http=` class and hands that transport: nothing of
 uvicorn's but its constructor and asyncio's protocol interface is used, so uvicorn's
 parsing, keep-alive, flow control and shutdown stay uvicorn's.
-tests/ctxcache/test_server_contract.py checks what this relies on.
+tests/ctxcache/test_http_protocol.py checks what this relies on.
 """
 
 from __future__ import annotations

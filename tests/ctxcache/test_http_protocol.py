@@ -87,7 +87,7 @@ async def test_close_sends_what_is_held_and_abort_drops_it() -> None:
     assert raw.sends == [] and raw.aborted
 
 
-async def plain(scope: Scope, receive: Receive, send: Send) -> None:
+async def app(scope: Scope, receive: Receive, send: Send) -> None:
     """A plain JSON answer, or (`/stream`) a head, two events sent in one go, then one
     more after a wait, then the end."""
     if scope["type"] != "http":
@@ -121,7 +121,7 @@ def protocol(app: Any) -> tuple[CoalescingHttp, Recorder]:
 
 
 async def test_a_plain_answer_leaves_in_one_send_head_and_body() -> None:
-    http, raw = protocol(plain)
+    http, raw = protocol(app)
     request = b"GET /x HTTP/1.1\r\nhost: t\r\n\r\n"
     http.data_received(request)
     await turns()
@@ -135,7 +135,7 @@ async def test_a_plain_answer_leaves_in_one_send_head_and_body() -> None:
 
 
 async def test_a_stream_s_head_leaves_with_its_first_events_then_each_as_it_comes() -> None:
-    http, raw = protocol(plain)
+    http, raw = protocol(app)
     http.data_received(b"GET /stream HTTP/1.1\r\nhost: t\r\n\r\n")
     await turns()
     assert len(raw.sends) == 1, raw.sends
@@ -147,7 +147,7 @@ async def test_a_stream_s_head_leaves_with_its_first_events_then_each_as_it_come
 
 
 async def test_a_connection_close_request_is_answered_then_closed() -> None:
-    http, raw = protocol(plain)
+    http, raw = protocol(app)
     http.data_received(b"GET /x HTTP/1.1\r\nhost: t\r\nconnection: close\r\n\r\n")
     await turns()
     assert len(raw.sends) == 1 and raw.sends[0].endswith(b"{}") and raw.closed
@@ -156,6 +156,6 @@ async def test_a_connection_close_request_is_answered_then_closed() -> None:
 def test_uvicorn_takes_a_protocol_class_as_its_http_option() -> None:
     """The public option this relies on: `Config(http=cls)` serves with `cls`, built with
     config, server_state, app_state and _loop (checked above by building it so)."""
-    config = uvicorn.Config(plain, http=CoalescingHttp)
+    config = uvicorn.Config(app, http=CoalescingHttp)
     config.load()
     assert config.http_protocol_class is CoalescingHttp

@@ -132,13 +132,15 @@ def aux_gateway(
 
 @pytest.fixture
 def sdk(stack: Stack) -> Iterator[SDK]:
-    """`sdk(key="key-a")`: an openai client on the stack's gateway, no retries, closed when
-    the test ends (a client left to the garbage collector may leave its sockets unclosed,
-    and their warning then fails whichever later test collects them)."""
+    """`sdk(key="key-a", url=None)`: an openai client on the stack's gateway (or the
+    gateway at `url`), no retries, closed when the test ends (a client left to the garbage
+    collector may leave its sockets unclosed, and their warning then fails whichever later
+    test collects them)."""
     made: list[openai.OpenAI] = []
 
-    def make(key: str = "key-a") -> openai.OpenAI:
-        made.append(openai.OpenAI(base_url=f"{stack.url}/v1", api_key=key, max_retries=0))
+    def make(key: str = "key-a", url: str | None = None) -> openai.OpenAI:
+        base = url or stack.url
+        made.append(openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0))
         return made[-1]
 
     yield make

@@ -16,6 +16,7 @@ import orjson
 import pytest
 
 from ctxcache.redis_server import RedisServer
+from tests.gateway.rawhttp import chunk
 from tests.gateway.scripted import Gateways, ScriptedWorker, answer
 from tests.utils import metric
 
@@ -44,11 +45,9 @@ def usage_answer(body: dict) -> bytes:
     if (body.get("stream_options") or {}).get("include_usage"):
         events.append(b"data: " + orjson.dumps({"choices": [], "usage": usage}) + b"\n\n")
     events.append(b"data: [DONE]\n\n")
-    out = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-    out += b"transfer-encoding: chunked\r\n\r\n"
-    for e in events:
-        out += b"%x\r\n%s\r\n" % (len(e), e)
-    return out + b"0\r\n\r\n"
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+    head += b"transfer-encoding: chunked\r\n\r\n"
+    return head + b"".join(map(chunk, events)) + b"0\r\n\r\n"
 
 
 async def reply(_: asyncio.StreamReader, w: asyncio.StreamWriter, body: dict) -> None:

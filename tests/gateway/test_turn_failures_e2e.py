@@ -108,17 +108,13 @@ def doomed_worker(stack: Stack) -> Iterator[tuple[ServiceProcess, ServiceProcess
 
 
 def test_a_worker_dying_mid_stream_ends_the_response_with_response_failed(
-    stack: Stack,
-    doomed_worker: tuple[ServiceProcess, ServiceProcess],
-    request: pytest.FixtureRequest,
+    stack: Stack, doomed_worker: tuple[ServiceProcess, ServiceProcess], sdk: SDK
 ) -> None:
     worker, g = doomed_worker
-    client = openai.OpenAI(base_url=f"{g.url}/v1", api_key="key-a", max_retries=0)
-    request.addfinalizer(client.close)
+    client = sdk(url=g.url)
     first = client.responses.create(model="tiny", input="Hello.", max_output_tokens=2)
     sid = "ctx_" + first.id[len("resp_") :][:32]  # the response's session (docs/responses.md)
     http = httpx.Client(base_url=g.url, headers={"authorization": "Bearer key-a"})
-    request.addfinalizer(http.close)
     turns = http.get(f"/v1/context/{sid}").json()["turns"]
     stream = client.responses.create(
         model="tiny",
