@@ -313,17 +313,19 @@ class SessionService:
     async def release(self, session_id: str, tenant: str, lock: str) -> None:
         self._check_id(session_id)
         try:
-            await self.store.get(session_id, tenant)  # tenant check
-        except SessionNotFound:
-            # a create's idempotency claim locks a session not made yet: the token (128
-            # random bits) is all there is to check
-            if not await self.store.release(session_id, lock):
-                raise
-            return
-        try:
+            try:
+                await self.store.get(session_id, tenant)  # tenant check
+            except SessionNotFound:
+                # a create's idempotency claim locks a session not made yet: the token (128
+                # random bits) is all there is to check
+                if not await self.store.release(session_id, lock):
+                    raise
+                return
             await self.store.release(session_id, lock)
         except StoreUnavailable:
-            self._release_later(session_id, lock)  # a failover: once there is a master
+            # a failover, at the tenant check or the release: once there is a master (the
+            # token is all `_release_later` checks, as above)
+            self._release_later(session_id, lock)
             raise
 
     async def update(self, session_id: str, req: UpdateSession) -> SessionInfo:

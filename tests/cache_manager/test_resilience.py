@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import pytest
 
 from cache_manager.protocol import AppendTurn, BeginTurn, CreateSession, UpdateSession
 from cache_manager.sidecar_link import BackgroundLink, headroom
 from cache_manager.store import redis_errors
-from ctxcache.errors import StoreUnavailable
+from ctxcache.errors import SessionBusy, StoreUnavailable
 from ctxcache.lmcache_keys import session_key
 from ctxcache.redis_server import RedisServer
 from tests.cache_manager.conftest import FakeSidecarLink, ManagerFactory
@@ -84,6 +87,31 @@ async def test_redis_down_gives_store_unavailable_then_recovers(
         state = await manager.begin(sid, BeginTurn(tenant="acme", lock=False))
         assert state.tokens == [1, 2, 3] and state.info.version == 1  # nothing half-written
         await manager.create(chat())
+
+
+async def test_a_lock_whose_release_failed_is_given_back_once_redis_is_back(
+    own_redis: RedisServer, make_manager: ManagerFactory
+) -> None:
+    """A turn that fails while Redis is away cannot give its lock back then (the tenant
+    check fails first): the manager keeps trying, so the session is free again as soon as
+    Redis is, not after the lock's whole TTL."""
+    async with make_manager(redis_url=own_redis.url, redis_timeout_s=0.5) as manager:
+        sid = (await manager.create(chat())).session_id
+        state = await manager.begin(sid, BeginTurn(tenant="acme"))
+        assert state.lock is not None and state.lock_ttl_ms == 30_000
+        own_redis.stop()  # a clean shutdown: the lock is in the AOF
+        with pytest.raises(StoreUnavailable):
+            await manager.release(sid, "acme", state.lock)
+        own_redis.start()
+        deadline = time.monotonic() + 10  # a third of the lock's TTL
+        while True:
+            try:
+                again = await manager.begin(sid, BeginTurn(tenant="acme"))
+                break
+            except (SessionBusy, StoreUnavailable):
+                assert time.monotonic() < deadline, "the lock was never given back"
+                await asyncio.sleep(0.1)
+        assert again.lock is not None and again.lock != state.lock
 
 
 async def test_sidecar_is_told_to_pin_extend_move_and_drop(
