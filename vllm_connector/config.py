@@ -28,6 +28,12 @@ class ConnectorConfig(StrictModel):
     store_sessionless: bool = Field(
         False, description="also store and look up requests that carry no session tag"
     )
+    async_loads: bool = Field(
+        False,
+        description="load KV in a background thread (vLLM's load_kv_async): the request "
+        "waits in WAITING_FOR_REMOTE_KVS while the batch runs, instead of the step that "
+        "schedules it waiting for its load (docs/vllm.md)",
+    )
     timeout_s: float = Field(2.0, gt=0, description="socket timeout of block GETs and PUTs")
     lookup_timeout_s: float = Field(
         0.5, gt=0, description="socket timeout of the scheduler's EXIST lookups"

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
@@ -100,7 +101,8 @@ class CtxcacheConnector(KVConnectorBase_V1):
         self.worker.load(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads are whole before the forward pass starts
+        return  # a sync load is whole before the forward pass starts; an async one's
+        # request is not in the batch until its load is
 
     def save_kv_layer(
         self,
@@ -119,7 +121,7 @@ class CtxcacheConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self.worker is not None
-        return self.worker.take_sent() or None, None
+        return self.worker.take_sent() or None, self.worker.take_loaded() or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_invalid() if self.worker is not None else set()
@@ -139,7 +141,8 @@ class CtxcacheConnector(KVConnectorBase_V1):
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         assert self.scheduler is not None
-        return self.scheduler.matched_tokens(request, num_computed_tokens), False
+        extra = self.scheduler.matched_tokens(request, num_computed_tokens)
+        return extra, self.config.async_loads and extra > 0
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -152,6 +155,12 @@ class CtxcacheConnector(KVConnectorBase_V1):
         assert self.scheduler is not None
         plan = self.scheduler.build(scheduler_output)
         return CtxcacheMetadata(loads=plan.loads, stores=plan.stores)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        if self.scheduler is not None and self.config.async_loads:
+            self.scheduler.loads_reported(
+                connector_output.finished_recving or (), connector_output.invalid_block_ids
+            )
 
     def request_finished(
         self, request: Request, block_ids: list[int]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -67,6 +67,8 @@ class SchedulerSide:
         self._found: dict[str, set[str]] = {}
         self._loads: dict[str, LoadSpec] = {}
         self._stores: list[StoreSpec] = []
+        self._loading: dict[str, set[int]] = {}  # (async_loads) request -> blocks loading
+        self._failed: set[str] = set()  # requests whose async load failed: not loaded again
 
     # -- the sidecar ----------------------------------------------------------------------
     def _exists_many(self, keys: list[str]) -> list[bool]:
@@ -107,7 +109,7 @@ class SchedulerSide:
     def matched_tokens(self, request: RequestLike, num_computed: int) -> int:
         """Tokens beyond `num_computed` that the sidecar will supply (0: none worth it)."""
         view = self._view(request)
-        if view is None or not self.breaker.closed:
+        if view is None or not self.breaker.closed or request.request_id in self._failed:
             return 0
         rid = request.request_id
         cached = self._lookups.get(rid)
@@ -138,7 +140,19 @@ class SchedulerSide:
         pieces = [p for p in lookup.pieces if p.end > start]
         spec = LoadSpec(request.request_id, start, lookup.tokens, pieces, list(block_ids))
         self._loads[request.request_id] = spec
+        if self.config.async_loads:
+            self._loading[request.request_id] = set(block_ids)
         self.counters.add("load_tokens_planned", num_external)
+
+    def loads_reported(self, done: Iterable[str], failed_blocks: set[int]) -> None:
+        """(async_loads) The workers' report of a step: loads over, blocks that failed. A
+        request whose load failed recomputes what it lost; were it looked up again (vLLM
+        asks again when nothing of the load was usable), the same broken blocks would be
+        planned again, so it is not: it is computed, and its KV stored anew at its end."""
+        for rid in done:
+            blocks = self._loading.pop(rid, set())
+            if blocks & failed_blocks:
+                self._failed.add(rid)
 
     def build(self, scheduler_output: Any) -> StepPlan:
         """This step's plan: every load planned since the last step (vLLM schedules a
@@ -156,8 +170,10 @@ class SchedulerSide:
         found = self._found.pop(rid, set())
         self._lookups.pop(rid, None)
         self._loads.pop(rid, None)
+        self._loading.pop(rid, None)
+        self._failed.discard(rid)
         view = self._view(request)
-        if view is None or not self.breaker.closed:
+        if view is None or not self.breaker.closed or _loading(request):
             return False
         in_flight = int(getattr(request, "num_in_flight_tokens", 0) or 0)
         valid = min(request.num_computed_tokens - in_flight, len(request.all_token_ids))
@@ -174,3 +190,10 @@ class SchedulerSide:
         if self._client is not None:
             self._client.close()
             self._client = None
+
+
+def _loading(request: RequestLike) -> bool:
+    """Whether the request ended (aborted) while its async load still writes its blocks:
+    nothing of it is stored (vLLM frees its blocks once the load is reported)."""
+    status = getattr(request, "status", None)
+    return getattr(status, "name", "") == "WAITING_FOR_REMOTE_KVS"

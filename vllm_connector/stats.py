@@ -15,6 +15,8 @@ COUNTERS: dict[str, str] = {
     "load_tokens_planned": "tokens the scheduler planned to load from the sidecar",
     "loaded_tokens": "tokens whose KV was written into vLLM's cache from the sidecar",
     "load_ms": "milliseconds the engine waited for loads (GETs and writes into its cache)",
+    "async_loads": "loads carried out beside the engine's steps (async_loads)",
+    "async_load_ms": "milliseconds loads ran beside the engine's steps (async_loads)",
     "store_copy_ms": "milliseconds the engine spent copying finished requests' KV out",
     "load_failures": "planned loads that failed (a miss, an error or a wrong block): recomputed",
     "stored_blocks": "blocks handed to the background storer",

@@ -1,11 +1,14 @@
 """The connector's worker half: writes loaded blocks into vLLM's paged cache before the
 forward pass and reads finished requests' blocks out of it for the sidecar.
 
-Loads are synchronous (the step's forward attends over them): a load's blocks come in one
-pipelined round trip of GETs, then one scatter per layer each. A block that is missing,
-unreadable or not the KV we store makes the rest of that load fail: its vLLM blocks are
-reported to the scheduler
-(`get_block_ids_with_load_errors`), which recomputes them — a miss, never a wrong answer.
+A load's blocks come in one pipelined round trip of GETs, then one scatter per layer each.
+By default loads are synchronous (the step's forward attends over them); with `async_loads`
+they run on one background thread while the engine steps on, and a request whose load is
+whole is reported in `take_loaded` (vLLM's `finished_recving`), with its failed blocks.
+A block that is missing, unreadable or not the KV we store makes the rest of that load
+fail: its vLLM blocks are reported to the scheduler (`get_block_ids_with_load_errors`; for
+an async load in the same step as its request), which recomputes them — a miss, never a
+wrong answer.
 Stores copy the blocks out with one gather per layer (the request's blocks are freed as
 soon as that copy is made) and PUT them from a background thread
 (`worker.kv.sidecar.SidecarKV`, the built-in worker's storer, with its circuit breaker).
@@ -14,8 +17,10 @@ soon as that copy is made) and PUT them from a background thread
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
@@ -51,6 +56,9 @@ class WorkerSide:
         self.sidecar: SidecarKV | None = None
         self._sent: set[str] = set()
         self._invalid: set[int] = set()
+        self._loader: ThreadPoolExecutor | None = None  # (async_loads) started on first use
+        self._loaded_lock = threading.Lock()
+        self._loaded: dict[str, set[int]] = {}  # async loads done: request -> failed blocks
 
     @property
     def enabled(self) -> bool:
@@ -92,14 +100,50 @@ class WorkerSide:
 
     # -- loads ----------------------------------------------------------------------------
     def load(self, plan: StepPlan) -> None:
+        """This step's loads: carried out now, or with `async_loads` started (each is
+        reported by `take_loaded` once whole, or failed)."""
         for spec in plan.loads:
+            if self.config.async_loads:
+                if self._loader is None:
+                    self._loader = ThreadPoolExecutor(1, thread_name_prefix="ctxcache-load")
+                self._loader.submit(self._load_in_background, spec)
+                continue
             t0 = time.perf_counter()
-            loaded = self._load(spec) if self.enabled else spec.start
+            self._invalid.update(self._carry_out(spec))
             self.counters.add("load_ms", round((time.perf_counter() - t0) * 1e3))
-            self.counters.add("loaded_tokens", loaded - spec.start)
-            if loaded < spec.end:
-                self.counters.add("load_failures")
-                self._invalid.update(self._blocks_of(spec.block_ids, loaded, spec.end))
+
+    def _carry_out(self, spec: LoadSpec) -> set[int]:
+        """Load `spec`; the blocks it could not write (to be recomputed)."""
+        loaded = self._load(spec) if self.enabled else spec.start
+        self.counters.add("loaded_tokens", loaded - spec.start)
+        if loaded >= spec.end:
+            return set()
+        self.counters.add("load_failures")
+        return self._blocks_of(spec.block_ids, loaded, spec.end)
+
+    def _load_in_background(self, spec: LoadSpec) -> None:
+        """(On the loader thread.) The request is reported in every case: vLLM holds its
+        blocks until it is."""
+        t0 = time.perf_counter()
+        try:
+            failed = self._carry_out(spec)
+        except Exception:
+            log.exception("request %s: loading its KV failed; recomputing", spec.req_id)
+            self.counters.add("load_failures")
+            failed = self._blocks_of(spec.block_ids, spec.start, spec.end)
+        self.counters.add("async_loads")
+        self.counters.add("async_load_ms", round((time.perf_counter() - t0) * 1e3))
+        with self._loaded_lock:
+            self._loaded[spec.req_id] = failed
+
+    def take_loaded(self) -> set[str]:
+        """Requests whose async load is over since the last call; their failed blocks go
+        to `take_invalid`, which vLLM calls after this in the same step."""
+        with self._loaded_lock:
+            done, self._loaded = self._loaded, {}
+        for failed in done.values():
+            self._invalid.update(failed)
+        return set(done)
 
     def _load(self, spec: LoadSpec) -> int:
         """Write `spec`'s tokens; returns the first token not written. Its blocks come in
@@ -168,6 +212,9 @@ class WorkerSide:
         return out
 
     def close(self) -> None:
+        if self._loader is not None:
+            self._loader.shutdown(wait=True)
+            self._loader = None
         if self.sidecar is not None:
             self.sidecar.close()
             self.sidecar = None

@@ -4,6 +4,7 @@ one server for the module, a real sidecar, the run's Redis."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,6 +56,19 @@ class VllmStack:
 def vllm_stack(
     tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer, tiny_model: Path
 ) -> Iterator[VllmStack]:
+    with started_stack(tmp_path_factory, redis_server, tiny_model) as stack:
+        yield stack
+
+
+@contextmanager
+def started_stack(
+    tmp_path_factory: pytest.TempPathFactory,
+    redis_server: RedisServer,
+    tiny_model: Path,
+    connector_config: dict[str, object] | None = None,
+) -> Iterator[VllmStack]:
+    """vLLM with the connector (`connector_config`: its extra settings), a sidecar and a
+    gateway, stopped when the block ends."""
     require_vllm()
     root = tmp_path_factory.mktemp("vllm-stack")
     (root / "sidecar").mkdir()
@@ -66,6 +80,7 @@ def vllm_stack(
         sidecar_lm=sidecar.lm_url,
         kv_cache_gib=1,
         dev_mode=True,
+        connector_config=dict(connector_config or {}),
     )
     vllm = VllmProcess(launch, log_path=root / "vllm.log")
     gateway = ServiceProcess(

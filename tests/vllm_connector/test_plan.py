@@ -182,6 +182,23 @@ def test_a_planned_load_goes_out_whatever_the_step_lists() -> None:
     assert (load.start, load.end, load.block_ids) == (0, 896, list(range(20, 29)))
 
 
+def test_an_async_load_that_failed_is_not_planned_again_for_its_request() -> None:
+    """vLLM asks again for a request whose async load left nothing usable: the same broken
+    blocks would be planned forever, so the request is computed instead."""
+    seq = ids(1100)
+    side, _ = scheduler(stored_keys(seq, 1000), async_loads=True)
+    req, other = FakeRequest("r1", seq), FakeRequest("r2", seq)
+    assert side.matched_tokens(req, 0) == 896 and side.matched_tokens(other, 0) == 896
+    side.after_alloc(req, list(range(20, 29)), 896)
+    side.after_alloc(other, list(range(30, 39)), 896)
+    assert len(side.build(SimpleNamespace()).loads) == 2
+    side.loads_reported({"r1", "r2"}, failed_blocks={20, 21})  # r1's failed, r2's was whole
+    assert side.matched_tokens(req, 0) == 0  # recomputed, not loaded again
+    assert side.matched_tokens(other, 0) == 896  # (asked again after a preemption, say)
+    side.finished(req, [])
+    assert side.matched_tokens(req, 0) == 896  # forgotten with its request
+
+
 def test_small_hits_session_less_requests_and_a_down_sidecar_load_nothing() -> None:
     seq = ids(1100)
     side, _ = scheduler(stored_keys(seq, 1000), min_load_tokens=200)
