@@ -83,6 +83,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--vllm-arg", action="append", default=[], metavar="ARG", help="more vLLM arguments"
     )
+    p.add_argument(
+        "--async-loads",
+        action="store_true",
+        help="the session's connector loads KV beside vLLM's steps (`ctxcache vllm --async-loads`)",
+    )
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="engine threads")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -145,6 +150,7 @@ def main(args: Namespace) -> int:
         max_model_len=args.max_model_len,
         reserved_cpus=auto_reserved_cpus() if args.reserved_cpus is None else args.reserved_cpus,
         vllm_args=args.vllm_arg,
+        async_loads=args.async_loads,
         seed=args.seed,
     )
     data = {"meta": meta, "summary": summary, "results": rows, "requests": report.sent_rows(points)}

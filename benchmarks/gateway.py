@@ -68,6 +68,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, help="interleaved rounds (3; 1 --quick)")
     p.add_argument("--no-model", action="store_true", help="only the fake backend")
     p.add_argument(
+        "--floor",
+        action="store_true",
+        help="also the streaming TTFT of a bare ASGI relay on the gateway's own server and "
+        "worker client (benchmarks.bare_relay): what the app's layers add",
+    )
+    p.add_argument(
         "--tracing",
         action="store_true",
         help="also a gateway with tracing on (spans exported to a local OTLP receiver)",
@@ -96,6 +102,7 @@ class Case:
     session: str | None = None  # a session turn: "completion" or "chat"
     ttft: bool = False  # measured by our generator, for the time to the first chunk
     traced: bool = False  # through the gateway with tracing on (--tracing)
+    bare: bool = False  # through the bare ASGI relay (--floor)
 
     @property
     def wrk_able(self) -> bool:
@@ -145,6 +152,9 @@ def _cases(args: argparse.Namespace, backends: dict[str, int]) -> tuple[list[Cas
                 Case(f"{model}: {label}, direct", model, path, chat, conc, n, True, ttft=ttft),
                 Case(f"{model}: {label}, gateway", model, path, chat, conc, n, ttft=ttft),
             ]
+            if ttft and args.floor:
+                name = f"{model}: {label}, bare ASGI relay"
+                pair.append(Case(name, model, path, chat, conc, n, ttft=ttft, bare=True))
             direct_of.update({c.name: pair[0].name for c in pair})
             cases += pair
     return cases, direct_of
@@ -186,6 +196,7 @@ async def _run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp, Supervisor(out=open("/dev/null", "w")) as sup:  # noqa: ASYNC230
         sys.stderr.write("starting redis, the backends and the gateway ...\n")
         gw_port, backends, traced_port = _start_stack(sup, Path(tmp), args)
+        bare_port = _start_bare_relay(sup, backends["fake"]) if args.floor else None
         cases, direct_of = _cases(args, backends)
         plan = [
             (conc, case)
@@ -198,6 +209,9 @@ async def _run(args: argparse.Namespace) -> int:
             for conc, case in plan:
                 gateway = traced_port if case.traced else gw_port
                 port = backends[case.model] if case.direct else gateway
+                if case.bare:
+                    assert bare_port is not None
+                    port = bare_port
                 if wrk_path and case.wrk_able:
                     sample = await _measure_wrk(wrk_path, port, case, conc, args.duration)
                 else:
@@ -277,6 +291,17 @@ async def _measure_ours(port: int, gw_port: int, case: Case, conc: int) -> Sampl
         r.errors,
         "ours",
     )
+
+
+def _start_bare_relay(sup: Any, backend: int) -> int:
+    from ctxcache.net import free_port
+    from ctxcache.supervisor import Child, http_ready
+
+    port = free_port()
+    argv = [sys.executable, "-m", "benchmarks.bare_relay", "--port", str(port)]
+    argv += ["--worker", f"http://127.0.0.1:{backend}"]
+    sup.start(Child("bare-relay", argv, ready=http_ready(f"http://127.0.0.1:{port}/health")))
+    return port
 
 
 def _session_turn(kind: str, body: dict[str, Any], sid: str) -> tuple[str, dict[str, Any]]:

@@ -127,6 +127,8 @@ def _vllm(
         argv = [*CLI, "vllm", "--model", str(model), "--port", str(engines[mode])]
         if mode == "session":
             argv += ["--sidecar", str(sidecar_lm)]
+            if getattr(args, "async_loads", False):
+                argv.append("--async-loads")
         if mode == "vllm-full-connector":  # loaded, never used: no request carries a tag
             argv += ["--sidecar", "lm://127.0.0.1:9"]
         if mode == "roomy":

@@ -176,6 +176,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--chunk-size", type=int, default=256, help="tokens per sidecar chunk")
     p.add_argument(
+        "--async-loads",
+        action="store_true",
+        help="load session KV beside vLLM's steps (vLLM's load_kv_async; docs/vllm.md)",
+    )
+    p.add_argument(
         "--kv-cache-gib",
         type=int,
         default=None,
@@ -229,7 +234,7 @@ def main(args: argparse.Namespace) -> int:
         num_blocks=args.num_blocks,
         max_model_len=args.max_model_len,
         reserved_cpus=args.reserved_cpus,
-        connector_config={"chunk_size": args.chunk_size},
+        connector_config={"chunk_size": args.chunk_size, "async_loads": args.async_loads},
         enforce_eager=eager,
         extra_args=extra,
     )
