@@ -139,15 +139,18 @@ def test_bench_gateway_with_wrk(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_bench_gateway_tracing_on_beside_off(tmp_path: Path) -> None:
+def test_bench_gateway_tracing_on_beside_off_and_the_floor(tmp_path: Path) -> None:
     data = run_bench(
         "gateway",
         tmp_path / "gateway",
-        *("--no-model", "--tracing", "--generator", "python", "--rounds", "1"),
+        *("--no-model", "--tracing", "--floor", "--generator", "python", "--rounds", "1"),
         *("--requests", "20", "--concurrency", "2", "--stream-concurrency", "2"),
     )
     assert data["meta"]["tracing"]
     rows = data["results"]
+    (bare,) = [r for r in rows if r["case"] == "fake: streaming chat TTFT, bare ASGI relay"]
+    assert bare["errors"] == 0 and bare["ttft_ms_vs_direct"] > 0, bare  # --floor
+    rows.remove(bare)
     traced = [r for r in rows if "traced" in r["case"]]
     assert {r["case"] for r in traced} == {
         "fake: traced gateway, no session",
