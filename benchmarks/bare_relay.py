@@ -24,8 +24,8 @@ END = {"type": "http.response.body", "body": b"", "more_body": False}
 
 
 class BareRelay:
-    """Any request -> the worker's POST PATH; its status and body (streamed as it arrives)
-    come back, under a text/event-stream head."""
+    """POST PATH -> the worker's POST PATH; its status and body (streamed as it arrives)
+    come back, under a text/event-stream head. GET: 200, for readiness checks."""
 
     def __init__(self, worker_url: str) -> None:
         self.worker_url = worker_url
@@ -36,6 +36,10 @@ class BareRelay:
             while (await receive())["type"] != "lifespan.shutdown":
                 await send({"type": "lifespan.startup.complete"})
             await send({"type": "lifespan.shutdown.complete"})
+            return
+        if scope["method"] == "GET":  # (GET /health: the supervisor's readiness check)
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"ok"})
             return
         if self.client is None:  # (made on the server's event loop)
             self.client = WorkerClient(self.worker_url, connect_timeout_s=5, request_timeout_s=60)
