@@ -88,6 +88,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="the session's connector loads KV beside vLLM's steps (`ctxcache vllm --async-loads`)",
     )
+    p.add_argument(
+        "--create-priority",
+        type=int,
+        default=None,
+        help="the session's vLLM schedules by priority, the gateway's creates at this one and "
+        "turns at 0 (lower first: 1 puts turns ahead of new conversations' prefills)",
+    )
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="engine threads")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -151,6 +158,7 @@ def main(args: Namespace) -> int:
         reserved_cpus=auto_reserved_cpus() if args.reserved_cpus is None else args.reserved_cpus,
         vllm_args=args.vllm_arg,
         async_loads=args.async_loads,
+        create_priority=args.create_priority,
         seed=args.seed,
     )
     data = {"meta": meta, "summary": summary, "results": rows, "requests": report.sent_rows(points)}

@@ -129,6 +129,7 @@ def _vllm(
             argv += ["--sidecar", str(sidecar_lm)]
             if getattr(args, "async_loads", False):
                 argv.append("--async-loads")
+        priority = getattr(args, "create_priority", None) if mode == "session" else None
         if mode == "vllm-full-connector":  # loaded, never used: no request carries a tag
             argv += ["--sidecar", "lm://127.0.0.1:9"]
         if mode == "roomy":
@@ -142,6 +143,8 @@ def _vllm(
         if getattr(args, "reserved_cpus", None) is not None:  # the same for every mode
             argv += ["--reserved-cpus", str(args.reserved_cpus)]
         argv += ["--", *args.vllm_arg]
+        if priority is not None:  # the gateway's creates get it, turns 0 (docs/vllm.md)
+            argv += ["--scheduling-policy", "priority"]
         sup.start(Child(mode, argv, env={"OMP_NUM_THREADS": str(args.threads)}))
     for mode, port in engines.items():
         _wait(sup, mode, f"http://127.0.0.1:{port}/health")
@@ -160,12 +163,20 @@ def _vllm(
                         *("--worker", worker),
                     ],
                     ready=http_ready(f"http://127.0.0.1:{port}/ready"),
+                    env=_gateway_env(args, mode),
                 )
             )
             out.append(Mode(mode, f"http://127.0.0.1:{port}", session=True, engine=engine))
         else:
             out.append(Mode(mode, engine, session=False, engine=engine))
     return out
+
+
+def _gateway_env(args: argparse.Namespace, mode: str) -> dict[str, str]:
+    priority = getattr(args, "create_priority", None)
+    if mode != "session" or priority is None:
+        return {}
+    return {"CTX_GATEWAY_CREATE_PRIORITY": str(priority)}
 
 
 def idle_cpu(sup: Supervisor, seconds: float = 5.0) -> dict[str, float] | None:

@@ -99,6 +99,11 @@ class GatewaySettings(BaseSettings):
         le=30 * 86_400,
         description="how long an Idempotency-Key's recorded answer is kept (docs/limits.md)",
     )
+    create_priority: int = Field(
+        0,
+        description="vLLM scheduling priority of a create's prefill, turns being 0 (lower "
+        "runs first; needs vLLM's --scheduling-policy priority); 0: none sent",
+    )
     log_level: str = Field("INFO", description="DEBUG, INFO, WARNING, ...")
 
     @field_validator("api_keys", mode="before")

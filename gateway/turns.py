@@ -82,6 +82,7 @@ class Turn:
     kv_key: str | None = None  # the tag of the KV blocks; None: the session's own key
     started: float = field(default_factory=time.perf_counter)  # for the end-to-end time
     idempotency: Idempotency | None = None  # the request's key, recorded with the append
+    priority: int = 0  # vLLM's scheduling priority (lower first); 0: none sent
 
     @property
     def append(self) -> bool:
@@ -348,6 +349,8 @@ class TurnService:
             body["stream_options"] = {"include_usage": True}
         if turn.kv_tag is not None:
             body["kv_transfer_params"] = {"lmcache.tag.s": turn.kv_tag}
+        if turn.priority:
+            body["priority"] = turn.priority
         self.salt.apply(turn.tenant, body)
         return body
 

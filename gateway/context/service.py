@@ -134,6 +134,7 @@ class ContextService:
             worker=worker,
             sampling=sampling,
             started=started,
+            priority=self.settings.create_priority,  # (docs/vllm.md, "Scheduling")
         )
         self.turns.check_window(turn)
         gen = await self.turns.generate(turn)

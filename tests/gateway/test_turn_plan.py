@@ -11,15 +11,18 @@ import asyncio
 import time
 from typing import Any
 
+import orjson
 import pytest
 
 from cache_manager.protocol import AppendTurn, BeginTurn, SessionInfo, SessionState
 from ctxcache.errors import SessionNotFound
+from gateway.context.service import ContextService
 from gateway.metrics import GatewayMetrics
 from gateway.pool import Worker, WorkerPool
 from gateway.prompts import FALLBACK_TURNS, PromptBuilder
+from gateway.protocol import ContextCreate
 from gateway.recent import RecentHistories
-from gateway.settings import WorkerEndpoint
+from gateway.settings import GatewaySettings, WorkerEndpoint
 from gateway.shaping import ChunkShaper
 from gateway.turns import Generation, Turn, TurnService
 from gateway.upstream import WorkerDown, open_stream
@@ -308,3 +311,50 @@ async def test_a_streamed_turn_reads_its_answer_to_the_end_and_keeps_the_connect
             assert sent[-1] == shaper.end
         assert connections == 1 and len(worker.client._idle) == 1
         await worker.client.aclose()
+
+
+class Planned(Exception):
+    pass
+
+
+async def test_a_create_carries_the_configured_priority_and_a_turn_none(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`create_priority`: a create's prefill asks vLLM's priority scheduler to run after
+    (or before) the session turns, which send no priority (docs/vllm.md, "Scheduling")."""
+    bodies: list[dict[str, Any]] = []
+
+    async def worker(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            bodies.append(orjson.loads(await read_request(reader)))
+            out = {"choices": [{"text": "", "token_ids": [7]}], "usage": {"prompt_tokens": 2}}
+            payload = orjson.dumps(out)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(payload))
+            writer.write(payload)
+            await writer.drain()
+
+    prompts = Prompts()
+    turns = service(prompts, Manager(prompts))
+    async with server(worker) as port:
+        w = turns.pool.workers[0]
+        url = f"http://127.0.0.1:{port}"
+        w.client = WorkerClient(url, connect_timeout_s=1, request_timeout_s=5)
+        turns.pool.workers[1].healthy = False
+        settings = GatewaySettings(create_priority=5)
+        contexts = ContextService(None, turns, turns.pool, settings, GatewayMetrics())  # type: ignore[arg-type]
+        planned: list[Turn] = []
+        generate = turns.generate
+
+        async def capture(turn: Turn) -> Generation:
+            planned.append(turn)
+            await generate(turn)
+            raise Planned  # (stop before the manager's create)
+
+        monkeypatch.setattr(turns, "generate", capture)
+        with pytest.raises(Planned):
+            await contexts.create("t", ContextCreate(model="m", prompt="hello"), {})
+        assert planned[0].priority == 5 and bodies[0]["priority"] == 5
+        turn = Turn("completion", "m", "t", [1, 2], [2], [], [], 4096, worker=w)
+        await generate(turn)  # a session turn: no priority sent
+        assert "priority" not in bodies[1]
+        await w.client.aclose()
