@@ -13,6 +13,7 @@ import argparse
 
 from starlette.types import Receive, Scope, Send
 
+from gateway.completions.router import read_body
 from gateway.worker_client import WorkerClient
 
 START = {
@@ -43,11 +44,7 @@ class BareRelay:
             return
         if self.client is None:  # (made on the server's event loop)
             self.client = WorkerClient(self.worker_url, connect_timeout_s=5, request_timeout_s=60)
-        message = await receive()
-        body = message.get("body", b"")
-        while message.get("more_body"):
-            message = await receive()
-            body += message.get("body", b"")
+        body = await read_body(receive)
         answer = await self.client.request("POST", scope["path"], body)
         try:
             await send({**START, "status": answer.status})

@@ -129,7 +129,6 @@ def _vllm(
             argv += ["--sidecar", str(sidecar_lm)]
             if getattr(args, "async_loads", False):
                 argv.append("--async-loads")
-        priority = getattr(args, "create_priority", None) if mode == "session" else None
         if mode == "vllm-full-connector":  # loaded, never used: no request carries a tag
             argv += ["--sidecar", "lm://127.0.0.1:9"]
         if mode == "roomy":
@@ -143,7 +142,7 @@ def _vllm(
         if getattr(args, "reserved_cpus", None) is not None:  # the same for every mode
             argv += ["--reserved-cpus", str(args.reserved_cpus)]
         argv += ["--", *args.vllm_arg]
-        if priority is not None:  # the gateway's creates get it, turns 0 (docs/vllm.md)
+        if _create_priority(args, mode) is not None:  # (docs/vllm.md, "Scheduling")
             argv += ["--scheduling-policy", "priority"]
         sup.start(Child(mode, argv, env={"OMP_NUM_THREADS": str(args.threads)}))
     for mode, port in engines.items():
@@ -172,11 +171,14 @@ def _vllm(
     return out
 
 
+def _create_priority(args: argparse.Namespace, mode: str) -> int | None:
+    """`bench capacity --create-priority`: the session's creates get it, turns 0."""
+    return getattr(args, "create_priority", None) if mode == "session" else None
+
+
 def _gateway_env(args: argparse.Namespace, mode: str) -> dict[str, str]:
-    priority = getattr(args, "create_priority", None)
-    if mode != "session" or priority is None:
-        return {}
-    return {"CTX_GATEWAY_CREATE_PRIORITY": str(priority)}
+    priority = _create_priority(args, mode)
+    return {} if priority is None else {"CTX_GATEWAY_CREATE_PRIORITY": str(priority)}
 
 
 def idle_cpu(sup: Supervisor, seconds: float = 5.0) -> dict[str, float] | None:

@@ -173,7 +173,7 @@ class SchedulerSide:
         self._loading.pop(rid, None)
         self._failed.discard(rid)
         view = self._view(request)
-        if view is None or not self.breaker.closed or _loading(request):
+        if view is None or not self.breaker.closed or _still_loading(request):
             return False
         in_flight = int(getattr(request, "num_in_flight_tokens", 0) or 0)
         valid = min(request.num_computed_tokens - in_flight, len(request.all_token_ids))
@@ -192,7 +192,7 @@ class SchedulerSide:
             self._client = None
 
 
-def _loading(request: RequestLike) -> bool:
+def _still_loading(request: RequestLike) -> bool:
     """Whether the request ended (aborted) while its async load still writes its blocks:
     nothing of it is stored (vLLM frees its blocks once the load is reported)."""
     status = getattr(request, "status", None)
