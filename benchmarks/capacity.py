@@ -65,7 +65,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--warmup",
         type=int,
         default=None,
-        help="questions sent before measuring (default: --users)",
+        help="questions sent before measuring (default: twice --users: the first round, "
+        "every user's first question, and one more for its backlog to drain)",
     )
     p.add_argument("--slo", type=float, default=2.0, help="p95 TTFT target, seconds")
     p.add_argument("--keep-going", action="store_true", help="run every rate of every mode")
@@ -122,7 +123,7 @@ def main(args: Namespace) -> int:
     if not rates or min(rates) <= 0:
         sys.stderr.write("--qps: positive rates, comma-separated\n")
         return 2
-    warmup = args.users if args.warmup is None else args.warmup
+    warmup = 2 * args.users if args.warmup is None else args.warmup
     model = _model(args)
     workload = Workload(
         users=args.users,
@@ -186,7 +187,7 @@ def _sweep(
     with start(args, [mode], model, log_name=f"servers-{mode}.log") as (stack, sup):
         m = stack[0]
         name = _served_name(m.url)
-        for qps in rates:
+        for i, qps in enumerate(rates):
             if sup.stopping.is_set():
                 raise KeyboardInterrupt
             driver = Driver(mode, m.url, name, texts, session=m.session)
@@ -194,7 +195,8 @@ def _sweep(
             with tqdm(
                 total=warmup + args.requests, desc=f"{mode} @ {qps:g} req/s", unit="req"
             ) as bar:
-                point = asyncio.run(driver.run(qps, args.requests, warmup, bar.update))
+                run = driver.run(qps, args.requests, warmup, bar.update, i * USERS_PER_RATE)
+                point = asyncio.run(run)
             r = report.row(point, warmup, args.slo)
             r |= _connector(before, _scrape(m.engine))
             out.append((point, r))
@@ -206,6 +208,10 @@ def _sweep(
                 break
     return out
 
+
+# each rate's users are numbered from its index times this (more than a rate's users), so no
+# engine has seen a rate's conversations before; every mode gets the same ones at a rate
+USERS_PER_RATE = 100_000
 
 # vLLM's counters read before and after each rate
 _METRICS = (

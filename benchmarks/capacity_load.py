@@ -7,14 +7,24 @@ offered load is `qps` requests per second: each user sends its next question `us
 seconds after its previous one, and never before its previous answer is in (so an engine
 that cannot keep up sends less: the achieved rate falls below the offered one).
 
+The first users leave at staggered rounds (the first user of slot `i` asks `rounds - i %
+rounds` questions), so their successors arrive spread over the rounds: from the second round
+on, about one question in `rounds` is a new user's, as in a steady stream of users. (Had
+every first user asked every question, the new users would arrive together, a burst of full
+prefills every `rounds` rounds, and the run would measure those bursts.)
+
 In the full-history modes every question carries the whole conversation. In the `session`
 mode a user's arrival is a `POST /v1/context` with its context (prefill only), and each
 question is a session turn: the new message only. The first question's TTFT counts from
 the user's arrival, so it includes the create, as the full-history modes' first question
 includes the same prefill (creates are also reported on their own).
 
-The content is deterministic per user number, so every mode and every rate sees the same
-conversations, and greedy answers can be compared across modes.
+The content is deterministic per user number, so every mode sees the same conversations at
+the same rate, and greedy answers can be compared across modes. Each rate starts at a user
+number of its own (`first_user`): a user arriving at one rate has never been seen by the
+engine before, as in production, where a new user's history is new. (Reusing the numbers
+let an engine whose prefix cache outlives a rate, the roomy mode's, answer the next rate's
+"new" users from its cache.)
 """
 
 from __future__ import annotations
@@ -127,15 +137,25 @@ class Driver:
         measured: int,
         warmup: int,
         progress: Callable[[int], object] | None = None,
+        first_user: int = 0,
     ) -> Point:
-        """Offer `qps` until `warmup + measured` questions are sent, then wait for them."""
+        """Offer `qps` until `warmup + measured` questions are sent, then wait for them.
+
+        Users are numbered from `first_user` on, in the order they arrive.
+        """
         import httpx
 
         w = self.texts.w
         gap = w.users / qps
         point = Point(self.mode, qps)
         budget = warmup + measured
-        counters = {"sent": 0, "user": 0}
+        firsts = [w.rounds - i % w.rounds for i in range(w.users)]  # (staggered: above)
+        # the words of the users this run will meet, made before its clock starts (making
+        # them tokenizes every message, which would hold the event loop mid-run)
+        later = -(-max(0, budget - sum(firsts)) // w.rounds) + w.users
+        for k in range(first_user, first_user + w.users + later):
+            self.texts.user(k)
+        counters = {"sent": 0, "user": first_user}
         t0 = time.perf_counter()
         limits = httpx.Limits(max_connections=4 * w.users, max_keepalive_connections=4 * w.users)
         async with httpx.AsyncClient(
@@ -143,11 +163,14 @@ class Driver:
         ) as http:
 
             async def slot(i: int) -> None:
-                due = i / qps
+                due, rounds = i / qps, firsts[i]
                 while counters["sent"] < budget:
                     k = counters["user"]
                     counters["user"] += 1
-                    due = await self._user(http, k, due, gap, t0, counters, budget, point, progress)
+                    due = await self._user(
+                        http, k, rounds, due, gap, t0, counters, budget, point, progress
+                    )
+                    rounds = w.rounds
 
             await asyncio.gather(*(slot(i) for i in range(w.users)))
         point.seconds = time.perf_counter() - t0
@@ -157,6 +180,7 @@ class Driver:
         self,
         http: Any,
         k: int,
+        rounds: int,
         due: float,
         gap: float,
         t0: float,
@@ -165,11 +189,12 @@ class Driver:
         point: Point,
         progress: Callable[[int], object] | None,
     ) -> float:
-        """One user's conversation from `due` on; returns when the slot's next user is due."""
+        """User `k`'s first `rounds` questions from `due` on; returns when the slot's next
+        user is due."""
         context, questions = self.texts.user(k)
         messages = list(context)
         sid: str | None = None
-        for r, question in enumerate(questions, start=1):
+        for r, question in enumerate(questions[:rounds], start=1):
             await _sleep_until(t0 + due)
             if counters["sent"] >= budget:
                 break

@@ -71,10 +71,10 @@ def answers(points: list[Point]) -> dict[str, dict[tuple[float, int, int], str]]
 
 
 def compare(points: list[Point]) -> dict[str, Any]:
-    """The session's answers against the reference mode's, per (user, round): at the same
-    rate where both ran it, else at any rate the reference ran it. A conversation counts
-    once: after its first different answer its history differs, so its later rounds are
-    not compared (`after_divergence`)."""
+    """The session's answers against the reference mode's, per (rate, user, round); each
+    rate has users of its own, so only rates both modes ran are compared. A conversation
+    counts once: after its first different answer its history differs, so its later rounds
+    are not compared (`after_divergence`)."""
     by_mode = answers(points)
     ref = next((m for m in REFERENCES if m in by_mode), None)
     out: dict[str, Any] = {"reference": ref, "compared": 0, "mismatches": 0}
@@ -82,12 +82,9 @@ def compare(points: list[Point]) -> dict[str, Any]:
     if ref is None or "session" not in by_mode:
         return out
     theirs = by_mode[ref]
-    anywhere: dict[tuple[int, int], str] = {}
-    for (_, user, rnd), text in sorted(theirs.items()):
-        anywhere.setdefault((user, rnd), text)
     diverged: set[tuple[float, int]] = set()
     for (qps, user, rnd), text in sorted(by_mode["session"].items()):
-        other = theirs.get((qps, user, rnd), anywhere.get((user, rnd)))
+        other = theirs.get((qps, user, rnd))
         if other is None:
             continue
         if (qps, user) in diverged:

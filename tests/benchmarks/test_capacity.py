@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -52,14 +53,80 @@ def test_session_answers_are_compared_with_the_same_engines_full_history_answers
     for user, (a, b) in enumerate([("x y", "x y"), ("p q", "p r")]):
         ref.sent.append(Sent(user, 1, user, 0, 0, answer=a))
         ses.sent.append(Sent(user, 1, user, 0, 0, answer=b))
-    ses2 = Point("session", 2.0)  # a rate the reference never ran: compared with any rate
-    ses2.sent.append(Sent(0, 1, 0, 0, 0, answer="x y"))
+    ses2 = Point("session", 2.0)  # a rate the reference never ran: its users are its own
+    ses2.sent.append(Sent(200_000, 1, 0, 0, 0, answer="x y"))
     ref.sent.append(Sent(1, 2, 2, 0, 0, answer="z"))  # user 1's round 2: after it diverged
     ses.sent.append(Sent(1, 2, 2, 0, 0, answer="w"))
     got = report.compare([ref, ses, ses2])
     assert got["reference"] == "vllm-full-connector"
-    assert (got["compared"], got["mismatches"], got["after_divergence"]) == (3, 1, 1)
+    assert (got["compared"], got["mismatches"], got["after_divergence"]) == (2, 1, 1)
     assert got["examples"] == [{"qps": 1.0, "user": 1, "round": 1, "first_different_char": 2}]
+
+
+def test_each_rate_meets_users_no_engine_has_seen() -> None:
+    """Rates number their users apart, so a prefix cache that outlives a rate (roomy's)
+    cannot answer the next rate's new users from the last one's conversations."""
+    from benchmarks.capacity import USERS_PER_RATE
+    from benchmarks.capacity_load import Driver, Texts, Workload
+
+    w = Workload(users=2, rounds=1, history_tokens=40, question_tokens=8, answer_tokens=2)
+    texts = Texts(w, None)
+    assert texts.user(0) != texts.user(USERS_PER_RATE)  # another rate's first user
+    assert texts.user(0) == Texts(w, None).user(0)  # the same in every mode
+
+    seen: list[tuple[int, int]] = []
+
+    class Arrivals(Driver):
+        """Records which users arrive, and how many questions each will ask; sends nothing."""
+
+        async def _user(  # type: ignore[override]
+            self,
+            http: object,
+            k: int,
+            rounds: int,
+            due: float,
+            gap: float,
+            t0: float,
+            counters: dict[str, int],
+            *rest: object,
+        ) -> float:
+            seen.append((k, rounds))
+            counters["sent"] += rounds
+            return due
+
+    driver = Arrivals("x", "http://127.0.0.1:9", "m", texts, session=False)
+    asyncio.run(driver.run(1e3, 3, 1, first_user=USERS_PER_RATE))
+    assert sorted(seen)[:2] == [(USERS_PER_RATE, 1), (USERS_PER_RATE + 1, 1)]
+    assert min(k for k, _ in seen) == USERS_PER_RATE
+
+
+def test_the_first_users_leave_at_staggered_rounds_so_new_users_arrive_spread_out() -> None:
+    from benchmarks.capacity_load import Driver, Texts, Workload
+
+    w = Workload(users=7, rounds=3, history_tokens=40, question_tokens=8, answer_tokens=2)
+    firsts: dict[int, int] = {}
+
+    class Arrivals(Driver):
+        async def _user(  # type: ignore[override]
+            self,
+            http: object,
+            k: int,
+            rounds: int,
+            due: float,
+            gap: float,
+            t0: float,
+            counters: dict[str, int],
+            *rest: object,
+        ) -> float:
+            firsts.setdefault(k, rounds)
+            counters["sent"] += rounds
+            await asyncio.sleep(0)  # (the other slots' users arrive meanwhile)
+            return due
+
+    driver = Arrivals("x", "http://127.0.0.1:9", "m", Texts(w, None), session=False)
+    asyncio.run(driver.run(1e3, 40, 0))
+    assert [firsts[k] for k in range(7)] == [3, 2, 1, 3, 2, 1, 3]  # slot i: 3 - i % 3
+    assert all(firsts[k] == 3 for k in range(7, len(firsts)))  # later users: every round
 
 
 @pytest.mark.timeout(900)
