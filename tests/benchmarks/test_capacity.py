@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks import capacity_report as report
-from benchmarks.capacity_load import Point, Sent
+from benchmarks.capacity import USERS_PER_RATE
+from benchmarks.capacity_load import Driver, Point, Sent, Texts, Workload
 from tests.utils import check_png, require_vllm
 
 
@@ -63,22 +64,14 @@ def test_session_answers_are_compared_with_the_same_engines_full_history_answers
     assert got["examples"] == [{"qps": 1.0, "user": 1, "round": 1, "first_different_char": 2}]
 
 
-def test_each_rate_meets_users_no_engine_has_seen() -> None:
-    """Rates number their users apart, so a prefix cache that outlives a rate (roomy's)
-    cannot answer the next rate's new users from the last one's conversations."""
-    from benchmarks.capacity import USERS_PER_RATE
-    from benchmarks.capacity_load import Driver, Texts, Workload
-
-    w = Workload(users=2, rounds=1, history_tokens=40, question_tokens=8, answer_tokens=2)
-    texts = Texts(w, None)
-    assert texts.user(0) != texts.user(USERS_PER_RATE)  # another rate's first user
-    assert texts.user(0) == Texts(w, None).user(0)  # the same in every mode
-
+def arrivals(
+    w: Workload, qps: float, measured: int, warmup: int, first_user: int = 0
+) -> list[tuple[int, int]]:
+    """The users a driver run meets, in arrival order, each with the number of questions it
+    will ask (a driver whose users send nothing)."""
     seen: list[tuple[int, int]] = []
 
     class Arrivals(Driver):
-        """Records which users arrive, and how many questions each will ask; sends nothing."""
-
         async def _user(  # type: ignore[override]
             self,
             http: object,
@@ -92,39 +85,28 @@ def test_each_rate_meets_users_no_engine_has_seen() -> None:
         ) -> float:
             seen.append((k, rounds))
             counters["sent"] += rounds
-            return due
-
-    driver = Arrivals("x", "http://127.0.0.1:9", "m", texts, session=False)
-    asyncio.run(driver.run(1e3, 3, 1, first_user=USERS_PER_RATE))
-    assert sorted(seen)[:2] == [(USERS_PER_RATE, 1), (USERS_PER_RATE + 1, 1)]
-    assert min(k for k, _ in seen) == USERS_PER_RATE
-
-
-def test_the_first_users_leave_at_staggered_rounds_so_new_users_arrive_spread_out() -> None:
-    from benchmarks.capacity_load import Driver, Texts, Workload
-
-    w = Workload(users=7, rounds=3, history_tokens=40, question_tokens=8, answer_tokens=2)
-    firsts: dict[int, int] = {}
-
-    class Arrivals(Driver):
-        async def _user(  # type: ignore[override]
-            self,
-            http: object,
-            k: int,
-            rounds: int,
-            due: float,
-            gap: float,
-            t0: float,
-            counters: dict[str, int],
-            *rest: object,
-        ) -> float:
-            firsts.setdefault(k, rounds)
-            counters["sent"] += rounds
             await asyncio.sleep(0)  # (the other slots' users arrive meanwhile)
             return due
 
     driver = Arrivals("x", "http://127.0.0.1:9", "m", Texts(w, None), session=False)
-    asyncio.run(driver.run(1e3, 40, 0))
+    asyncio.run(driver.run(qps, measured, warmup, first_user=first_user))
+    return seen
+
+
+def test_each_rate_meets_users_no_engine_has_seen() -> None:
+    """Rates number their users apart, so a prefix cache that outlives a rate (roomy's)
+    cannot answer the next rate's new users from the last one's conversations."""
+    w = Workload(users=2, rounds=1, history_tokens=40, question_tokens=8, answer_tokens=2)
+    texts = Texts(w, None)
+    assert texts.user(0) != texts.user(USERS_PER_RATE)  # another rate's first user
+    assert texts.user(0) == Texts(w, None).user(0)  # the same in every mode
+    seen = arrivals(w, 1e3, 3, 1, first_user=USERS_PER_RATE)
+    assert [k for k, _ in seen] == [USERS_PER_RATE + i for i in range(4)]
+
+
+def test_the_first_users_leave_at_staggered_rounds_so_new_users_arrive_spread_out() -> None:
+    w = Workload(users=7, rounds=3, history_tokens=40, question_tokens=8, answer_tokens=2)
+    firsts = dict(arrivals(w, 1e3, 40, 0))
     assert [firsts[k] for k in range(7)] == [3, 2, 1, 3, 2, 1, 3]  # slot i: 3 - i % 3
     assert all(firsts[k] == 3 for k in range(7, len(firsts)))  # later users: every round
 
