@@ -96,6 +96,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="the session's vLLM schedules by priority, the gateway's creates at this one and "
         "turns at 0 (lower first: 1 puts turns ahead of new conversations' prefills)",
     )
+    p.add_argument(
+        "--separate-create",
+        action="store_true",
+        help="the session's users arrive with a prefill-only create and ask their first "
+        "question as a turn (two requests), not in a streamed create (one)",
+    )
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="engine threads")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -160,6 +166,7 @@ def main(args: Namespace) -> int:
         vllm_args=args.vllm_arg,
         async_loads=args.async_loads,
         create_priority=args.create_priority,
+        separate_create=args.separate_create,
         seed=args.seed,
     )
     data = {"meta": meta, "summary": summary, "results": rows, "requests": report.sent_rows(points)}
@@ -190,7 +197,9 @@ def _sweep(
         for i, qps in enumerate(rates):
             if sup.stopping.is_set():
                 raise KeyboardInterrupt
-            driver = Driver(mode, m.url, name, texts, session=m.session)
+            driver = Driver(
+                mode, m.url, name, texts, session=m.session, separate_create=args.separate_create
+            )
             before = _scrape(m.engine)
             with tqdm(
                 total=warmup + args.requests, desc=f"{mode} @ {qps:g} req/s", unit="req"

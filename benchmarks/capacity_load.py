@@ -14,10 +14,12 @@ every first user asked every question, the new users would arrive together, a bu
 prefills every `rounds` rounds, and the run would measure those bursts.)
 
 In the full-history modes every question carries the whole conversation. In the `session`
-mode a user's arrival is a `POST /v1/context` with its context (prefill only), and each
-question is a session turn: the new message only. The first question's TTFT counts from
-the user's arrival, so it includes the create, as the full-history modes' first question
-includes the same prefill (creates are also reported on their own).
+mode a user's first question is the session's create: a streamed `POST /v1/context` with
+the user's context and the question, one engine request as in the full-history modes; each
+later question is a session turn, the new message only. (`separate_create`: the shape
+before streamed creates, a prefill-only create when the user arrives and then the first
+question as a turn; its TTFT counts from the user's arrival, create included, and creates
+are also reported on their own.)
 
 The content is deterministic per user number, so every mode sees the same conversations at
 the same rate, and greedy answers can be compared across modes. Each rate starts at a user
@@ -88,7 +90,7 @@ class Sent:
     """One request's outcome."""
 
     user: int
-    round: int  # 0: a session create; 1..rounds: questions
+    round: int  # 0: a prefill-only session create; 1..rounds: questions
     index: int  # the order of sends in the run (warm-up first)
     due: float  # when the schedule wanted it sent (seconds since the run's start)
     sent: float
@@ -100,6 +102,7 @@ class Sent:
     completion_tokens: int = 0
     answer: str = ""
     error: str | None = None
+    create: bool = False  # a `POST /v1/context` (a prefill-only one, or one with round 1)
 
 
 @dataclass
@@ -125,9 +128,11 @@ class Driver:
         session: bool,
         headers: dict[str, str] | None = None,
         timeout: float = 600.0,
+        separate_create: bool = False,
     ) -> None:
         self.mode, self.url, self.model = mode, url, model
         self.texts, self.session = texts, session
+        self.separate_create = separate_create
         self.headers = {"content-type": "application/json", **(headers or {})}
         self.timeout = timeout
 
@@ -199,7 +204,7 @@ class Driver:
             if counters["sent"] >= budget:
                 break
             arrived = time.perf_counter()
-            if self.session and sid is None:
+            if self.session and sid is None and self.separate_create:
                 sid = await self._create(http, k, context, due, t0, point)
                 if sid is None:
                     return due + gap
@@ -213,13 +218,18 @@ class Driver:
                 "stream": True,
                 "stream_options": {"include_usage": True},
             }
+            path = "/v1/chat/completions"
             if sid is not None:
                 body |= {"messages": [user], "session_id": sid}
             else:
                 body["messages"] = [*messages, user]
-            rec = Sent(k, r, index, due, arrived - t0)
+            if self.session and sid is None:  # the create, with the first question
+                path, body["ttl"] = "/v1/context", 900
+            rec = Sent(k, r, index, due, arrived - t0, create=path == "/v1/context")
             point.sent.append(rec)
-            await self._stream(http, body, rec)
+            created = await self._stream(http, body, rec, path)
+            if path == "/v1/context":
+                sid = created
             # from the user's arrival: a session's first question waited for its create too
             # (in the full-history modes the same prefill is in the question's own TTFT)
             waited = time.perf_counter() - arrived - rec.total
@@ -247,7 +257,7 @@ class Driver:
     ) -> str | None:
         import orjson
 
-        rec = Sent(k, 0, -1, due, time.perf_counter() - t0)
+        rec = Sent(k, 0, -1, due, time.perf_counter() - t0, create=True)
         point.sent.append(rec)
         body = {"model": self.model, "messages": context, "max_tokens": 0, "ttl": 900}
         start = time.perf_counter()
@@ -265,18 +275,23 @@ class Driver:
         rec.prompt_tokens = int(usage.get("prompt_tokens") or 0)
         return str(data["session_id"])
 
-    async def _stream(self, http: Any, body: dict[str, Any], rec: Sent) -> None:
+    async def _stream(
+        self, http: Any, body: dict[str, Any], rec: Sent, path: str = "/v1/chat/completions"
+    ) -> str | None:
+        """Stream one answer into `rec`; the session a streamed create made, if any."""
         import orjson
 
         parts: list[str] = []
         stamps: list[float] = []
         start = time.perf_counter()
+        created = None
         try:
-            async with http.stream("POST", "/v1/chat/completions", content=orjson.dumps(body)) as r:
+            async with http.stream("POST", path, content=orjson.dumps(body)) as r:
                 if r.status_code != 200:
                     await r.aread()
                     rec.error = f"{r.status_code}: {r.text[:200]}"
-                    return
+                    return None
+                created = r.headers.get("x-session-id")
                 async for line in r.aiter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
@@ -294,13 +309,14 @@ class Driver:
                         rec.completion_tokens = int(usage.get("completion_tokens") or 0)
         except Exception as exc:
             rec.error = f"{type(exc).__name__}: {exc}"
-            return
+            return None
         end = time.perf_counter()
         rec.total = end - start
         rec.ttft = (stamps[0] - start) if stamps else rec.total
         if len(stamps) > 1:
             rec.itl = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
         rec.answer = "".join(parts)
+        return created
 
 
 async def _sleep_until(when: float) -> None:

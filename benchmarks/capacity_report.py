@@ -16,9 +16,10 @@ HELD_RATE = 0.9  # a rate is held when at least this share of it was achieved
 def row(point: Point, warmup: int, slo_s: float) -> dict[str, Any]:
     """One mode at one rate: what was achieved, latencies, errors, and whether it held."""
     questions = [s for s in point.sent if s.round > 0 and s.index >= warmup]
-    creates = [s for s in point.sent if s.round == 0]
+    creates = [s for s in point.sent if s.create]
     ok = [s for s in questions if s.error is None]
-    errors = sum(1 for s in questions if s.error) + sum(1 for s in creates if s.error)
+    prefills = [s for s in creates if s.round == 0]  # (not questions: counted here)
+    errors = sum(1 for s in questions if s.error) + sum(1 for s in prefills if s.error)
     sends = sorted(s.sent for s in questions)
     achieved = (len(sends) - 1) / (sends[-1] - sends[0]) if len(sends) > 1 else 0.0
     ttft = [s.ttft for s in ok]
@@ -41,6 +42,11 @@ def row(point: Point, warmup: int, slo_s: float) -> dict[str, Any]:
         "creates": len(creates),
         "create_p50_ms": percentile([s.total for s in creates if not s.error], 50) * 1e3,
         "create_p95_ms": percentile([s.total for s in creates if not s.error], 95) * 1e3,
+        # a user's first question (its whole context is new) and its later ones
+        "first_ttft_p50_ms": percentile([s.ttft for s in ok if s.round == 1], 50) * 1e3,
+        "first_ttft_p95_ms": percentile([s.ttft for s in ok if s.round == 1], 95) * 1e3,
+        "later_ttft_p50_ms": percentile([s.ttft for s in ok if s.round > 1], 50) * 1e3,
+        "later_ttft_p95_ms": percentile([s.ttft for s in ok if s.round > 1], 95) * 1e3,
         "seconds": point.seconds,
     }
     out["held"] = bool(
@@ -135,7 +141,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         "ITL ms",
         "output tok/s",
         "cached",
-        "creates p50 / p95 ms",
+        "first / later questions TTFT p50 ms",
+        "first / later p95 ms",
         "connector ms/step",
         "errors",
         "held",
@@ -143,7 +150,8 @@ def table(rows: list[dict[str, Any]]) -> str:
     out = []
     for r in rows:
         conn = r.get("connector_ms_per_step")
-        creates = f"{r['create_p50_ms']:,.0f} / {r['create_p95_ms']:,.0f}" if r["creates"] else "-"
+        p50s = f"{r['first_ttft_p50_ms']:,.0f} / {r['later_ttft_p50_ms']:,.0f}"
+        p95s = f"{r['first_ttft_p95_ms']:,.0f} / {r['later_ttft_p95_ms']:,.0f}"
         out.append(
             [
                 r["mode"],
@@ -153,7 +161,8 @@ def table(rows: list[dict[str, Any]]) -> str:
                 r["itl_mean_ms"],
                 r["output_tokens_per_s"],
                 f"{r['cached_ratio']:.0%}",
-                creates,
+                p50s,
+                p95s,
                 "-" if conn is None else f"{conn:.2f}",
                 r["errors"],
                 "yes" if r["held"] else "no",
@@ -218,7 +227,7 @@ def plot(
 
 def sent_rows(points: list[Point]) -> list[dict[str, Any]]:
     """Every request, for the JSON (answers too: a divergence can be looked at)."""
-    keep = ("user", "round", "index", "due", "sent", "ttft", "total", "itl", "answer")
+    keep = ("user", "round", "create", "index", "due", "sent", "ttft", "total", "itl", "answer")
     out = []
     for p in points:
         for s in p.sent:

@@ -62,7 +62,10 @@ class ContextCreate(OpenAIBaseModel):
     max_tokens: int = Field(0, ge=0, description="0: prefill only (choices: [])")
     n: int = Field(1, ge=1, le=1, description="a session holds one conversation")
     metadata: Metadata | None = None
-    stream: Literal[False] = False
+    stream: bool = Field(
+        False, strict=True, description="stream the answer (max_tokens > 0) as chat does"
+    )
+    stream_options: StreamOptions | None = None
 
     _metadata = field_validator("metadata")(check_metadata)
 

@@ -126,7 +126,7 @@ class CompletionService:
             self.turns.metrics.replayed(tenant)
             if body.get("stream"):
                 return SSEResponse(
-                    self._replay_stream(turn, body, replay), _nothing, headers=REPLAYED
+                    replay_stream(turn.kind, body, replay), _nothing, headers=REPLAYED
                 )
             return JSONResponse(with_session(replay.answer, replay.session), headers=REPLAYED)
         try:
@@ -157,28 +157,6 @@ class CompletionService:
         if shaper is not None:
             out.update(id=shaper.id, created=shaper.created)
         return out
-
-    @staticmethod
-    async def _replay_stream(
-        turn: Turn, body: dict[str, Any], replay: Replay
-    ) -> AsyncGenerator[bytes, None]:
-        """The recorded answer of a streamed turn, as the same stream: its text in one
-        chunk, the usage chunk if asked for, `[DONE]`."""
-        answer = replay.answer
-        shaper = ChunkShaper(turn.kind, answer["model"], bool(body.get("return_token_ids")))
-        shaper.id, shaper.created = answer["id"], answer["created"]
-        choice = answer["choices"][0]
-        text = choice["message"]["content"] if turn.kind == "chat" else choice["text"]
-        yield shaper.content(
-            {
-                "text": text,
-                "finish_reason": choice.get("finish_reason"),
-                "token_ids": choice.get("token_ids"),
-            }
-        )
-        if (body.get("stream_options") or {}).get("include_usage"):
-            yield shaper.usage(answer["usage"], replay.session)
-        yield DONE
 
     async def _stream(self, turn: Turn, body: dict[str, Any]) -> SSEResponse:
         shaper = ChunkShaper(turn.kind, turn.model, bool(body.get("return_token_ids")))
@@ -219,6 +197,28 @@ class CompletionService:
             self.turns.metrics.first_token("plain", seconds)
             self.turns.metrics.completed("plain", seconds)
         return Response(payload, status_code=status, media_type="application/json")
+
+
+async def replay_stream(
+    kind: str, body: dict[str, Any], replay: Replay
+) -> AsyncGenerator[bytes, None]:
+    """The recorded answer of a streamed write (a turn, a create), as the same stream: its
+    text in one chunk, the usage chunk if asked for, `[DONE]`."""
+    answer = replay.answer
+    shaper = ChunkShaper(kind, answer["model"], bool(body.get("return_token_ids")))
+    shaper.id, shaper.created = answer["id"], answer["created"]
+    choice = answer["choices"][0]
+    text = choice["message"]["content"] if kind == "chat" else choice["text"]
+    yield shaper.content(
+        {
+            "text": text,
+            "finish_reason": choice.get("finish_reason"),
+            "token_ids": choice.get("token_ids"),
+        }
+    )
+    if (body.get("stream_options") or {}).get("include_usage"):
+        yield shaper.usage(answer["usage"], replay.session)
+    yield DONE
 
 
 def routable(doc: dict[str, Any]) -> bool:

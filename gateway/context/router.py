@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Depends, Query, Request, Response
 
 from ctxcache.responses import JSONResponse
 from gateway.auth import TenantDep
@@ -28,13 +28,13 @@ ServiceDep = Annotated[ContextService, Depends(get_service)]
 router = APIRouter(prefix="/v1/context")
 
 
-@router.post("", openapi_extra=body_doc(ContextCreate))
+@router.post("", openapi_extra=body_doc(ContextCreate), response_class=JSONResponse)
 async def create(
     request: Request, tenant: TenantDep, svc: ServiceDep, key: IdempotencyDep
-) -> JSONResponse:
+) -> Response:
+    """Create a session; with `stream: true`, its answer streams as chat's does."""
     raw, body, req = await read_json(request, ContextCreate)
-    out: dict[str, Any] = await svc.create(tenant, req, body, key(raw))
-    return JSONResponse(out)
+    return await svc.create(tenant, req, body, key(raw))
 
 
 @router.get("", response_model=ContextList)

@@ -2,23 +2,42 @@
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import AsyncGenerator
 from typing import Any
+
+from fastapi import Response
 
 from cache_manager.client import ManagerClient
 from cache_manager.protocol import ClaimKey, CreateSession, SessionInfo, UpdateSession
 from cache_manager.store import new_session_id
 from ctxcache.errors import InvalidRequest
+from ctxcache.logs import bind_session
+from ctxcache.responses import JSONResponse
 from ctxcache.settings import check_ttl
-from gateway.idempotency import IdempotencyKey, with_session
+from gateway.completions.service import replay_stream
+from gateway.completions.streams import SSEResponse
+from gateway.idempotency import REPLAYED, IdempotencyKey, with_session
 from gateway.metrics import GatewayMetrics
 from gateway.pool import Worker, WorkerPool
 from gateway.protocol import ContextCreate, ContextList, ContextObject
 from gateway.settings import GatewaySettings
-from gateway.shaping import chat_completion, sampling_fields, session_ref, text_completion
-from gateway.turns import Turn, TurnService
+from gateway.shaping import (
+    ChunkShaper,
+    chat_completion,
+    sampling_fields,
+    session_ref,
+    text_completion,
+)
+from gateway.turns import Generation, Turn, TurnService
 
 CREATE_ONLY = ("ttl", "metadata")
+log = logging.getLogger(__name__)
+
+
+async def _nothing() -> None:
+    return None
 
 
 def context_object(info: SessionInfo) -> ContextObject:
@@ -61,51 +80,67 @@ class ContextService:
         req: ContextCreate,
         body: dict[str, Any],
         key: IdempotencyKey | None = None,
-    ) -> dict[str, Any]:
+    ) -> Response:
         """Create a session. With an idempotency key, its id is derived from the key: a
-        retry finds what the first attempt created, and answers what it answered."""
+        retry finds what the first attempt created, and answers what it answered (a stream:
+        as a stream). A streamed create answers as `/v1/chat/completions` streams, and the
+        session exists once its last event is sent."""
         if (req.prompt is None) == (req.messages is None):
             raise InvalidRequest("give exactly one of prompt or messages", param="prompt")
+        if req.stream and req.max_tokens == 0:
+            raise InvalidRequest("a streamed create needs max_tokens > 0", param="stream")
         self.check_ttl(req.ttl)
         if key is None:
-            return await self._create(tenant, req, body, new_session_id(), None, None)
+            turn = await self._plan(tenant, req, body, new_session_id())
+            if req.stream:
+                return await self._stream(turn, req, body, None, None)
+            return JSONResponse(await self._create(turn, req, None, None))
         session_id = key.session_id()
         claim = await self.manager.claim(
             session_id, ClaimKey(tenant=tenant, idempotency=key.record())
         )
         if claim.replay is not None:
             self.metrics.replayed(tenant)
+            if req.stream:
+                kind = "chat" if req.messages is not None else "completion"
+                events = replay_stream(kind, body, claim.replay)
+                made = {"x-session-id": claim.replay.session["session_id"]}
+                return SSEResponse(events, _nothing, headers=REPLAYED | made)
             out = with_session(claim.replay.answer, claim.replay.session)
             out["expires_at"] = claim.replay.session["expires_at"]
-            return out
+            return JSONResponse(out, headers=REPLAYED)
         assert claim.lock is not None
-        keeper = self.turns.keeper
-        keeper.keep(session_id, tenant, claim.lock, claim.lock_ttl_ms)
+        lock = claim.lock
+        self.turns.keeper.keep(session_id, tenant, lock, claim.lock_ttl_ms)
+        streaming = False
         try:
-            return await self._create(tenant, req, body, session_id, key, claim.lock)
+            turn = await self._plan(tenant, req, body, session_id)
+            if req.stream:  # from here on, the stream gives the claim back
+                response = await self._stream(turn, req, body, key, lock)
+                streaming = True
+                return response
+            return JSONResponse(await self._create(turn, req, key, lock))
         except BaseException:
-            keeper.stop(claim.lock)
-            # the key is free again once its lock is gone (nothing was written)
-            self.turns.background.spawn(
-                self.manager.release(session_id, tenant, claim.lock),
-                what="idempotency claim release",
-                session_id=session_id,
-            )
+            self._unclaim(tenant, session_id, lock)
             raise
         finally:
-            keeper.stop(claim.lock)
+            if not streaming:
+                self.turns.keeper.stop(lock)
 
-    async def _create(
-        self,
-        tenant: str,
-        req: ContextCreate,
-        body: dict[str, Any],
-        session_id: str,
-        key: IdempotencyKey | None,
-        lock: str | None,
-    ) -> dict[str, Any]:
+    def _unclaim(self, tenant: str, session_id: str, lock: str) -> None:
+        """A create that failed frees its key once its lock is gone (nothing was written)."""
+        self.turns.keeper.stop(lock)
+        self.turns.background.spawn(
+            self.manager.release(session_id, tenant, lock),
+            what="idempotency claim release",
+            session_id=session_id,
+        )
+
+    async def _plan(
+        self, tenant: str, req: ContextCreate, body: dict[str, Any], session_id: str
+    ) -> Turn:
+        """The create's engine request: its prompt (tokenized on a worker) and sampling."""
         started = time.perf_counter()
-        ttl = self.check_ttl(req.ttl)
         generate = req.max_tokens > 0
         messages = [m.model_dump(exclude_none=True) for m in req.messages or []]
         kind = "chat" if req.messages is not None else "completion"
@@ -137,24 +172,95 @@ class ContextService:
             priority=self.settings.create_priority,  # (docs/vllm.md, "Scheduling")
         )
         self.turns.check_window(turn)
+        return turn
+
+    async def _create(
+        self, turn: Turn, req: ContextCreate, key: IdempotencyKey | None, lock: str | None
+    ) -> dict[str, Any]:
         gen = await self.turns.generate(turn)
-        assert turn.worker is not None
-        if generate and kind == "chat":
-            messages = [*messages, {"role": "assistant", "content": gen.text}]
-        text = gen.text if generate else None
-        if kind == "chat":
+        text = gen.text if req.max_tokens > 0 else None
+        if turn.kind == "chat":
             out = chat_completion(req.model, text, gen.finish_reason, gen.usage)
         else:
             out = text_completion(req.model, text, gen.finish_reason, gen.usage)
+        info = await self._keep(turn, req, gen, out, key, lock)
+        out.update(
+            session_id=info.session_id, expires_at=info.expires_at, session=session_ref(info)
+        )
+        return out
+
+    async def _stream(
+        self,
+        turn: Turn,
+        req: ContextCreate,
+        body: dict[str, Any],
+        key: IdempotencyKey | None,
+        lock: str | None,
+    ) -> SSEResponse:
+        """The create's answer as it is generated; the session is written after its last
+        token, before the usage chunk and `[DONE]`. A stream that breaks off (the client
+        left, the worker failed) wrote nothing, and an idempotency key is free again."""
+        assert turn.session_id is not None
+        session_id = turn.session_id
+        shaper = ChunkShaper(turn.kind, req.model, bool(body.get("return_token_ids")))
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        kept = False
+
+        async def on_done(gen: Generation) -> dict[str, Any]:
+            nonlocal kept
+            if turn.kind == "chat":
+                out = chat_completion(req.model, gen.text, gen.finish_reason, gen.usage)
+            else:
+                out = text_completion(req.model, gen.text, gen.finish_reason, gen.usage)
+            out.update(id=shaper.id, created=shaper.created)  # a replay is the same stream
+            info = await self._keep(turn, req, gen, out, key, lock)
+            kept = True
+            return session_ref(info)
+
+        upstream = await self.turns.open_stream(turn)
+        events = self.turns.stream(turn, upstream, shaper, include_usage, on_done)
+
+        async def claimed() -> AsyncGenerator[bytes, None]:
+            try:
+                async for event in events:
+                    yield event
+            finally:
+                await events.aclose()
+                if lock is not None and not kept:
+                    self._unclaim(turn.tenant, session_id, lock)
+                elif lock is not None:
+                    self.turns.keeper.stop(lock)
+
+        async def never_started() -> None:
+            if lock is not None:
+                self._unclaim(turn.tenant, session_id, lock)
+            await upstream.aclose()
+
+        return SSEResponse(claimed(), never_started, headers={"x-session-id": session_id})
+
+    async def _keep(
+        self,
+        turn: Turn,
+        req: ContextCreate,
+        gen: Generation,
+        out: dict[str, Any],
+        key: IdempotencyKey | None,
+        lock: str | None,
+    ) -> SessionInfo:
+        """Write the session: the prompt and what was generated (one write)."""
+        assert turn.worker is not None and turn.session_id is not None
+        messages = turn.new_messages
+        if req.max_tokens > 0 and turn.kind == "chat":
+            messages = [*messages, {"role": "assistant", "content": gen.text}]
         info = await self.manager.create(
             CreateSession(
-                session_id=session_id,
-                tenant=tenant,
+                session_id=turn.session_id,
+                tenant=turn.tenant,
                 model=req.model,
-                kind=kind,
-                tokens=prompt + gen.token_ids,
+                kind=turn.kind,
+                tokens=turn.prompt + gen.token_ids,
                 messages=messages,
-                ttl=ttl,
+                ttl=self.check_ttl(req.ttl),
                 metadata=req.metadata or {},
                 worker=turn.worker.id,
                 sidecar=turn.worker.sidecar,
@@ -163,10 +269,11 @@ class ContextService:
             )
         )
         self.metrics.sessions_created.inc()
-        if kind == "chat":
-            self.turns.recent.put(session_id, info.version, messages, info.expires_at)
-        out.update(session_id=session_id, expires_at=info.expires_at, session=session_ref(info))
-        return out
+        if turn.kind == "chat":
+            self.turns.recent.put(turn.session_id, info.version, messages, info.expires_at)
+        with bind_session(turn.session_id):
+            log.info("created: %d tokens, %d generated", len(turn.prompt), len(gen.token_ids))
+        return info
 
     async def list(self, tenant: str, limit: int, after: str | None) -> ContextList:
         page = await self.manager.list(tenant, limit=limit, after=after)

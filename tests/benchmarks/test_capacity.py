@@ -49,6 +49,25 @@ def test_a_rate_is_held_only_within_the_slo_at_the_offered_rate_without_errors()
     }
 
 
+def test_first_and_later_questions_are_reported_apart_and_creates_counted_once() -> None:
+    """A user's first question (a streamed create, or a turn after a prefill-only one) and
+    its later ones have their own TTFTs; a failed prefill-only create is an error, a failed
+    streamed create is one (it is a question)."""
+    p = Point("session", 1.0)
+    p.sent.append(Sent(0, 1, 0, 0, 0, ttft=1.2, total=2.0, create=True))  # with its question
+    p.sent.append(Sent(0, 2, 1, 1, 1, ttft=0.3, total=1.0))
+    p.sent.append(Sent(1, 0, -1, 2, 2, ttft=0.9, total=0.9, create=True))  # prefill only
+    p.sent.append(Sent(1, 1, 2, 2, 3, ttft=1.4, total=2.1))
+    p.sent.append(Sent(1, 2, 3, 3, 4, ttft=0.5, total=1.2))
+    p.sent.append(Sent(2, 1, 4, 4, 5, ttft=9.9, total=9.9, create=True, error="503"))
+    r = report.row(p, 0, 2.0)
+    assert r["creates"] == 3 and r["errors"] == 1 and r["requests"] == 5
+    assert (r["first_ttft_p50_ms"], r["first_ttft_p95_ms"]) == (1200.0, 1400.0)
+    assert (r["later_ttft_p50_ms"], r["later_ttft_p95_ms"]) == (300.0, 500.0)
+    p.sent[2].error = "503"
+    assert report.row(p, 0, 2.0)["errors"] == 2
+
+
 def test_session_answers_are_compared_with_the_same_engines_full_history_answers() -> None:
     ref, ses = Point("vllm-full-connector", 1.0), Point("session", 1.0)
     for user, (a, b) in enumerate([("x y", "x y"), ("p q", "p r")]):
@@ -149,6 +168,9 @@ def test_quick_capacity_run_on_vllm_writes_the_documented_outputs(
         assert r["engine_steps"] > 0 and r["connector_ms"] is not None
     session = [r for r in rows if r["mode"] == "session"]
     assert all(r["creates"] > 0 and r["cached_ratio"] > 0.3 for r in session)
+    # a session's first question is its create (streamed), its answer compared as any other
+    firsts = [s for s in data["requests"] if s["mode"] == "session" and s["create"]]
+    assert firsts and all(s["round"] == 1 and s["answer"] for s in firsts)
     answers = data["summary"]["answers"]
     assert answers["reference"] == "vllm-full-connector" and answers["compared"] >= 12
     assert answers["mismatches"] == 0, answers
