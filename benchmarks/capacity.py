@@ -65,8 +65,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--warmup",
         type=int,
         default=None,
-        help="questions sent before measuring (default: twice --users: the first round, "
-        "every user's first question, and one more for its backlog to drain)",
+        help="questions sent before measuring (default: --users x --rounds, one lifetime of "
+        "the first users: a run starts with every user's first question at once, and the "
+        "measured questions must come after the backlog that leaves)",
     )
     p.add_argument("--slo", type=float, default=2.0, help="p95 TTFT target, seconds")
     p.add_argument("--keep-going", action="store_true", help="run every rate of every mode")
@@ -129,7 +130,7 @@ def main(args: Namespace) -> int:
     if not rates or min(rates) <= 0:
         sys.stderr.write("--qps: positive rates, comma-separated\n")
         return 2
-    warmup = 2 * args.users if args.warmup is None else args.warmup
+    warmup = args.users * args.rounds if args.warmup is None else args.warmup
     model = _model(args)
     workload = Workload(
         users=args.users,

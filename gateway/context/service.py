@@ -178,11 +178,7 @@ class ContextService:
         self, turn: Turn, req: ContextCreate, key: IdempotencyKey | None, lock: str | None
     ) -> dict[str, Any]:
         gen = await self.turns.generate(turn)
-        text = gen.text if req.max_tokens > 0 else None
-        if turn.kind == "chat":
-            out = chat_completion(req.model, text, gen.finish_reason, gen.usage)
-        else:
-            out = text_completion(req.model, text, gen.finish_reason, gen.usage)
+        out = _answer(turn, gen, gen.text if req.max_tokens > 0 else None)
         info = await self._keep(turn, req, gen, out, key, lock)
         out.update(
             session_id=info.session_id, expires_at=info.expires_at, session=session_ref(info)
@@ -208,10 +204,7 @@ class ContextService:
 
         async def on_done(gen: Generation) -> dict[str, Any]:
             nonlocal kept
-            if turn.kind == "chat":
-                out = chat_completion(req.model, gen.text, gen.finish_reason, gen.usage)
-            else:
-                out = text_completion(req.model, gen.text, gen.finish_reason, gen.usage)
+            out = _answer(turn, gen, gen.text)
             out.update(id=shaper.id, created=shaper.created)  # a replay is the same stream
             info = await self._keep(turn, req, gen, out, key, lock)
             kept = True
@@ -297,3 +290,9 @@ class ContextService:
         await self.manager.delete(session_id, tenant)
         self.turns.recent.drop(session_id)
         self.metrics.sessions_deleted.inc()
+
+
+def _answer(turn: Turn, gen: Generation, text: str | None) -> dict[str, Any]:
+    """The create's answer object (`text` None: prefill only, `choices: []`)."""
+    shape = chat_completion if turn.kind == "chat" else text_completion
+    return shape(turn.model, text, gen.finish_reason, gen.usage)
