@@ -218,17 +218,18 @@ class Driver:
                 "stream": True,
                 "stream_options": {"include_usage": True},
             }
-            path = "/v1/chat/completions"
+            creating = self.session and sid is None  # the create, with the first question
             if sid is not None:
                 body |= {"messages": [user], "session_id": sid}
             else:
                 body["messages"] = [*messages, user]
-            if self.session and sid is None:  # the create, with the first question
-                path, body["ttl"] = "/v1/context", 900
-            rec = Sent(k, r, index, due, arrived - t0, create=path == "/v1/context")
+            if creating:
+                body["ttl"] = 900
+            rec = Sent(k, r, index, due, arrived - t0, create=creating)
             point.sent.append(rec)
+            path = "/v1/context" if creating else "/v1/chat/completions"
             created = await self._stream(http, body, rec, path)
-            if path == "/v1/context":
+            if creating:
                 sid = created
             # from the user's arrival: a session's first question waited for its create too
             # (in the full-history modes the same prefill is in the question's own TTFT)

@@ -23,6 +23,8 @@ def row(point: Point, warmup: int, slo_s: float) -> dict[str, Any]:
     sends = sorted(s.sent for s in questions)
     achieved = (len(sends) - 1) / (sends[-1] - sends[0]) if len(sends) > 1 else 0.0
     ttft = [s.ttft for s in ok]
+    first = [s.ttft for s in ok if s.round == 1]
+    later = [s.ttft for s in ok if s.round > 1]
     itl = [s.itl for s in ok if s.itl is not None]
     span = (max(s.sent + s.total for s in ok) - sends[0]) if ok else 0.0
     prompt = sum(s.prompt_tokens for s in ok)
@@ -43,10 +45,10 @@ def row(point: Point, warmup: int, slo_s: float) -> dict[str, Any]:
         "create_p50_ms": percentile([s.total for s in creates if not s.error], 50) * 1e3,
         "create_p95_ms": percentile([s.total for s in creates if not s.error], 95) * 1e3,
         # a user's first question (its whole context is new) and its later ones
-        "first_ttft_p50_ms": percentile([s.ttft for s in ok if s.round == 1], 50) * 1e3,
-        "first_ttft_p95_ms": percentile([s.ttft for s in ok if s.round == 1], 95) * 1e3,
-        "later_ttft_p50_ms": percentile([s.ttft for s in ok if s.round > 1], 50) * 1e3,
-        "later_ttft_p95_ms": percentile([s.ttft for s in ok if s.round > 1], 95) * 1e3,
+        "first_ttft_p50_ms": percentile(first, 50) * 1e3,
+        "first_ttft_p95_ms": percentile(first, 95) * 1e3,
+        "later_ttft_p50_ms": percentile(later, 50) * 1e3,
+        "later_ttft_p95_ms": percentile(later, 95) * 1e3,
         "seconds": point.seconds,
     }
     out["held"] = bool(

@@ -41,10 +41,6 @@ from gateway.upstream import open_stream, post_raw
 log = logging.getLogger(__name__)
 
 
-async def _nothing() -> None:
-    return None
-
-
 PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 KINDS = {path: kind for kind, path in PATHS.items()}
 BODIES: dict[str, type[BaseModel]] = {"chat": ChatBody, "completion": CompletionBody}
@@ -125,9 +121,7 @@ class CompletionService:
         if (replay := turn.replay) is not None:
             self.turns.metrics.replayed(tenant)
             if body.get("stream"):
-                return SSEResponse(
-                    replay_stream(turn.kind, body, replay), _nothing, headers=REPLAYED
-                )
+                return SSEResponse(replay_stream(turn.kind, body, replay), headers=REPLAYED)
             return JSONResponse(with_session(replay.answer, replay.session), headers=REPLAYED)
         try:
             if body.get("stream"):  # from here on, the stream releases the lock

@@ -36,8 +36,8 @@ log = logging.getLogger(__name__)
 
 
 class SSEResponse(Response):
-    """Server-sent events from `events`, as they come. `never_started` runs if the
-    response ends before the generator was first entered (its own `finally` cleans up
+    """Server-sent events from `events`, as they come. `never_started`, if any, runs if
+    the response ends before the generator was first entered (its own `finally` cleans up
     once it was)."""
 
     media_type = "text/event-stream"
@@ -45,7 +45,7 @@ class SSEResponse(Response):
     def __init__(
         self,
         events: AsyncGenerator[bytes, None],
-        never_started: Callable[[], Awaitable[None]],
+        never_started: Callable[[], Awaitable[None]] | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
         self.events, self.never_started = events, never_started
@@ -83,7 +83,7 @@ class SSEResponse(Response):
         finally:
             if started:
                 await self.events.aclose()
-            else:
+            elif self.never_started is not None:
                 await self.never_started()
         await send(_END)
 

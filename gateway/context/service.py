@@ -36,10 +36,6 @@ CREATE_ONLY = ("ttl", "metadata")
 log = logging.getLogger(__name__)
 
 
-async def _nothing() -> None:
-    return None
-
-
 def context_object(info: SessionInfo) -> ContextObject:
     return ContextObject(
         session_id=info.session_id,
@@ -102,10 +98,9 @@ class ContextService:
         if claim.replay is not None:
             self.metrics.replayed(tenant)
             if req.stream:
-                kind = "chat" if req.messages is not None else "completion"
-                events = replay_stream(kind, body, claim.replay)
+                events = replay_stream(_kind(req), body, claim.replay)
                 made = {"x-session-id": claim.replay.session["session_id"]}
-                return SSEResponse(events, _nothing, headers=REPLAYED | made)
+                return SSEResponse(events, headers=REPLAYED | made)
             out = with_session(claim.replay.answer, claim.replay.session)
             out["expires_at"] = claim.replay.session["expires_at"]
             return JSONResponse(out, headers=REPLAYED)
@@ -143,7 +138,7 @@ class ContextService:
         started = time.perf_counter()
         generate = req.max_tokens > 0
         messages = [m.model_dump(exclude_none=True) for m in req.messages or []]
-        kind = "chat" if req.messages is not None else "completion"
+        kind = _kind(req)
 
         async def build(worker: Worker) -> tuple[list[int], int]:
             if kind == "chat":  # prefill only: the conversation so far, closed
@@ -212,6 +207,9 @@ class ContextService:
 
         upstream = await self.turns.open_stream(turn)
         events = self.turns.stream(turn, upstream, shaper, include_usage, on_done)
+        headers = {"x-session-id": session_id}
+        if lock is None:
+            return SSEResponse(events, upstream.aclose, headers=headers)
 
         async def claimed() -> AsyncGenerator[bytes, None]:
             try:
@@ -219,17 +217,16 @@ class ContextService:
                     yield event
             finally:
                 await events.aclose()
-                if lock is not None and not kept:
-                    self._unclaim(turn.tenant, session_id, lock)
-                elif lock is not None:
+                if kept:
                     self.turns.keeper.stop(lock)
+                else:
+                    self._unclaim(turn.tenant, session_id, lock)
 
         async def never_started() -> None:
-            if lock is not None:
-                self._unclaim(turn.tenant, session_id, lock)
+            self._unclaim(turn.tenant, session_id, lock)
             await upstream.aclose()
 
-        return SSEResponse(claimed(), never_started, headers={"x-session-id": session_id})
+        return SSEResponse(claimed(), never_started, headers=headers)
 
     async def _keep(
         self,
@@ -296,3 +293,8 @@ def _answer(turn: Turn, gen: Generation, text: str | None) -> dict[str, Any]:
     """The create's answer object (`text` None: prefill only, `choices: []`)."""
     shape = chat_completion if turn.kind == "chat" else text_completion
     return shape(turn.model, text, gen.finish_reason, gen.usage)
+
+
+def _kind(req: ContextCreate) -> str:
+    """The session's kind: "chat" (messages) or "completion" (a prompt)."""
+    return "chat" if req.messages is not None else "completion"

@@ -154,10 +154,6 @@ def check_supported(req: ResponseCreate, body: dict[str, Any]) -> None:
         )
 
 
-async def _nothing() -> None:
-    return None
-
-
 async def _events(chunks: list[bytes]) -> AsyncGenerator[bytes, None]:
     for chunk in chunks:
         yield chunk
@@ -188,9 +184,7 @@ class ResponseService:
         if isinstance(planned, Replay):
             self.metrics.replayed(tenant)
             if req.stream:
-                return SSEResponse(
-                    _events(replay_events(planned.answer)), _nothing, headers=REPLAYED
-                )
+                return SSEResponse(_events(replay_events(planned.answer)), headers=REPLAYED)
             return JSONResponse(planned.answer, headers=REPLAYED)
         turn = planned.turn
         turn.started = started  # (the load counts, as it does for a completion's turn)
