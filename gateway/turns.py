@@ -33,6 +33,7 @@ from ctxcache.errors import (
     ContextLengthExceeded,
     CtxError,
     InvalidRequest,
+    QuotaExceeded,
     SessionModelMismatch,
 )
 from ctxcache.lmcache_keys import session_key
@@ -335,6 +336,16 @@ class TurnService:
             )
         if not turn.prompt:
             raise InvalidRequest("the prompt is empty", param="prompt")
+
+    async def check_quota(self, tenant: str, prompt_tokens: int) -> None:
+        """Refuse a create the tenant's quota has no room for, before any inference. The
+        session's write checks again, atomically and with the answer's tokens counted; this
+        read only spares the client an answer (or a stream) that could not be kept."""
+        usage = await self.manager.usage(tenant)
+        if usage.sessions >= usage.max_sessions:
+            raise QuotaExceeded(f"tenant has {usage.sessions} live sessions, the maximum")
+        if usage.context_tokens + prompt_tokens > usage.max_context_tokens:
+            raise QuotaExceeded("tenant context-token quota exhausted")
 
     # -- running ----------------------------------------------------------------------
     def _worker_body(self, turn: Turn, *, stream: bool) -> dict[str, Any]:

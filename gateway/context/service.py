@@ -167,6 +167,7 @@ class ContextService:
             priority=self.settings.create_priority,  # (docs/vllm.md, "Scheduling")
         )
         self.turns.check_window(turn)
+        await self.turns.check_quota(tenant, len(prompt))
         return turn
 
     async def _create(

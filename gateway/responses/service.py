@@ -189,6 +189,8 @@ class ResponseService:
         turn = planned.turn
         turn.started = started  # (the load counts, as it does for a completion's turn)
         try:
+            if planned.mode == "create":  # a new session: refused now if it cannot be kept
+                await self.turns.check_quota(tenant, len(turn.prompt))
             if req.stream:  # from here on, the stream releases the lock (and the claim)
                 return await self._stream(tenant, planned)
             gen = await self.turns.generate(turn)

@@ -14,8 +14,11 @@ from ctxcache.redis_server import RedisServer
 from tests.utils import ServiceProcess, SidecarProcess
 
 SDK = Callable[..., openai.OpenAI]
-KEYS = {"key-a": "tenant-a", "key-b": "tenant-b", "key-c": "tenant-c"}
-QUOTAS = '{"tenant-c": {"max_sessions": 1, "max_context_tokens": 100000}}'
+KEYS = {"key-a": "tenant-a", "key-b": "tenant-b", "key-c": "tenant-c", "key-d": "tenant-d"}
+QUOTAS = (
+    '{"tenant-c": {"max_sessions": 1, "max_context_tokens": 100000},'
+    ' "tenant-d": {"max_sessions": 100, "max_context_tokens": 64}}'
+)
 
 
 @dataclass

@@ -163,7 +163,35 @@ def test_quota_exceeded(stack: Stack) -> None:
             c.post("/v1/context", json={"model": "tiny", "prompt": "x"}), 429, "quota_exceeded"
         )
         c.delete(f"/v1/context/{first}")
-        new_session(c)
+        c.delete(f"/v1/context/{new_session(c)}")
+
+
+def test_a_create_the_quota_cannot_keep_is_refused_before_any_inference(stack: Stack) -> None:
+    """A streamed create (a context, a response) over the tenant's session quota, or whose
+    prompt alone passes its token quota, is a 429 up front: not an answer streamed and then
+    cut when the session cannot be written."""
+    ask = {"model": "tiny", "max_tokens": 4, "stream": True}
+    with stack.client("key-c") as c, stack.client("key-d") as d:
+        first = new_session(c)
+        try:
+            err = envelope(
+                c.post("/v1/context", json={**ask, "prompt": "x"}), 429, "quota_exceeded"
+            )
+            assert "live sessions" in err["message"]
+            response = {"model": "tiny", "input": "hi", "max_output_tokens": 4, "stream": True}
+            envelope(c.post("/v1/responses", json=response), 429, "quota_exceeded")
+            assert [s["session_id"] for s in c.get("/v1/context").json()["data"]] == [first]
+        finally:
+            c.delete(f"/v1/context/{first}")
+
+        err = envelope(d.post("/v1/context", json={**ask, "prompt": DOC}), 429, "quota_exceeded")
+        assert "token" in err["message"]
+        assert d.get("/v1/context").json()["data"] == []
+        small = d.post("/v1/context", json={**ask, "prompt": "x"})  # what fits is created
+        assert small.status_code == 200 and small.headers["content-type"].startswith(
+            "text/event-stream"
+        )
+        d.delete(f"/v1/context/{small.headers['x-session-id']}")
 
 
 def test_session_busy_while_a_turn_streams(stack: Stack) -> None:
