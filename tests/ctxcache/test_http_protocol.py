@@ -87,18 +87,42 @@ async def test_close_sends_what_is_held_and_abort_drops_it() -> None:
     assert raw.sends == [] and raw.aborted
 
 
+async def test_an_event_stream_s_head_leaves_with_its_first_event_at_once() -> None:
+    """After an event stream's head, a write sends at once (the head with it, the first
+    time); a plain answer's head and body still wait for the turn's end."""
+    raw = Recorder()
+    t = CoalescingTransport(raw, asyncio.get_running_loop())
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n\r\n"
+    t.write(head)
+    assert raw.sends == []  # the head waits for the first event
+    t.write(b"5\r\nfirst\r\n")
+    assert raw.sends == [head + b"5\r\nfirst\r\n"]  # before the turn ends
+    t.write(b"4\r\nnext\r\n")
+    t.write(b"0\r\n\r\n")
+    assert raw.sends[1:] == [b"4\r\nnext\r\n", b"0\r\n\r\n"]
+
+    plain = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n"
+    t.write(plain)
+    t.write(b"{}")
+    assert len(raw.sends) == 3  # the next answer on the connection is plain: held
+    await turns(1)
+    assert raw.sends[3:] == [plain + b"{}"]
+
+
 async def app(scope: Scope, receive: Receive, send: Send) -> None:
-    """A plain JSON answer, or (`/stream`) a head, two events sent in one go, then one
-    more after a wait, then the end."""
+    """A plain JSON answer, or (`/stream`; `/events`: an event stream) a head, two parts
+    sent in one go, then one more after a wait, then the end."""
     if scope["type"] != "http":
         return
     await receive()
-    if scope["path"] != "/stream":
+    if scope["path"] not in ("/stream", "/events"):
         head = [(b"content-type", b"application/json"), (b"content-length", b"2")]
         await send({"type": "http.response.start", "status": 200, "headers": head})
         await send({"type": "http.response.body", "body": b"{}"})
         return
-    await send({"type": "http.response.start", "status": 200, "headers": []})
+    sse = [(b"content-type", b"text/event-stream; charset=utf-8")]
+    head = sse if scope["path"] == "/events" else []
+    await send({"type": "http.response.start", "status": 200, "headers": head})
     for event in (b"one", b"two"):
         await send({"type": "http.response.body", "body": event, "more_body": True})
     await asyncio.sleep(0.01)
@@ -143,6 +167,22 @@ async def test_a_stream_s_head_leaves_with_its_first_events_then_each_as_it_come
     assert b"transfer-encoding: chunked" in head and events == b"3\r\none\r\n3\r\ntwo\r\n"
     await asyncio.sleep(0.05)
     assert raw.sends[1:] == [b"5\r\nthree\r\n0\r\n\r\n"]
+    http.connection_lost(None)
+
+
+async def test_an_event_stream_through_uvicorn_sends_each_event_as_it_is_written() -> None:
+    http, raw = protocol(app)
+    http.data_received(b"GET /events HTTP/1.1\r\nhost: t\r\n\r\n")
+    await turns()
+    assert len(raw.sends) == 2, raw.sends  # the head with the first event, then the second
+    head, _, first = raw.sends[0].partition(b"\r\n\r\n")
+    assert b"content-type: text/event-stream" in head and first == b"3\r\none\r\n"
+    assert raw.sends[1] == b"3\r\ntwo\r\n"
+    await asyncio.sleep(0.05)
+    assert raw.sends[2:] == [b"5\r\nthree\r\n", b"0\r\n\r\n"]
+    http.data_received(b"GET /x HTTP/1.1\r\nhost: t\r\n\r\n")  # then a plain answer
+    await turns()
+    assert len(raw.sends) == 5 and raw.sends[4].endswith(b"\r\n{}")
     http.connection_lost(None)
 
 
