@@ -17,14 +17,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from benchmarks.gateway import AUTH, KEY
+from benchmarks.util import add_output_arguments, markdown_table, plot_path, run_meta, write_outputs
+
+NAME = "gateway-ab"
 
 CHAT = {
     "model": "fake",
@@ -47,7 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="gateways on the last CPU, worker and generator on the first (default: on "
         "where there are two CPUs or more)",
     )
-    p.add_argument("--out", type=Path, default=None, help="write the result here (JSON)")
+    add_output_arguments(p, NAME)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -111,18 +114,32 @@ async def _run(args: argparse.Namespace) -> int:
             pin(os.getpid(), first)
         for port in ports.values():  # warm up (the pool finds the worker's model first)
             await _until_routed(port)
-            await ttft(port, 500, direct=False)
+            await ttft(port, min(500, args.requests), direct=False)
         rows: list[dict[str, float]] = []
         for rnd in tqdm(range(args.rounds), desc="rounds", unit="round", file=sys.stderr):
             row = {"direct": await ttft(fake, args.requests, direct=True)}
             for name in ("A", "B") if rnd % 2 == 0 else ("B", "A"):
                 row[name] = await ttft(ports[name], args.requests, direct=False)
             rows.append(row)
-    result = _summary(args, trees, rows)
-    sys.stdout.write(_report(result))
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2))
+    results = [{k: round(v * 1e6) for k, v in row.items()} for row in rows]  # µs
+    median = {
+        "ttft_p50_us": {n: round(statistics.median(r[n] for r in rows) * 1e6) for n in rows[0]},
+        "ratio_to_direct": {
+            n: round(statistics.median(r[n] / r["direct"] for r in rows), 2) for n in ("A", "B")
+        },
+    }
+    meta = run_meta(
+        NAME,
+        trees={n: str(t) for n, t in trees.items()},
+        pinned=args.pin,
+        requests=args.requests,
+        rounds=args.rounds,
+        median=median,
+    )
+    table = _table(results, median)
+    write_outputs(args.out, NAME, {"meta": meta, "results": results}, table)
+    _plot(plot_path(args, NAME), results)
+    sys.stdout.write(table)
     return 0
 
 
@@ -138,26 +155,22 @@ async def _until_routed(port: int) -> None:
     raise RuntimeError(f"the gateway on port {port} lists no model")
 
 
-def _summary(
-    args: argparse.Namespace, trees: dict[str, Path], rows: list[dict[str, float]]
-) -> dict[str, object]:
-    ratios = {n: statistics.median(r[n] / r["direct"] for r in rows) for n in ("A", "B")}
-    return {
-        "command": "ctxcache bench gateway-ab " + " ".join(sys.argv[3:]),
-        "trees": {n: str(t) for n, t in trees.items()},
-        "pinned": args.pin,
-        "requests": args.requests,
-        "rounds_us": [{k: round(v * 1e6) for k, v in r.items()} for r in rows],
-        "ttft_p50_us": {n: round(statistics.median(r[n] for r in rows) * 1e6) for n in rows[0]},
-        "ratio_to_direct": {n: round(v, 2) for n, v in ratios.items()},
-    }
-
-
-def _report(result: dict[str, object]) -> str:
-    lines = [f"{'round':>5} {'direct':>8} {'A':>8} {'B':>8}   A÷direct B÷direct"]
-    for i, r in enumerate(result["rounds_us"]):  # type: ignore[arg-type]
+def _table(rounds: list[dict[str, int]], median: dict[str, Any]) -> str:
+    """Each round's TTFT p50 (µs) and ratios to direct, then the medians over rounds."""
+    body: list[list[object]] = []
+    for i, r in enumerate(rounds):
         a, b, d = r["A"], r["B"], r["direct"]
-        lines.append(f"{i:>5} {d:>6}µs {a:>6}µs {b:>6}µs   {a / d:>7.2f}× {b / d:>7.2f}×")
-    ratio = result["ratio_to_direct"]
-    lines.append(f"median ratio to direct: A {ratio['A']}×, B {ratio['B']}×")  # type: ignore[index]
-    return "\n".join(lines) + "\n"
+        body.append([i, d, a, b, f"{a / d:.2f}×", f"{b / d:.2f}×"])
+    p50, ratio = median["ttft_p50_us"], median["ratio_to_direct"]
+    body.append(["median", p50["direct"], p50["A"], p50["B"], f"{ratio['A']}×", f"{ratio['B']}×"])
+    heads = ["round", "direct µs", "A µs", "B µs", "A ÷ direct", "B ÷ direct"]
+    return markdown_table(heads, body)
+
+
+def _plot(path: Path, rounds: list[dict[str, int]]) -> None:
+    """Each round's TTFT ÷ direct, A beside B."""
+    from benchmarks.util import bar_plot
+
+    series = {n: [r[n] / r["direct"] for r in rounds] for n in ("A", "B")}
+    labels = [f"round {i}" for i in range(len(rounds))]
+    bar_plot(path, "streaming TTFT at concurrency 1 ÷ direct", labels, series, "ratio")

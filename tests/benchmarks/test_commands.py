@@ -120,6 +120,25 @@ def test_bench_gateway_fake_backend_and_tiny_worker(tmp_path: Path, tiny_model: 
 
 
 @pytest.mark.timeout(300)
+def test_bench_gateway_ab_two_checkouts_side_by_side(tmp_path: Path) -> None:
+    """This checkout against itself: two gateways, one fake worker, interleaved rounds."""
+    root = Path(__file__).resolve().parents[2]
+    data = run_bench(
+        "gateway-ab",
+        tmp_path / "ab",
+        *("--a", str(root), "--b", str(root), "--rounds", "2", "--requests", "30"),
+        png=tmp_path / "ab" / "gateway-ab.png",
+    )
+    assert data["meta"]["trees"] == {"A": str(root), "B": str(root)}
+    assert len(data["results"]) == 2  # a row a round: each one's TTFT p50, µs
+    for row in data["results"]:
+        assert set(row) == {"direct", "A", "B"} and all(v > 0 for v in row.values())
+    assert all(0 < r < 100 for r in data["meta"]["median"]["ratio_to_direct"].values())
+    table = (tmp_path / "ab" / "gateway-ab.md").read_text()
+    assert "| median |" in table
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.skipif(shutil.which("wrk") is None, reason="wrk is not installed")
 def test_bench_gateway_with_wrk(tmp_path: Path) -> None:
     data = run_bench(
