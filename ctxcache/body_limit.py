@@ -29,8 +29,8 @@ class BodyLimitMiddleware:
             if name == b"content-length":
                 try:
                     declared = int(value)
-                except ValueError:
-                    declared = 0
+                except ValueError:  # (the server refuses such a request first) counted
+                    declared = None
             elif name == b"transfer-encoding":
                 chunked = True
         if declared is not None and declared > self.max_bytes:

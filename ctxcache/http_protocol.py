@@ -7,8 +7,8 @@ event. `CoalescingTransport` holds what is written during one turn of the event 
 sends it together when the turn ends: head and body of a plain answer in one send. An
 event stream (`text/event-stream`) is the exception: its head waits only for the first
 event, and they leave together the moment that event is written, as does every later
-event — a client waits for its first token, and waiting for the turn's end let the
-worker's next reads be handled first (~0.1× of the streaming TTFT ratio, docs/benchmarks.md).
+event: a client waits for its first token, and waiting for the turn's end put whatever
+else the loop had to do first (docs/benchmarks.md, "Fourth pass", measures it).
 
 `CoalescingHttp` is the protocol class every ctxcache service gives uvicorn (its public
 `Config(http=...)` option, `ctxcache.settings.server_config`). It is a plain
