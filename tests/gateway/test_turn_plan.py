@@ -14,7 +14,13 @@ from typing import Any
 import orjson
 import pytest
 
-from cache_manager.protocol import AppendTurn, BeginTurn, SessionInfo, SessionState
+from cache_manager.protocol import (
+    AppendTurn,
+    BeginTurn,
+    SessionInfo,
+    SessionState,
+    TenantUsage,
+)
 from ctxcache.errors import SessionNotFound
 from gateway.context.service import ContextService
 from gateway.metrics import GatewayMetrics
@@ -105,6 +111,11 @@ class Manager:
 
     async def release(self, session_id: str, tenant: str, lock: str) -> None:
         self.released.append(lock)
+
+    async def usage(self, tenant: str) -> TenantUsage:  # (a create's quota check) room
+        return TenantUsage(
+            tenant=tenant, sessions=0, context_tokens=0, max_sessions=1, max_context_tokens=1 << 20
+        )
 
 
 def service(prompts: Prompts, manager: Manager) -> TurnService:
