@@ -136,13 +136,7 @@ def _cases(args: argparse.Namespace, backends: dict[str, int]) -> tuple[list[Cas
         cases += plain
         if model != "fake":
             continue
-        chat = {
-            "model": model,
-            "messages": [{"role": "user", "content": "Say something about caches."}],
-            "max_tokens": args.stream_tokens,
-            "temperature": 0,
-            "stream": True,
-        }
+        chat = streamed_chat(model, args.stream_tokens)
         path = "/v1/chat/completions"
         for label, conc, ttft in (
             ("streaming chat", args.stream_concurrency, False),
@@ -291,6 +285,17 @@ async def _measure_ours(port: int, gw_port: int, case: Case, conc: int) -> Sampl
         r.errors,
         "ours",
     )
+
+
+def streamed_chat(model: str, tokens: int) -> dict[str, Any]:
+    """The streaming cases' request: a short chat question, `tokens` tokens (= chunks)."""
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": "Say something about caches."}],
+        "max_tokens": tokens,
+        "temperature": 0,
+        "stream": True,
+    }
 
 
 def _start_bare_relay(sup: Any, backend: int) -> int:

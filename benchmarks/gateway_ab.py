@@ -24,18 +24,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks.gateway import AUTH, KEY
+from benchmarks.gateway import AUTH, KEY, streamed_chat
 from benchmarks.util import add_output_arguments, markdown_table, plot_path, run_meta, write_outputs
 
 NAME = "gateway-ab"
 
-CHAT = {
-    "model": "fake",
-    "messages": [{"role": "user", "content": "Say something about caches."}],
-    "max_tokens": 16,
-    "temperature": 0,
-    "stream": True,
-}
+CHAT = streamed_chat("fake", 16)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -112,8 +106,7 @@ async def _run(args: argparse.Namespace) -> int:
             assert worker.proc is not None
             pin(worker.proc.pid, first)
             pin(os.getpid(), first)
-        for port in ports.values():  # warm up (the pool finds the worker's model first)
-            await _until_routed(port)
+        for port in ports.values():  # warm up (/ready: the worker and its model are known)
             await ttft(port, min(500, args.requests), direct=False)
         rows: list[dict[str, float]] = []
         for rnd in tqdm(range(args.rounds), desc="rounds", unit="round", file=sys.stderr):
@@ -141,18 +134,6 @@ async def _run(args: argparse.Namespace) -> int:
     _plot(plot_path(args, NAME), results)
     sys.stdout.write(table)
     return 0
-
-
-async def _until_routed(port: int) -> None:
-    import httpx
-
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", headers=AUTH) as http:
-        for _ in range(300):
-            models = (await http.get("/v1/models")).json()["data"]
-            if models:
-                return
-            await asyncio.sleep(0.1)
-    raise RuntimeError(f"the gateway on port {port} lists no model")
 
 
 def _table(rounds: list[dict[str, int]], median: dict[str, Any]) -> str:

@@ -193,7 +193,7 @@ class SessionService:
         if req.lock and total >= self.settings.quota_for(req.tenant).max_context_tokens:
             assert lock is not None
             await self.store.release(session_id, lock)
-            raise QuotaExceeded("tenant context-token quota exhausted")
+            raise QuotaExceeded.tokens()
         if req.touch:
             self._learn(info.tenant, await self.store.record(info))
             self.link.pin(info.sidecar, info.kv_key, info.expires_at, ttl=info.ttl)

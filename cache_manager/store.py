@@ -576,9 +576,9 @@ class SessionStore:
         async with redis_errors():
             res = await self._tenant(keys=tenant_keys(tenant), args=args)
         if res[0] == -1:
-            raise QuotaExceeded(f"tenant has {int(res[1])} live sessions, the maximum")
+            raise QuotaExceeded.sessions(int(res[1]))
         if res[0] == -2:
-            raise QuotaExceeded("tenant context-token quota exhausted")
+            raise QuotaExceeded.tokens()
         if res[0] == -3:
             raise InvalidRequest("session_id already exists", param="session_id")
         return int(res[1])

@@ -165,6 +165,16 @@ class QuotaExceeded(CtxError):
     status, code, type = 429, "quota_exceeded", "rate_limit_error"
     default_message = "tenant quota exceeded"
 
+    @classmethod
+    def sessions(cls, live: int) -> QuotaExceeded:
+        """The tenant has its maximum of live sessions."""
+        return cls(f"tenant has {live} live sessions, the maximum")
+
+    @classmethod
+    def tokens(cls) -> QuotaExceeded:
+        """The tenant's context tokens would pass its quota."""
+        return cls("tenant context-token quota exhausted")
+
 
 class RateLimited(CtxError):
     """A key's requests or tokens per minute are used up (gateway/limits.py). The answer

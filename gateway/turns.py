@@ -343,9 +343,9 @@ class TurnService:
         read only spares the client an answer (or a stream) that could not be kept."""
         usage = await self.manager.usage(tenant)
         if usage.sessions >= usage.max_sessions:
-            raise QuotaExceeded(f"tenant has {usage.sessions} live sessions, the maximum")
+            raise QuotaExceeded.sessions(usage.sessions)
         if usage.context_tokens + prompt_tokens > usage.max_context_tokens:
-            raise QuotaExceeded("tenant context-token quota exhausted")
+            raise QuotaExceeded.tokens()
 
     # -- running ----------------------------------------------------------------------
     def _worker_body(self, turn: Turn, *, stream: bool) -> dict[str, Any]:
