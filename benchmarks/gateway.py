@@ -8,6 +8,15 @@ concurrency. Plain and streaming requests are measured with `wrk` where it is in
 (`benchmarks.wrk`), otherwise with our own keep-alive generator (`benchmarks.loadgen`),
 which also runs the session turns (a conversation per connection) and the streams' TTFT.
 
+Where the processes run: with --pin (the default on two CPUs or more) the cases at
+concurrency 1 run with the gateway alone on the last CPU and every other process (load
+generator, backends, Redis, sidecar) on the first, as a gateway and its workers sit on
+different hosts; unpinned, where the scheduler puts three busy processes on two CPUs moves
+the streaming TTFT ratio by ±0.3× from one run to the next (docs/benchmarks.md, "Fourth
+pass"). At concurrency 1 only one process works at a time, so pinning adds no CPU to either
+side. Cases at higher concurrency always run unpinned: there, a CPU of its own would give
+the gateway capacity that direct calls do not get.
+
 --tracing adds a second gateway with OpenTelemetry on (`OTEL_EXPORTER_OTLP_ENDPOINT` at a
 local OTLP receiver, `benchmarks.otlp_sink`, in a process of its own) and measures its plain
 requests and session turns in the same rounds: tracing on against off, side by side.
@@ -17,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -72,6 +82,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also the streaming TTFT of a bare ASGI relay on the gateway's own server and "
         "worker client (benchmarks.bare_relay): what the app's layers add",
+    )
+    p.add_argument(
+        "--pin",
+        action=argparse.BooleanOptionalAction,
+        default=(os.cpu_count() or 1) >= 2,
+        help="concurrency-1 cases: the gateway on the last CPU, every other process on the "
+        "first (default: on where there are two CPUs or more)",
+    )
+    p.add_argument(
+        "--gateway-tree",
+        type=Path,
+        help="start the gateway from this checkout instead (another commit's gateway, "
+        "measured by this bench)",
     )
     p.add_argument(
         "--tracing",
@@ -185,6 +208,10 @@ async def _run(args: argparse.Namespace) -> int:
         model=None if args.no_model else str(args.model_dir),
         turns_per_session=TURNS_PER_SESSION,
         tracing="a second gateway with OTLP export to a local receiver" if args.tracing else None,
+        pinned="concurrency 1: the gateway on the last CPU, the rest on the first"
+        if args.pin
+        else None,
+        gateway_tree=str(args.gateway_tree.resolve()) if args.gateway_tree else None,
     )
     samples: dict[tuple[str, int], list[Sample]] = {}
     with tempfile.TemporaryDirectory() as tmp, Supervisor(out=open("/dev/null", "w")) as sup:  # noqa: ASYNC230
@@ -199,8 +226,10 @@ async def _run(args: argparse.Namespace) -> int:
             for case in cases
             if conc in case.concurrency
         ]
+        placement = Placement(sup)
         with tqdm(total=len(plan), desc="gateway bench", unit="case") as bar:
             for conc, case in plan:
+                placement.set(pinned=args.pin and conc == 1)
                 gateway = traced_port if case.traced else gw_port
                 port = backends[case.model] if case.direct else gateway
                 if case.bare:
@@ -209,7 +238,7 @@ async def _run(args: argparse.Namespace) -> int:
                 if wrk_path and case.wrk_able:
                     sample = await _measure_wrk(wrk_path, port, case, conc, args.duration)
                 else:
-                    sample = await _measure_ours(port, gateway, case, conc)
+                    sample = await measure_ours(port, gateway, case, conc)
                 samples.setdefault((case.name, conc), []).append(sample)
                 bar.update(1)
 
@@ -222,6 +251,33 @@ async def _run(args: argparse.Namespace) -> int:
     print(table)
     print("\nwrote " + ", ".join(str(p) for p in paths))
     return 0
+
+
+GATEWAYS = {"gateway", "traced-gateway", "bare-relay"}  # the children --pin sets apart
+
+
+class Placement:
+    """Which CPUs the bench's processes run on: pinned (the gateways on the last CPU, every
+    other child and this process on the first) or every CPU for everyone. wrk, started per
+    case, inherits this process's CPUs."""
+
+    def __init__(self, sup: Any) -> None:
+        self.sup = sup
+        self.cpus = os.sched_getaffinity(0)
+        self.pinned: bool | None = None
+
+    def set(self, *, pinned: bool) -> None:
+        from benchmarks.util import pin
+
+        if pinned == self.pinned:
+            return
+        first, last = {min(self.cpus)}, {max(self.cpus)}
+        for child in self.sup.children:
+            if child.proc is not None and child.proc.poll() is None:
+                apart = child.name in GATEWAYS
+                pin(child.proc.pid, (last if apart else first) if pinned else self.cpus)
+        pin(os.getpid(), first if pinned else self.cpus)
+        self.pinned = pinned
 
 
 async def _measure_wrk(wrk_path: str, port: int, case: Case, conc: int, seconds: float) -> Sample:
@@ -237,7 +293,7 @@ async def _measure_wrk(wrk_path: str, port: int, case: Case, conc: int, seconds:
     return Sample(r.requests_per_s, r.p50_ms, r.p99_ms, None, r.errors, "wrk")
 
 
-async def _measure_ours(port: int, gw_port: int, case: Case, conc: int) -> Sample:
+async def measure_ours(port: int, gw_port: int, case: Case, conc: int) -> Sample:
     import httpx
 
     from benchmarks.loadgen import Conn, run
@@ -365,6 +421,9 @@ def _start_stack(
     def gateway(name: str, env: dict[str, str]) -> int:
         port = free_port()
         argv = [sys.executable, "-m", "ctxcache.cli", "gateway", "--port", str(port)]
+        if args.gateway_tree is not None:  # -P: the checkout on PYTHONPATH is imported
+            argv[1:1] = ["-P"]
+            env = {**env, "PYTHONPATH": str(args.gateway_tree.resolve())}
         argv += ["--redis-url", redis.url, "--api-key", f"{KEY}=bench", "--log-level", "WARNING"]
         for backend in backends.values():
             argv += ["--worker", f"http://127.0.0.1:{backend}=http://127.0.0.1:{sidecar}"]

@@ -1,16 +1,22 @@
-"""`ctxcache bench gateway-ab`: the streaming TTFT of two checkouts' gateways, side by side.
+"""`ctxcache bench gateway-ab`: two checkouts' gateways, side by side, on one machine.
 
-`bench gateway` measures one gateway against calling the worker directly. On a small VM its
-streaming TTFT at concurrency 1 moves by ±0.4× of direct from one round to the next: with
-three processes (load generator, gateway, worker) on two CPUs, where the scheduler places
-them decides more than a change of 50 µs in the gateway does. This bench answers "is B
-faster than A?" instead: two gateways (each started from its own checkout, `--a` and
-`--b`) in front of one fast fake worker (`benchmarks.fake_worker`), measured in interleaved
-rounds (the order alternating), each round's time to first token over `--requests`
-streamed chat requests at concurrency 1, and the worker measured directly in every round
-for the ratio. With `--pin` (the default where there are two CPUs or more) every process
-runs on a fixed CPU: the gateways on the last one, the fake worker and the load generator
-on the first, as a gateway and its workers sit on different hosts in production.
+`bench gateway` measures one gateway against calling the worker directly. On a small VM
+its numbers move from one run to the next by more than the changes it is asked to judge:
+the same commit's streaming TTFT ratio came out 2.28×, 2.53× and 2.36× in three runs, its
+session turns at 1.52, 1.73 and 1.55 ms (docs/benchmarks.md, "Fifth pass"). This bench
+answers "is B faster than A?" instead: two gateways (each started from its own checkout,
+`--a` and `--b`) in front of one fast fake worker (`benchmarks.fake_worker`) and one
+sidecar, measured in interleaved rounds (the order alternating), so that whatever the
+machine does meanwhile falls on both. Cases (`--cases`), each at concurrency 1:
+
+- `ttft`: the time to the first event of a streamed chat request without a session (the
+  worker measured directly in the same round, for the ratio to direct);
+- `turn` and `chat-turn`: a session turn's latency (p50), `/v1/completions` with a new
+  prompt and `/v1/chat/completions` with a new message, a fresh session every 20 turns.
+
+With `--pin` (the default where there are two CPUs or more) the gateways run on the last
+CPU and every other process on the first, as a gateway and its workers sit on different
+hosts in production.
 """
 
 from __future__ import annotations
@@ -24,24 +30,36 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks.gateway import AUTH, KEY, streamed_chat
-from benchmarks.util import add_output_arguments, markdown_table, plot_path, run_meta, write_outputs
+from benchmarks.gateway import AUTH, KEY, Case, measure_ours, streamed_chat
+from benchmarks.util import (
+    add_output_arguments,
+    markdown_table,
+    pin,
+    plot_path,
+    run_meta,
+    write_outputs,
+)
 
 NAME = "gateway-ab"
-
+CASES = ("ttft", "turn", "chat-turn")
 CHAT = streamed_chat("fake", 16)
+PLAIN = {"model": "fake", "prompt": "Say something about caches.", "max_tokens": 3}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--a", type=Path, required=True, help="checkout of gateway A")
     p.add_argument("--b", type=Path, required=True, help="checkout of gateway B")
+    p.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES), help="what to measure")
     p.add_argument("--requests", type=int, default=2000, help="streams per gateway and round")
+    p.add_argument(
+        "--turn-requests", type=int, default=600, help="session turns per gateway and round"
+    )
     p.add_argument("--rounds", type=int, default=6, help="interleaved rounds")
     p.add_argument(
         "--pin",
         action=argparse.BooleanOptionalAction,
         default=(os.cpu_count() or 1) >= 2,
-        help="gateways on the last CPU, worker and generator on the first (default: on "
+        help="gateways on the last CPU, every other process on the first (default: on "
         "where there are two CPUs or more)",
     )
     add_output_arguments(p, NAME)
@@ -49,12 +67,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     return asyncio.run(_run(args))
-
-
-def pin(pid: int, cpu: int) -> None:
-    """Every thread of process `pid` onto `cpu` (threads it starts later inherit it)."""
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        os.sched_setaffinity(int(tid), {cpu})
 
 
 async def ttft(port: int, requests: int, direct: bool) -> float:
@@ -68,6 +80,22 @@ async def ttft(port: int, requests: int, direct: bool) -> float:
     if r.errors:
         raise RuntimeError(f"{r.errors} errors on port {port}")
     return statistics.median(r.ttfts)
+
+
+async def turns(port: int, kind: str, requests: int) -> float:
+    """Median latency of `requests` session turns (`kind`: completion or chat), one at a
+    time, in seconds (`bench gateway`'s session-turn case)."""
+    case = Case(kind, "fake", "", PLAIN, [1], requests, session=kind)
+    sample = await measure_ours(port, port, case, 1)
+    if sample.errors:
+        raise RuntimeError(f"{sample.errors} errors on port {port}")
+    return sample.p50_ms / 1e3
+
+
+async def measure(case: str, port: int, args: argparse.Namespace, direct: bool = False) -> float:
+    if case == "ttft":
+        return await ttft(port, args.requests, direct)
+    return await turns(port, "chat" if case == "chat-turn" else "completion", args.turn_requests)
 
 
 async def _run(args: argparse.Namespace) -> int:
@@ -84,7 +112,12 @@ async def _run(args: argparse.Namespace) -> int:
         sup.start(Child("redis", redis.argv(), ready=redis.wait_ready))
         fake = free_port()
         argv = [sys.executable, "-m", "benchmarks.fake_worker", "--port", str(fake)]
-        worker = sup.start(Child("fake", argv, ready=http_ready(f"http://127.0.0.1:{fake}/health")))
+        sup.start(Child("fake", argv, ready=http_ready(f"http://127.0.0.1:{fake}/health")))
+        # a real sidecar's control API, as in production: session turns pin their KV there
+        sidecar = free_port()
+        argv = [sys.executable, "-m", "ctxcache.cli", "sidecar", "--port", str(free_port())]
+        argv += ["--control-port", str(sidecar), "--log-level", "WARNING"]
+        sup.start(Child("sidecar", argv, ready=http_ready(f"http://127.0.0.1:{sidecar}/health")))
         ports: dict[str, int] = {}
         gateways: list[Child] = []
         for name, tree in trees.items():
@@ -93,65 +126,118 @@ async def _run(args: argparse.Namespace) -> int:
             argv = [sys.executable, "-P", "-m", "ctxcache.cli", "gateway"]
             argv += ["--port", str(ports[name])]
             argv += ["--redis-url", redis.url, "--api-key", f"{KEY}=bench"]
-            argv += ["--worker", f"http://127.0.0.1:{fake}", "--log-level", "WARNING"]
+            argv += ["--worker", f"http://127.0.0.1:{fake}=http://127.0.0.1:{sidecar}"]
+            argv += ["--log-level", "WARNING"]
             env = {"PYTHONPATH": str(tree), "OTEL_EXPORTER_OTLP_ENDPOINT": ""}
             ready = http_ready(f"http://127.0.0.1:{ports[name]}/ready")
             gateways.append(sup.start(Child(f"gateway-{name}", argv, ready=ready, env=env)))
         if args.pin:
-            last = max(os.sched_getaffinity(0))
-            first = min(os.sched_getaffinity(0))
-            for child in gateways:
+            cpus = os.sched_getaffinity(0)
+            for child in sup.children:
                 assert child.proc is not None
-                pin(child.proc.pid, last)
-            assert worker.proc is not None
-            pin(worker.proc.pid, first)
-            pin(os.getpid(), first)
+                pin(child.proc.pid, {max(cpus)} if child in gateways else {min(cpus)})
+            pin(os.getpid(), {min(cpus)})
         for port in ports.values():  # warm up (/ready: the worker and its model are known)
             await ttft(port, min(500, args.requests), direct=False)
-        rows: list[dict[str, float]] = []
-        for rnd in tqdm(range(args.rounds), desc="rounds", unit="round", file=sys.stderr):
-            row = {"direct": await ttft(fake, args.requests, direct=True)}
+        rows: list[dict[str, Any]] = []
+        plan = [(rnd, case) for rnd in range(args.rounds) for case in args.cases]
+        for rnd, case in tqdm(plan, desc="gateway A/B", unit="case", file=sys.stderr):
+            row: dict[str, Any] = {"round": rnd, "case": case}
+            if case == "ttft":
+                row["direct"] = await measure(case, fake, args, direct=True)
             for name in ("A", "B") if rnd % 2 == 0 else ("B", "A"):
-                row[name] = await ttft(ports[name], args.requests, direct=False)
+                row[name] = await measure(case, ports[name], args)
             rows.append(row)
-    results = [{k: round(v * 1e6) for k, v in row.items()} for row in rows]  # µs
-    median = {
-        "ttft_p50_us": {n: round(statistics.median(r[n] for r in rows) * 1e6) for n in rows[0]},
-        "ratio_to_direct": {
-            n: round(statistics.median(r[n] / r["direct"] for r in rows), 2) for n in ("A", "B")
-        },
-    }
+    results = [
+        {k: v if isinstance(v, int | str) else round(v * 1e6) for k, v in r.items()} for r in rows
+    ]
+    median = medians(results, args.cases)
     meta = run_meta(
         NAME,
         trees={n: str(t) for n, t in trees.items()},
         pinned=args.pin,
         requests=args.requests,
+        turn_requests=args.turn_requests,
         rounds=args.rounds,
         median=median,
     )
     table = _table(results, median)
     write_outputs(args.out, NAME, {"meta": meta, "results": results}, table)
-    _plot(plot_path(args, NAME), results)
+    _plot(plot_path(args, NAME), results, args.cases)
     sys.stdout.write(table)
     return 0
 
 
-def _table(rounds: list[dict[str, int]], median: dict[str, Any]) -> str:
-    """Each round's TTFT p50 (µs) and ratios to direct, then the medians over rounds."""
+def medians(results: list[dict[str, Any]], cases: list[str]) -> dict[str, dict[str, Any]]:
+    """Per case: each side's median over rounds (µs), and the medians of the per-round
+    ratios (B ÷ A; for `ttft` also each side ÷ direct)."""
+    out: dict[str, dict[str, Any]] = {}
+    for case in cases:
+        rounds = [r for r in results if r["case"] == case]
+        sides = ("direct", "A", "B") if case == "ttft" else ("A", "B")
+        m: dict[str, Any] = {
+            f"{n}_us": round(statistics.median(r[n] for r in rounds)) for n in sides
+        }
+        m["b_over_a"] = round(statistics.median(r["B"] / r["A"] for r in rounds), 3)
+        if case == "ttft":
+            for n in ("A", "B"):
+                m[f"{n}_over_direct"] = round(
+                    statistics.median(r[n] / r["direct"] for r in rounds), 2
+                )
+        out[case] = m
+    return out
+
+
+def _table(results: list[dict[str, Any]], median: dict[str, dict[str, Any]]) -> str:
+    """Each round's p50 (µs) per case and side, and the ratios; then each case's medians."""
+
+    def ratio(x: float | None) -> str:
+        return "–" if x is None else f"{x:.2f}×"
+
     body: list[list[object]] = []
-    for i, r in enumerate(rounds):
-        a, b, d = r["A"], r["B"], r["direct"]
-        body.append([i, d, a, b, f"{a / d:.2f}×", f"{b / d:.2f}×"])
-    p50, ratio = median["ttft_p50_us"], median["ratio_to_direct"]
-    body.append(["median", p50["direct"], p50["A"], p50["B"], f"{ratio['A']}×", f"{ratio['B']}×"])
-    heads = ["round", "direct µs", "A µs", "B µs", "A ÷ direct", "B ÷ direct"]
+    for r in results:
+        d = r.get("direct")
+        a_d, b_d = (r["A"] / d, r["B"] / d) if d else (None, None)
+        body.append(
+            [
+                r["case"],
+                r["round"],
+                d or "–",
+                r["A"],
+                r["B"],
+                ratio(a_d),
+                ratio(b_d),
+                f"{r['B'] / r['A']:.3f}",
+            ]
+        )
+    for case, m in median.items():
+        body.append(
+            [
+                case,
+                "median",
+                m.get("direct_us", "–"),
+                m["A_us"],
+                m["B_us"],
+                ratio(m.get("A_over_direct")),
+                ratio(m.get("B_over_direct")),
+                f"{m['b_over_a']:.3f}",
+            ]
+        )
+    heads = ["case", "round", "direct µs", "A µs", "B µs", "A ÷ direct", "B ÷ direct", "B ÷ A"]
     return markdown_table(heads, body)
 
 
-def _plot(path: Path, rounds: list[dict[str, int]]) -> None:
-    """Each round's TTFT ÷ direct, A beside B."""
+def _plot(path: Path, results: list[dict[str, Any]], cases: list[str]) -> None:
+    """Each round's B ÷ A, per case (below 1: B is faster)."""
     from benchmarks.util import bar_plot
 
-    series = {n: [r[n] / r["direct"] for r in rounds] for n in ("A", "B")}
-    labels = [f"round {i}" for i in range(len(rounds))]
-    bar_plot(path, "streaming TTFT at concurrency 1 ÷ direct", labels, series, "ratio")
+    rounds = sorted({r["round"] for r in results})
+    series = {case: [r["B"] / r["A"] for r in results if r["case"] == case] for case in cases}
+    labels = [f"round {i}" for i in rounds]
+    bar_plot(
+        path,
+        "B ÷ A per round, each case at concurrency 1 (below 1: B faster)",
+        labels,
+        series,
+        "B ÷ A",
+    )

@@ -13,6 +13,7 @@ Every `ctxcache bench NAME` writes the same three files into `--out`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -84,6 +85,13 @@ async def measure(
         percentile(latencies, 50) * 1e3,
         percentile(latencies, 99) * 1e3,
     )
+
+
+def pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of process `pid` onto `cpus` (threads it starts later inherit it)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(ProcessLookupError):  # (a thread that ended meanwhile)
+            os.sched_setaffinity(int(tid), cpus)
 
 
 def add_tiny_model_argument(parser: argparse.ArgumentParser, used_by: str) -> None:

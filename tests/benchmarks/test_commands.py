@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import shlex
 import shutil
@@ -159,13 +160,19 @@ def test_bench_gateway_with_wrk(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(300)
 def test_bench_gateway_tracing_on_beside_off_and_the_floor(tmp_path: Path) -> None:
+    """Also: the gateway started from a checkout named by --gateway-tree (this one), and
+    the TTFT case at concurrency 1 pinned where there are two CPUs."""
+    root = Path(__file__).resolve().parents[2]
     data = run_bench(
         "gateway",
         tmp_path / "gateway",
         *("--no-model", "--tracing", "--floor", "--generator", "python", "--rounds", "1"),
         *("--requests", "20", "--concurrency", "2", "--stream-concurrency", "2"),
+        *("--gateway-tree", str(root)),
     )
     assert data["meta"]["tracing"]
+    assert data["meta"]["gateway_tree"] == str(root)
+    assert bool(data["meta"]["pinned"]) == (len(os.sched_getaffinity(0)) >= 2)
     rows = data["results"]
     (bare,) = [r for r in rows if r["case"] == "fake: streaming chat TTFT, bare ASGI relay"]
     assert bare["errors"] == 0 and bare["ttft_ms_vs_direct"] > 0, bare  # --floor
