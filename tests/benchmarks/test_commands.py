@@ -122,21 +122,30 @@ def test_bench_gateway_fake_backend_and_tiny_worker(tmp_path: Path, tiny_model: 
 
 @pytest.mark.timeout(300)
 def test_bench_gateway_ab_two_checkouts_side_by_side(tmp_path: Path) -> None:
-    """This checkout against itself: two gateways, one fake worker, interleaved rounds."""
+    """This checkout against itself: two gateways, one fake worker and one sidecar,
+    interleaved rounds of streams (TTFT) and session turns."""
     root = Path(__file__).resolve().parents[2]
     data = run_bench(
         "gateway-ab",
         tmp_path / "ab",
         *("--a", str(root), "--b", str(root), "--rounds", "2", "--requests", "30"),
+        *("--turn-requests", "25"),
         png=tmp_path / "ab" / "gateway-ab.png",
     )
     assert data["meta"]["trees"] == {"A": str(root), "B": str(root)}
-    assert len(data["results"]) == 2  # a row a round: each one's TTFT p50, µs
-    for row in data["results"]:
-        assert set(row) == {"direct", "A", "B"} and all(v > 0 for v in row.values())
-    assert all(0 < r < 100 for r in data["meta"]["median"]["ratio_to_direct"].values())
+    rows = data["results"]  # a row a round and case: each side's p50, µs
+    assert [(r["round"], r["case"]) for r in rows] == [
+        (n, case) for n in (0, 1) for case in ("ttft", "turn", "chat-turn")
+    ]
+    for row in rows:
+        sides = {"A", "B", "direct"} if row["case"] == "ttft" else {"A", "B"}
+        assert set(row) - {"round", "case"} == sides and all(row[s] > 0 for s in sides)
+    median = data["meta"]["median"]
+    assert set(median) == {"ttft", "turn", "chat-turn"}
+    assert all(0 < m["b_over_a"] < 100 for m in median.values())
+    assert 0 < median["ttft"]["A_over_direct"] < 100
     table = (tmp_path / "ab" / "gateway-ab.md").read_text()
-    assert "| median |" in table
+    assert "| chat-turn | median |" in table
 
 
 @pytest.mark.timeout(300)
