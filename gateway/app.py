@@ -62,7 +62,10 @@ def _rate_limits(inner: ASGIApp, app: FastAPI, settings: GatewaySettings) -> Rat
     )
 
 
-def create_app(settings: GatewaySettings) -> FastAPI:
+def create_app(settings: GatewaySettings, *, freeze_heap: bool = False) -> FastAPI:
+    """The gateway's app. `freeze_heap`: once started, keep the garbage collector off what
+    exists then (`_freeze_startup_heap`): for a server process (`ctxcache gateway`), not for
+    a test or a tool that runs the app inside its own process."""
     metrics = GatewayMetrics()
 
     @asynccontextmanager
@@ -119,7 +122,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                 len(pool.workers),
                 settings.manager_url or "in-process",
             )
-            _freeze_startup_heap()
+            if freeze_heap:
+                _freeze_startup_heap()
             yield
 
     app = FastAPI(

@@ -87,7 +87,7 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit(f"ctxcache gateway: bad settings: {exc}") from None
     setup_logging("gateway", settings.log_level)
     tracing.configure("gateway")  # before the app: its clients look at it once
-    app = tracing.server_middleware(create_app(settings), "gateway")
+    app = tracing.server_middleware(create_app(settings, freeze_heap=True), "gateway")
     serve_app(app, host=settings.host, port=settings.port)
     return 0
 
