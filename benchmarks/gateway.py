@@ -10,8 +10,8 @@ which also runs the session turns (a conversation per connection) and the stream
 
 Where the processes run: with --pin (the default on two CPUs or more) the cases at
 concurrency 1 run with the gateway alone on the last CPU and every other process (load
-generator, backends, Redis, sidecar) on the first, as a gateway and its workers sit on
-different hosts; unpinned, where the scheduler puts three busy processes on two CPUs moves
+generator, fake backend, Redis, sidecar; not the tiny model's worker, whose threads keep
+every CPU) on the first, as a gateway and its workers sit on different hosts; unpinned, where the scheduler puts three busy processes on two CPUs moves
 the streaming TTFT ratio by ±0.3× from one run to the next (docs/benchmarks.md, "Fourth
 pass"). At concurrency 1 only one process works at a time, so pinning adds no CPU to either
 side. Cases at higher concurrency always run unpinned: there, a CPU of its own would give
@@ -254,12 +254,15 @@ async def _run(args: argparse.Namespace) -> int:
 
 
 GATEWAYS = {"gateway", "traced-gateway", "bare-relay"}  # the children --pin sets apart
+# the tiny model's worker computes on threads of its own (torch): squeezed onto one CPU
+# with the generator they would wait on each other, so it keeps every CPU
+FLOATING = {"worker"}
 
 
 class Placement:
     """Which CPUs the bench's processes run on: pinned (the gateways on the last CPU, every
-    other child and this process on the first) or every CPU for everyone. wrk, started per
-    case, inherits this process's CPUs."""
+    other child but the tiny model's worker, and this process, on the first) or every CPU
+    for everyone. wrk, started per case, inherits this process's CPUs."""
 
     def __init__(self, sup: Any) -> None:
         self.sup = sup
@@ -274,6 +277,8 @@ class Placement:
         first, last = {min(self.cpus)}, {max(self.cpus)}
         for child in self.sup.children:
             if child.proc is not None and child.proc.poll() is None:
+                if child.name in FLOATING:
+                    continue
                 apart = child.name in GATEWAYS
                 pin(child.proc.pid, (last if apart else first) if pinned else self.cpus)
         pin(os.getpid(), first if pinned else self.cpus)

@@ -32,13 +32,15 @@ def test_pinned_puts_the_gateway_apart_and_unpinned_gives_everyone_every_cpu() -
     cpus = os.sched_getaffinity(0)
     first, last = {min(cpus)}, {max(cpus)}
     sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
-    sup = Children([Named(n, subprocess.Popen(sleep)) for n in ("gateway", "fake", "redis")])
-    gateway, fake, redis = (c.proc for c in sup.children)
+    names = ("gateway", "fake", "redis", "worker")
+    sup = Children([Named(n, subprocess.Popen(sleep)) for n in names])
+    gateway, fake, redis, worker = (c.proc for c in sup.children)
     placement = Placement(sup)
     try:
         placement.set(pinned=True)
         assert affinity(gateway) == last
         assert affinity(fake) == first and affinity(redis) == first
+        assert affinity(worker) == cpus  # the tiny model's worker: its threads keep every CPU
         assert os.sched_getaffinity(0) == first  # the generator (and wrk, its child)
         placement.set(pinned=False)
         assert all(affinity(p) == cpus for p in (gateway, fake, redis))
