@@ -11,11 +11,12 @@ which also runs the session turns (a conversation per connection) and the stream
 Where the processes run: with --pin (the default on two CPUs or more) the cases at
 concurrency 1 run with the gateway alone on the last CPU and every other process (load
 generator, fake backend, Redis, sidecar; not the tiny model's worker, whose threads keep
-every CPU) on the first, as a gateway and its workers sit on different hosts; unpinned, where the scheduler puts three busy processes on two CPUs moves
-the streaming TTFT ratio by ±0.3× from one run to the next (docs/benchmarks.md, "Fourth
-pass"). At concurrency 1 only one process works at a time, so pinning adds no CPU to either
-side. Cases at higher concurrency always run unpinned: there, a CPU of its own would give
-the gateway capacity that direct calls do not get.
+every CPU) on the first, as a gateway and its workers sit on different hosts. At
+concurrency 1 only one process works at a time, so pinning adds no CPU to either side;
+cases at higher concurrency always run unpinned, where a CPU of its own would give the
+gateway capacity that direct calls do not get. Pinned or not, one run's ratios move on a
+small VM by more than a small change to the gateway does (docs/benchmarks.md, "Fifth
+pass"): to compare two gateways, use `ctxcache bench gateway-ab`.
 
 --tracing adds a second gateway with OpenTelemetry on (`OTEL_EXPORTER_OTLP_ENDPOINT` at a
 local OTLP receiver, `benchmarks.otlp_sink`, in a process of its own) and measures its plain
@@ -45,7 +46,7 @@ QUICK = {"requests": (3000, 200), "model_requests": (200, 20), "rounds": (3, 1),
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from benchmarks.util import add_output_arguments, add_tiny_model_argument
+    from benchmarks.util import add_output_arguments, add_pin_argument, add_tiny_model_argument
 
     p.add_argument(
         "--requests",
@@ -83,12 +84,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="also the streaming TTFT of a bare ASGI relay on the gateway's own server and "
         "worker client (benchmarks.bare_relay): what the app's layers add",
     )
-    p.add_argument(
-        "--pin",
-        action=argparse.BooleanOptionalAction,
-        default=(os.cpu_count() or 1) >= 2,
-        help="concurrency-1 cases: the gateway on the last CPU, every other process on the "
-        "first (default: on where there are two CPUs or more)",
+    add_pin_argument(
+        p, "concurrency-1 cases: the gateway on the last CPU, every other process on the first"
     )
     p.add_argument(
         "--gateway-tree",

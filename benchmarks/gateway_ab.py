@@ -33,6 +33,7 @@ from typing import Any
 from benchmarks.gateway import AUTH, KEY, Case, measure_ours, streamed_chat
 from benchmarks.util import (
     add_output_arguments,
+    add_pin_argument,
     markdown_table,
     pin,
     plot_path,
@@ -55,13 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--turn-requests", type=int, default=600, help="session turns per gateway and round"
     )
     p.add_argument("--rounds", type=int, default=6, help="interleaved rounds")
-    p.add_argument(
-        "--pin",
-        action=argparse.BooleanOptionalAction,
-        default=(os.cpu_count() or 1) >= 2,
-        help="gateways on the last CPU, every other process on the first (default: on "
-        "where there are two CPUs or more)",
-    )
+    add_pin_argument(p, "gateways on the last CPU, every other process on the first")
     add_output_arguments(p, NAME)
 
 

@@ -94,6 +94,16 @@ def pin(pid: int, cpus: set[int]) -> None:
             os.sched_setaffinity(int(tid), cpus)
 
 
+def add_pin_argument(parser: argparse.ArgumentParser, what: str) -> None:
+    """`--pin/--no-pin`, on by default where there are two CPUs or more: `what` it pins."""
+    parser.add_argument(
+        "--pin",
+        action=argparse.BooleanOptionalAction,
+        default=(os.cpu_count() or 1) >= 2,
+        help=f"{what} (default: on where there are two CPUs or more)",
+    )
+
+
 def add_tiny_model_argument(parser: argparse.ArgumentParser, used_by: str) -> None:
     """`--model DIR` (alias `--model-dir`): the tiny preset, built there if missing."""
     parser.add_argument(
