@@ -257,12 +257,13 @@ FLOATING = {"worker"}
 
 
 class Placement:
-    """Which CPUs the bench's processes run on: pinned (the gateways on the last CPU, every
-    other child but the tiny model's worker, and this process, on the first) or every CPU
-    for everyone. wrk, started per case, inherits this process's CPUs."""
+    """Which CPUs the bench's processes run on: pinned (the children named in `apart` on
+    the last CPU; every other child but the tiny model's worker, and this process, on the
+    first) or every CPU for everyone. wrk, started per case, inherits this process's CPUs."""
 
-    def __init__(self, sup: Any) -> None:
+    def __init__(self, sup: Any, apart: set[str] = GATEWAYS) -> None:
         self.sup = sup
+        self.apart = apart
         self.cpus = os.sched_getaffinity(0)
         self.pinned: bool | None = None
 
@@ -276,7 +277,7 @@ class Placement:
             if child.proc is not None and child.proc.poll() is None:
                 if child.name in FLOATING:
                     continue
-                apart = child.name in GATEWAYS
+                apart = child.name in self.apart
                 pin(child.proc.pid, (last if apart else first) if pinned else self.cpus)
         pin(os.getpid(), first if pinned else self.cpus)
         self.pinned = pinned
@@ -393,7 +394,6 @@ def _start_stack(
 
     from ctxcache import tracing
     from ctxcache.net import free_port
-    from ctxcache.redis_server import RedisServer
     from ctxcache.supervisor import Child, http_ready
 
     backends: dict[str, int] = {}
@@ -407,31 +407,13 @@ def _start_stack(
         cmd = ["worker", "--model", str(args.model_dir), "--model-name", "tiny"]
         argv = [sys.executable, "-m", "ctxcache.cli", *cmd, "--port", str(backends["tiny"])]
         worker = sup.start(Child("worker", argv))  # readiness checked below
-    redis = RedisServer(tmp / "redis")
-    redis.data_dir.mkdir(parents=True)
-    sup.start(Child("redis", redis.argv(), ready=redis.wait_ready))
-    backends["fake"] = free_port()
-    argv = [sys.executable, "-m", "benchmarks.fake_worker", "--port", str(backends["fake"])]
-    ready = http_ready(f"http://127.0.0.1:{backends['fake']}/health")
-    sup.start(Child("fake", argv, ready=ready))
-    # a real sidecar's control API, as in production: session turns pin their KV there
-    sidecar = free_port()
-    argv = [sys.executable, "-m", "ctxcache.cli", "sidecar", "--port", str(free_port())]
-    argv += ["--control-port", str(sidecar), "--log-level", "WARNING"]
-    sup.start(Child("sidecar", argv, ready=http_ready(f"http://127.0.0.1:{sidecar}/health")))
+    redis = start_redis(sup, tmp)
+    backends["fake"] = start_fake_worker(sup)
+    sidecar = start_sidecar(sup)
 
     def gateway(name: str, env: dict[str, str]) -> int:
-        port = free_port()
-        argv = [sys.executable, "-m", "ctxcache.cli", "gateway", "--port", str(port)]
-        if args.gateway_tree is not None:  # -P: the checkout on PYTHONPATH is imported
-            argv[1:1] = ["-P"]
-            env = {**env, "PYTHONPATH": str(args.gateway_tree.resolve())}
-        argv += ["--redis-url", redis.url, "--api-key", f"{KEY}=bench", "--log-level", "WARNING"]
-        for backend in backends.values():
-            argv += ["--worker", f"http://127.0.0.1:{backend}=http://127.0.0.1:{sidecar}"]
-        ready = http_ready(f"http://127.0.0.1:{port}/ready")
-        sup.start(Child(name, argv, ready=ready, env=env))
-        return port
+        urls = [f"http://127.0.0.1:{backend}" for backend in backends.values()]
+        return start_gateway(sup, name, redis, urls, sidecar, tree=args.gateway_tree, env=env)
 
     ports = [gateway("gateway", {tracing.ENDPOINT_ENV: ""})]  # off, whatever the shell says
     traced_port = None
@@ -453,3 +435,66 @@ def _start_stack(
                 raise RuntimeError(f"the gateway does not list {sorted(backends)} after 180 s")
             time.sleep(0.2)
     return ports[0], {"fake": backends["fake"], **backends}, traced_port
+
+
+def start_redis(sup: Any, tmp: Path) -> str:
+    """A Redis of the bench's own, under `tmp`: its URL."""
+    from ctxcache.redis_server import RedisServer
+    from ctxcache.supervisor import Child
+
+    redis = RedisServer(tmp / "redis")
+    redis.data_dir.mkdir(parents=True)
+    sup.start(Child("redis", redis.argv(), ready=redis.wait_ready))
+    return redis.url
+
+
+def start_fake_worker(sup: Any) -> int:
+    """The fast fake backend (`benchmarks.fake_worker`): its port."""
+    from ctxcache.net import free_port
+    from ctxcache.supervisor import Child, http_ready
+
+    port = free_port()
+    argv = [sys.executable, "-m", "benchmarks.fake_worker", "--port", str(port)]
+    sup.start(Child("fake", argv, ready=http_ready(f"http://127.0.0.1:{port}/health")))
+    return port
+
+
+def start_sidecar(sup: Any) -> int:
+    """A real sidecar, as in production (session turns pin their KV there): its control
+    port."""
+    from ctxcache.net import free_port
+    from ctxcache.supervisor import Child, http_ready
+
+    control = free_port()
+    argv = [sys.executable, "-m", "ctxcache.cli", "sidecar", "--port", str(free_port())]
+    argv += ["--control-port", str(control), "--log-level", "WARNING"]
+    sup.start(Child("sidecar", argv, ready=http_ready(f"http://127.0.0.1:{control}/health")))
+    return control
+
+
+def start_gateway(
+    sup: Any,
+    name: str,
+    redis_url: str,
+    workers: list[str],
+    sidecar: int,
+    *,
+    tree: Path | None = None,
+    env: dict[str, str] | None = None,
+) -> int:
+    """A gateway (`tree`: started from that checkout) with the bench's key, in front of
+    `workers`, each storing into `sidecar`; ready once `/ready` says so. Its port."""
+    from ctxcache.net import free_port
+    from ctxcache.supervisor import Child, http_ready
+
+    port = free_port()
+    argv = [sys.executable, "-m", "ctxcache.cli", "gateway", "--port", str(port)]
+    env = dict(env or {})
+    if tree is not None:  # -P: the checkout on PYTHONPATH, not the working directory
+        argv[1:1] = ["-P"]
+        env["PYTHONPATH"] = str(tree.resolve())
+    argv += ["--redis-url", redis_url, "--api-key", f"{KEY}=bench", "--log-level", "WARNING"]
+    for url in workers:
+        argv += ["--worker", f"{url}=http://127.0.0.1:{sidecar}"]
+    sup.start(Child(name, argv, ready=http_ready(f"http://127.0.0.1:{port}/ready"), env=env))
+    return port

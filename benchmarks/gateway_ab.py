@@ -23,19 +23,27 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks.gateway import AUTH, KEY, Case, measure_ours, streamed_chat
+from benchmarks.gateway import (
+    AUTH,
+    Case,
+    Placement,
+    measure_ours,
+    start_fake_worker,
+    start_gateway,
+    start_redis,
+    start_sidecar,
+    streamed_chat,
+)
 from benchmarks.util import (
     add_output_arguments,
     add_pin_argument,
     markdown_table,
-    pin,
     plot_path,
     run_meta,
     write_outputs,
@@ -96,42 +104,21 @@ async def measure(case: str, port: int, args: argparse.Namespace, direct: bool =
 async def _run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from ctxcache.net import free_port
-    from ctxcache.redis_server import RedisServer
-    from ctxcache.supervisor import Child, Supervisor, http_ready
+    from ctxcache.supervisor import Supervisor
 
     trees = {"A": args.a.resolve(), "B": args.b.resolve()}
     with tempfile.TemporaryDirectory() as tmp, Supervisor(out=sys.stderr) as sup:
-        redis = RedisServer(Path(tmp) / "redis")
-        redis.data_dir.mkdir(parents=True)
-        sup.start(Child("redis", redis.argv(), ready=redis.wait_ready))
-        fake = free_port()
-        argv = [sys.executable, "-m", "benchmarks.fake_worker", "--port", str(fake)]
-        sup.start(Child("fake", argv, ready=http_ready(f"http://127.0.0.1:{fake}/health")))
-        # a real sidecar's control API, as in production: session turns pin their KV there
-        sidecar = free_port()
-        argv = [sys.executable, "-m", "ctxcache.cli", "sidecar", "--port", str(free_port())]
-        argv += ["--control-port", str(sidecar), "--log-level", "WARNING"]
-        sup.start(Child("sidecar", argv, ready=http_ready(f"http://127.0.0.1:{sidecar}/health")))
-        ports: dict[str, int] = {}
-        gateways: list[Child] = []
-        for name, tree in trees.items():
-            ports[name] = free_port()
-            # -P: the checkout on PYTHONPATH, not the working directory, is imported
-            argv = [sys.executable, "-P", "-m", "ctxcache.cli", "gateway"]
-            argv += ["--port", str(ports[name])]
-            argv += ["--redis-url", redis.url, "--api-key", f"{KEY}=bench"]
-            argv += ["--worker", f"http://127.0.0.1:{fake}=http://127.0.0.1:{sidecar}"]
-            argv += ["--log-level", "WARNING"]
-            env = {"PYTHONPATH": str(tree), "OTEL_EXPORTER_OTLP_ENDPOINT": ""}
-            ready = http_ready(f"http://127.0.0.1:{ports[name]}/ready")
-            gateways.append(sup.start(Child(f"gateway-{name}", argv, ready=ready, env=env)))
+        redis = start_redis(sup, Path(tmp))
+        fake = start_fake_worker(sup)
+        sidecar = start_sidecar(sup)
+        worker = [f"http://127.0.0.1:{fake}"]
+        env = {"OTEL_EXPORTER_OTLP_ENDPOINT": ""}
+        ports = {
+            name: start_gateway(sup, f"gateway-{name}", redis, worker, sidecar, tree=tree, env=env)
+            for name, tree in trees.items()
+        }
         if args.pin:
-            cpus = os.sched_getaffinity(0)
-            for child in sup.children:
-                assert child.proc is not None
-                pin(child.proc.pid, {max(cpus)} if child in gateways else {min(cpus)})
-            pin(os.getpid(), {min(cpus)})
+            Placement(sup, apart={f"gateway-{name}" for name in trees}).set(pinned=True)
         for port in ports.values():  # warm up (/ready: the worker and its model are known)
             await ttft(port, min(500, args.requests), direct=False)
         rows: list[dict[str, Any]] = []
