@@ -78,20 +78,20 @@ def answers(points: list[Point]) -> dict[str, dict[tuple[float, int, int], str]]
     return out
 
 
-def compare(points: list[Point]) -> dict[str, Any]:
-    """The session's answers against the reference mode's, per (rate, user, round); each
-    rate has users of its own, so only rates both modes ran are compared. A conversation
-    counts once: after its first different answer its history differs, so its later rounds
-    are not compared (`after_divergence`)."""
+def compare(points: list[Point], mode: str = "session") -> dict[str, Any]:
+    """`mode`'s answers against the reference mode's, per (rate, user, round); each rate has
+    users of its own, so only rates both modes ran are compared. A conversation counts once:
+    after its first different answer its history differs, so its later rounds are not
+    compared (`after_divergence`)."""
     by_mode = answers(points)
     ref = next((m for m in REFERENCES if m in by_mode), None)
     out: dict[str, Any] = {"reference": ref, "compared": 0, "mismatches": 0}
     out |= {"after_divergence": 0, "examples": []}
-    if ref is None or "session" not in by_mode:
+    if ref is None or ref == mode or mode not in by_mode:
         return out
     theirs = by_mode[ref]
     diverged: set[tuple[float, int]] = set()
-    for (qps, user, rnd), text in sorted(by_mode["session"].items()):
+    for (qps, user, rnd), text in sorted(by_mode[mode].items()):
         other = theirs.get((qps, user, rnd))
         if other is None:
             continue
@@ -113,6 +113,17 @@ def compare(points: list[Point]) -> dict[str, Any]:
     return out
 
 
+def compare_all(points: list[Point]) -> dict[str, dict[str, Any]]:
+    """Every mode's answers against the reference's. The other full-history and roomy modes
+    are the control for the session's count: vllm-full recomputes every question as the
+    reference does, in other batches; roomy reuses KV from vLLM's own prefix cache, as the
+    session reuses it from the sidecar. A mismatch the controls show too is the engine's
+    arithmetic (batch shapes, KV computed in other chunks), not ctxcache's."""
+    modes = dict.fromkeys(p.mode for p in points)
+    out = {mode: compare(points, mode) for mode in modes}
+    return {mode: a for mode, a in out.items() if a["compared"]}
+
+
 def summary(
     rows: list[dict[str, Any]], modes: list[str], points: list[Point], slo_s: float
 ) -> dict[str, Any]:
@@ -130,7 +141,8 @@ def summary(
         at = [r for r in rows if r["mode"] == "session" and r["qps"] == crossed]
         out["vllm_full_connector_crosses_slo_at_qps"] = crossed
         out["session_p95_ms_there"] = at[0]["ttft_p95_ms"] if at else None
-    out["answers"] = compare(points)
+    out["answers"] = compare(points)  # the session's
+    out["answers_by_mode"] = compare_all(points)
     return out
 
 
@@ -182,10 +194,12 @@ def headline(summary: dict[str, Any]) -> str:
         key = f"session_over_{other}"
         if key in summary:
             lines.append(f"- session ÷ {other}: {summary[key]:.2f}×")
-    a = summary["answers"]
-    if a["reference"]:
+    by_mode = summary.get("answers_by_mode") or {"session": summary["answers"]}
+    for mode, a in by_mode.items():
+        if not a["reference"] or not a["compared"]:
+            continue
         lines.append(
-            f"- session answers equal to {a['reference']}'s: "
+            f"- {mode} answers equal to {a['reference']}'s: "
             f"{a['compared'] - a['mismatches']} of {a['compared']}"
             + (
                 f" ({a['after_divergence']} later rounds of diverged conversations not compared)"

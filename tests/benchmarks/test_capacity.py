@@ -83,6 +83,23 @@ def test_session_answers_are_compared_with_the_same_engines_full_history_answers
     assert got["examples"] == [{"qps": 1.0, "user": 1, "round": 1, "first_different_char": 2}]
 
 
+def test_every_mode_is_compared_with_the_reference_the_controls_beside_the_session() -> None:
+    """vllm-full and roomy are counted as the session is: a mismatch they show too is the
+    engine's arithmetic, not ctxcache's (docs/benchmarks.md, capacity's answers)."""
+    points = {m: Point(m, 1.0) for m in ("vllm-full-connector", "vllm-full", "roomy", "session")}
+    answers = {"vllm-full-connector": "a", "vllm-full": "a", "roomy": "b", "session": "a"}
+    for mode, text in answers.items():
+        points[mode].sent.append(Sent(0, 1, 0, 0, 0, answer=text))
+    got = report.compare_all(list(points.values()))
+    assert set(got) == {"vllm-full", "roomy", "session"}  # not the reference against itself
+    assert [got[m]["mismatches"] for m in ("vllm-full", "roomy", "session")] == [0, 1, 0]
+    summary = report.summary([], list(points), list(points.values()), 2.0)
+    assert summary["answers"] == got["session"]
+    text = report.headline(summary)
+    assert "roomy answers equal to vllm-full-connector's: 0 of 1" in text
+    assert "session answers equal to vllm-full-connector's: 1 of 1" in text
+
+
 def arrivals(
     w: Workload, qps: float, measured: int, warmup: int, first_user: int = 0
 ) -> list[tuple[int, int]]:
