@@ -21,8 +21,10 @@ CPU reservation and scheduler settings):
 
 Per mode and rate: requests done per second, TTFT p50/p95/p99, inter-token latency, output
 tokens per second, the cached share of prompt tokens, creates, errors, and the engine's time
-in connector work per step (from vLLM's `/metrics`). Every session answer is compared with
-the same engine's (`vllm-full-connector`) full-history answer for the same user and round.
+in connector work per step (from vLLM's `/metrics`). Every answer of the other modes is
+compared with the same engine's (`vllm-full-connector`) full-history answer for the same user
+and round: the session's is the check, vllm-full's and roomy's the controls (how often the
+engine's own batching and prefix cache change a greedy answer).
 """
 
 from __future__ import annotations

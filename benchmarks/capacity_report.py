@@ -78,13 +78,14 @@ def answers(points: list[Point]) -> dict[str, dict[tuple[float, int, int], str]]
     return out
 
 
-def compare(points: list[Point], mode: str = "session") -> dict[str, Any]:
-    """`mode`'s answers against the reference mode's, per (rate, user, round); each rate has
-    users of its own, so only rates both modes ran are compared. A conversation counts once:
-    after its first different answer its history differs, so its later rounds are not
-    compared (`after_divergence`)."""
+def compare(points: list[Point], mode: str = "session", ref: str | None = None) -> dict[str, Any]:
+    """`mode`'s answers against `ref`'s (default: the first of REFERENCES run), per (rate,
+    user, round); each rate has users of its own, so only rates both modes ran are compared.
+    A conversation counts once: after its first different answer its history differs, so its
+    later rounds are not compared (`after_divergence`)."""
     by_mode = answers(points)
-    ref = next((m for m in REFERENCES if m in by_mode), None)
+    if ref is None or ref not in by_mode:
+        ref = next((m for m in REFERENCES if m in by_mode), None)
     out: dict[str, Any] = {"reference": ref, "compared": 0, "mismatches": 0}
     out |= {"after_divergence": 0, "examples": []}
     if ref is None or ref == mode or mode not in by_mode:
@@ -143,6 +144,10 @@ def summary(
         out["session_p95_ms_there"] = at[0]["ttft_p95_ms"] if at else None
     out["answers"] = compare(points)  # the session's
     out["answers_by_mode"] = compare_all(points)
+    # the session against vLLM's own KV reuse: both answer from KV an earlier request made
+    reuse = compare(points, "session", "roomy")
+    if reuse["reference"] == "roomy" and reuse["compared"]:
+        out["session_answers_vs_roomy"] = reuse
     return out
 
 
@@ -206,6 +211,12 @@ def headline(summary: dict[str, Any]) -> str:
                 if a["after_divergence"]
                 else ""
             )
+        )
+    if "session_answers_vs_roomy" in summary:
+        a = summary["session_answers_vs_roomy"]
+        lines.append(
+            f"- session answers equal to roomy's (vLLM's own prefix cache): "
+            f"{a['compared'] - a['mismatches']} of {a['compared']}"
         )
     return "\n".join(lines) + "\n"
 

@@ -98,6 +98,8 @@ def test_every_mode_is_compared_with_the_reference_the_controls_beside_the_sessi
     text = report.headline(summary)
     assert "roomy answers equal to vllm-full-connector's: 0 of 1" in text
     assert "session answers equal to vllm-full-connector's: 1 of 1" in text
+    assert summary["session_answers_vs_roomy"]["mismatches"] == 1
+    assert "session answers equal to roomy's (vLLM's own prefix cache): 0 of 1" in text
 
 
 def arrivals(
