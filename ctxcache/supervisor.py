@@ -48,6 +48,7 @@ class Supervisor:
         self.out = out or sys.stdout
         self.grace_s = grace_s
         self._lock = threading.Lock()
+        self._pumps: list[threading.Thread] = []
         self.stopping = threading.Event()
         self._old_handlers: dict[int, Any] = {}
 
@@ -76,7 +77,9 @@ class Supervisor:
             start_new_session=True,
         )
         self.children.append(child)
-        threading.Thread(target=self._pump, args=(child,), daemon=True).start()
+        pump = threading.Thread(target=self._pump, args=(child,), daemon=True)
+        self._pumps.append(pump)
+        pump.start()
         if child.ready is not None:
             deadline = time.monotonic() + child.startup_timeout
             while True:
@@ -102,6 +105,8 @@ class Supervisor:
             for raw in iter(child.proc.stdout.readline, b""):
                 line = raw.decode(errors="replace").rstrip()
                 with self._lock:
+                    if self.out.closed:  # its owner closed it: a child that outlived stop()
+                        continue
                     self.out.write(prefix + line + "\n")
                     self.out.flush()
 
@@ -133,6 +138,11 @@ class Supervisor:
                 child.proc.wait()
             _signal_group(child.proc, signal.SIGKILL)  # anything its children left
         self.children.clear()
+        # the children's last lines are written before stop() returns, so whoever owns
+        # `out` may close it then (a pipe a process outside the group still holds: 1 s)
+        for pump in self._pumps:
+            pump.join(timeout=1.0)
+        self._pumps.clear()
 
 
 def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
