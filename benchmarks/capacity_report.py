@@ -79,10 +79,10 @@ def answers(points: list[Point]) -> dict[str, dict[tuple[float, int, int], str]]
 
 
 def compare(points: list[Point], mode: str = "session", ref: str | None = None) -> dict[str, Any]:
-    """`mode`'s answers against `ref`'s (default: the first of REFERENCES run), per (rate,
-    user, round); each rate has users of its own, so only rates both modes ran are compared.
-    A conversation counts once: after its first different answer its history differs, so its
-    later rounds are not compared (`after_divergence`)."""
+    """`mode`'s answers against `ref`'s (not given, or not run: the first of REFERENCES run),
+    per (rate, user, round); each rate has users of its own, so only rates both modes ran are
+    compared. A conversation counts once: after its first different answer its history
+    differs, so its later rounds are not compared (`after_divergence`)."""
     by_mode = answers(points)
     if ref is None or ref not in by_mode:
         ref = next((m for m in REFERENCES if m in by_mode), None)
