@@ -134,7 +134,8 @@ def summary(
     for other in ("vllm-full-connector", "vllm-full", "roomy"):
         if other in cap and session:
             theirs = cap[other]
-            out[f"session_over_{other}"] = session / theirs if theirs else float("inf")
+            # None: the other mode held no rate it ran (no finite ratio; JSON has no inf)
+            out[f"session_over_{other}"] = session / theirs if theirs else None
     # the session's p95 where the connector-loaded vLLM stops holding the SLO
     vfc = sorted((r for r in rows if r["mode"] == "vllm-full-connector"), key=lambda r: r["qps"])
     crossed = next((r["qps"] for r in vfc if r["ttft_p95_ms"] > slo_s * 1e3), None)
@@ -198,7 +199,11 @@ def headline(summary: dict[str, Any]) -> str:
     for other in ("vllm-full-connector", "vllm-full", "roomy"):
         key = f"session_over_{other}"
         if key in summary:
-            lines.append(f"- session ÷ {other}: {summary[key]:.2f}×")
+            ratio = summary[key]
+            lines.append(
+                f"- session ÷ {other}: "
+                + (f"{ratio:.2f}×" if ratio is not None else f"no ratio ({other} held no rate)")
+            )
     by_mode = summary.get("answers_by_mode") or {"session": summary["answers"]}
     for mode, a in by_mode.items():
         if not a["reference"] or not a["compared"]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import platform
 import shlex
@@ -199,11 +200,24 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> 
     return "\n".join(out)
 
 
+def finite(value: Any) -> Any:
+    """`value` with every NaN or infinite float in it replaced by None: JSON has neither (an
+    empty percentile is NaN here, and `NaN` in a file is not JSON to other readers)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite(v) for v in value]
+    return value
+
+
 def write_outputs(out_dir: Path, name: str, data: dict[str, Any], table: str) -> list[Path]:
-    """`NAME.json` (data) and `NAME.md` (the header line from data["meta"], then table)."""
+    """`NAME.json` (data, strict JSON: a NaN is null) and `NAME.md` (the header line from
+    data["meta"], then table)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [out_dir / f"{name}.json", out_dir / f"{name}.md"]
-    paths[0].write_text(json.dumps(data, indent=2) + "\n")
+    paths[0].write_text(json.dumps(finite(data), indent=2, allow_nan=False) + "\n")
     meta = data.get("meta")
     text = table.rstrip("\n") + "\n"
     if isinstance(meta, dict) and {"command", "date", "machine"} <= meta.keys():

@@ -102,6 +102,17 @@ def test_every_mode_is_compared_with_the_reference_the_controls_beside_the_sessi
     assert "session answers equal to roomy's (vLLM's own prefix cache): 0 of 1" in text
 
 
+def test_a_reference_that_held_no_rate_gives_no_ratio_and_valid_json() -> None:
+    rows = [
+        {"mode": "vllm-full-connector", "qps": 0.5, "held": False, "ttft_p95_ms": 2500.0},
+        {"mode": "session", "qps": 0.5, "held": True, "ttft_p95_ms": 900.0},
+    ]
+    summary = report.summary(rows, ["vllm-full-connector", "session"], [], 2.0)
+    assert summary["session_over_vllm-full-connector"] is None
+    json.loads(json.dumps(summary, allow_nan=False))  # strict JSON: no Infinity
+    assert "no ratio (vllm-full-connector held no rate)" in report.headline(summary)
+
+
 def arrivals(
     w: Workload, qps: float, measured: int, warmup: int, first_user: int = 0
 ) -> list[tuple[int, int]]:
