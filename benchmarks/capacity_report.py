@@ -69,8 +69,12 @@ def capacity(rows: list[dict[str, Any]], modes: list[str]) -> dict[str, float | 
     return out
 
 
-def answers(points: list[Point]) -> dict[str, dict[tuple[float, int, int], str]]:
-    out: dict[str, dict[tuple[float, int, int], str]] = {}
+# per mode, each answer by (rate, user, round)
+Answers = dict[str, dict[tuple[float, int, int], str]]
+
+
+def answers(points: list[Point]) -> Answers:
+    out: Answers = {}
     for p in points:
         for s in p.sent:
             if s.round > 0 and s.error is None:
@@ -78,17 +82,15 @@ def answers(points: list[Point]) -> dict[str, dict[tuple[float, int, int], str]]
     return out
 
 
-def compare(points: list[Point], mode: str = "session", ref: str | None = None) -> dict[str, Any]:
-    """`mode`'s answers against `ref`'s (not given, or not run: the first of REFERENCES run),
-    per (rate, user, round); each rate has users of its own, so only rates both modes ran are
-    compared. A conversation counts once: after its first different answer its history
-    differs, so its later rounds are not compared (`after_divergence`)."""
-    by_mode = answers(points)
-    if ref is None or ref not in by_mode:
-        ref = next((m for m in REFERENCES if m in by_mode), None)
+def compare(by_mode: Answers, mode: str = "session", ref: str | None = None) -> dict[str, Any]:
+    """`mode`'s answers against `ref`'s (default: the first of REFERENCES run), per (rate,
+    user, round); each rate has users of its own, so only rates both modes ran are compared.
+    A conversation counts once: after its first different answer its history differs, so its
+    later rounds are not compared (`after_divergence`)."""
+    ref = ref or next((m for m in REFERENCES if m in by_mode), None)
     out: dict[str, Any] = {"reference": ref, "compared": 0, "mismatches": 0}
     out |= {"after_divergence": 0, "examples": []}
-    if ref is None or ref == mode or mode not in by_mode:
+    if ref not in by_mode or ref == mode or mode not in by_mode:
         return out
     theirs = by_mode[ref]
     diverged: set[tuple[float, int]] = set()
@@ -114,14 +116,13 @@ def compare(points: list[Point], mode: str = "session", ref: str | None = None) 
     return out
 
 
-def compare_all(points: list[Point]) -> dict[str, dict[str, Any]]:
+def compare_all(by_mode: Answers) -> dict[str, dict[str, Any]]:
     """Every mode's answers against the reference's. The other full-history and roomy modes
     are the control for the session's count: vllm-full recomputes every question as the
     reference does, in other batches; roomy reuses KV from vLLM's own prefix cache, as the
     session reuses it from the sidecar. A mismatch the controls show too is the engine's
     arithmetic (batch shapes, KV computed in other chunks), not ctxcache's."""
-    modes = dict.fromkeys(p.mode for p in points)
-    out = {mode: compare(points, mode) for mode in modes}
+    out = {mode: compare(by_mode, mode) for mode in by_mode}
     return {mode: a for mode, a in out.items() if a["compared"]}
 
 
@@ -143,11 +144,12 @@ def summary(
         at = [r for r in rows if r["mode"] == "session" and r["qps"] == crossed]
         out["vllm_full_connector_crosses_slo_at_qps"] = crossed
         out["session_p95_ms_there"] = at[0]["ttft_p95_ms"] if at else None
-    out["answers"] = compare(points)  # the session's
-    out["answers_by_mode"] = compare_all(points)
+    by_mode = answers(points)
+    out["answers"] = compare(by_mode)  # the session's
+    out["answers_by_mode"] = compare_all(by_mode)
     # the session against vLLM's own KV reuse: both answer from KV an earlier request made
-    reuse = compare(points, "session", "roomy")
-    if reuse["reference"] == "roomy" and reuse["compared"]:
+    reuse = compare(by_mode, "session", "roomy")
+    if reuse["compared"]:
         out["session_answers_vs_roomy"] = reuse
     return out
 

@@ -77,7 +77,7 @@ def test_session_answers_are_compared_with_the_same_engines_full_history_answers
     ses2.sent.append(Sent(200_000, 1, 0, 0, 0, answer="x y"))
     ref.sent.append(Sent(1, 2, 2, 0, 0, answer="z"))  # user 1's round 2: after it diverged
     ses.sent.append(Sent(1, 2, 2, 0, 0, answer="w"))
-    got = report.compare([ref, ses, ses2])
+    got = report.compare(report.answers([ref, ses, ses2]))
     assert got["reference"] == "vllm-full-connector"
     assert (got["compared"], got["mismatches"], got["after_divergence"]) == (2, 1, 1)
     assert got["examples"] == [{"qps": 1.0, "user": 1, "round": 1, "first_different_char": 2}]
@@ -90,7 +90,7 @@ def test_every_mode_is_compared_with_the_reference_the_controls_beside_the_sessi
     answers = {"vllm-full-connector": "a", "vllm-full": "a", "roomy": "b", "session": "a"}
     for mode, text in answers.items():
         points[mode].sent.append(Sent(0, 1, 0, 0, 0, answer=text))
-    got = report.compare_all(list(points.values()))
+    got = report.compare_all(report.answers(list(points.values())))
     assert set(got) == {"vllm-full", "roomy", "session"}  # not the reference against itself
     assert [got[m]["mismatches"] for m in ("vllm-full", "roomy", "session")] == [0, 1, 0]
     summary = report.summary([], list(points), list(points.values()), 2.0)
