@@ -3,15 +3,28 @@
 from __future__ import annotations
 
 import socket
+import threading
 import time
 
 import httpx
 
+_handed_out: set[int] = set()
+_handed_out_lock = threading.Lock()
+
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A port nothing listens on now, and one this process has not handed out before: the
+    caller binds it later, so until then the kernel may offer the same port again (two
+    `free_port()` calls in a row once gave a sidecar the same data and control port)."""
+    for _ in range(1000):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = int(s.getsockname()[1])
+        with _handed_out_lock:
+            if port not in _handed_out:
+                _handed_out.add(port)
+                return port
+    raise OSError(f"no free port on {host} that this process has not handed out already")
 
 
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:

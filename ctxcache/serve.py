@@ -100,7 +100,7 @@ def _run(args: argparse.Namespace, sup: Supervisor, data: Path) -> int:
         sup.start(Child("redis", redis.argv(), ready=redis.wait_ready))
         redis_url = redis.url
 
-    ports = _internal_ports(data)
+    ports = _internal_ports(data, reserved={args.port})
     data_port, control_port = ports["sidecar_data"], ports["sidecar_control"]
     sidecar_control = f"http://127.0.0.1:{control_port}"
     sup.start(
@@ -200,10 +200,10 @@ def _default_model(data: Path) -> Path:
     return target
 
 
-def _internal_ports(data: Path) -> dict[str, int]:
+def _internal_ports(data: Path, reserved: set[int]) -> dict[str, int]:
     """The internal services' ports: free ones on first run, the same ones on a restart on
     this data dir (sessions record their sidecar's URL; it stays valid), new ones for any
-    that are taken now."""
+    that are taken now. No two are the same, and none is in `reserved` (the gateway's)."""
     from ctxcache.net import free_port, port_is_free
 
     path = data / "ports.json"
@@ -212,6 +212,13 @@ def _internal_ports(data: Path) -> dict[str, int]:
         old = {k: int(v) for k, v in json.loads(path.read_text()).items()}
     except (OSError, ValueError, TypeError, AttributeError):
         old = {}
-    ports = {n: old[n] if n in old and port_is_free(old[n]) else free_port() for n in names}
+    taken = set(reserved)
+    ports: dict[str, int] = {}
+    for name in names:  # nothing is bound yet, so a free port could be handed out twice
+        port = old.get(name)
+        while port is None or port in taken or not port_is_free(port):
+            port = free_port()
+        ports[name] = port
+        taken.add(port)
     path.write_text(json.dumps(ports) + "\n")
     return ports

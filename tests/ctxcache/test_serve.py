@@ -3,6 +3,7 @@ restart on the same data dir continues every session."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -246,3 +247,35 @@ def chat_turn(base: str, sid: str, question: str) -> dict[str, Any]:
     )
     assert r.status_code == 200, r.text
     return r.json()  # type: ignore[no-any-return]
+
+
+def test_internal_ports_are_distinct_and_never_the_gateways(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Nothing is bound when the ports are chosen, so the kernel may offer a port already
+    handed out (CI once gave the sidecar's data and control ports the same number)."""
+    import ctxcache.net
+    from ctxcache.serve import _internal_ports
+
+    gateway = free_port()
+    offers = iter([gateway, gateway, free_port(), gateway])
+    real_free_port = ctxcache.net.free_port
+    monkeypatch.setattr(ctxcache.net, "free_port", lambda: next(offers, None) or real_free_port())
+    ports = _internal_ports(tmp_path, reserved={gateway})
+    assert len(set(ports.values())) == 3 and gateway not in ports.values()
+
+
+def test_internal_ports_survive_a_restart_unless_a_kept_port_would_collide(
+    tmp_path: Path,
+) -> None:
+    from ctxcache.serve import _internal_ports
+
+    gateway = free_port()
+    first = _internal_ports(tmp_path, reserved={gateway})
+    assert _internal_ports(tmp_path, reserved={gateway}) == first
+    # a ports.json that repeats a port, or names the gateway's, is mended on the next start
+    clash = {"sidecar_data": gateway, "sidecar_control": first["engine"], "engine": first["engine"]}
+    (tmp_path / "ports.json").write_text(json.dumps(clash))
+    mended = _internal_ports(tmp_path, reserved={gateway})
+    assert len(set(mended.values())) == 3 and gateway not in mended.values()
+    assert mended["sidecar_control"] == first["engine"]
