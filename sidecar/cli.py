@@ -19,6 +19,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="lru (default): pinned sessions compete by recency; reserve: first come, first "
         "served, new pinned blocks refused once pinned bytes reach memory + disk",
     )
+    a(
+        "--local-dir",
+        help="memory-backed directory shared with engines on this node (/dev/shm/..., a "
+        "tmpfs volume): the memory tier lives in a shared region there and local engines "
+        "copy KV through it instead of the socket (env CTX_SIDECAR_LOCAL_DIR)",
+    )
+    a("--local-bytes", type=int, help="size of the shared region (default memory bytes x 1.125)")
     a("--token", help="bearer token the control API requires (env CTX_SIDECAR_TOKEN)")
     a(
         "--encryption-key",
@@ -43,6 +50,8 @@ def main(args: argparse.Namespace) -> int:
         memory_bytes="memory_bytes",
         disk_bytes="disk_bytes",
         pin_policy="pin_policy",
+        local_dir="local_dir",
+        local_bytes="local_bytes",
         token="token",
         encryption_key="encryption_key",
         log_level="log_level",

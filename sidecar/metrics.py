@@ -46,6 +46,32 @@ class SidecarMetrics:
             f"{PREFIX}_expired_sessions", "sessions dropped at expiry", registry=r
         )
         self.connections = Gauge(f"{PREFIX}_connections", "open data connections", registry=r)
+        # the local (shared-memory) data path
+        self.region_full = Counter(
+            f"{PREFIX}_region_full",
+            "times no slot of the shared region could be had (the block stayed in the heap, "
+            "or a local store fell back to TCP)",
+            registry=r,
+        )
+        self.local_requests = Counter(
+            f"{PREFIX}_local_requests", "local-socket requests by op", ["op"], registry=r
+        )
+        self.local_bytes = Counter(
+            f"{PREFIX}_local_bytes",
+            "payload bytes engines copied through the shared region, by direction (load: "
+            "leased to an engine; store: committed by one)",
+            ["direction"],
+            registry=r,
+        )
+        self.leases_expired = Counter(
+            f"{PREFIX}_leases_expired",
+            "leases ended by their timeout or their holder's connection closing, not released",
+            ["reason"],
+            registry=r,
+        )
+        self.local_connections = Gauge(
+            f"{PREFIX}_local_connections", "open local-socket connections", registry=r
+        )
         self._gauges: dict[str, Gauge] = {}
 
     def render(self, stats: Callable[[], dict[str, Any]]) -> bytes:

@@ -9,7 +9,9 @@ from __future__ import annotations
 import logging
 import threading
 
+from sidecar.arena import Arena
 from sidecar.disk import DiskTier
+from sidecar.local import LocalServer, check_free
 from sidecar.metrics import SidecarMetrics
 from sidecar.server import DataServer
 from sidecar.sessions import PinTable
@@ -29,6 +31,10 @@ class Sidecar:
             pins_path = settings.data_dir / "sessions.json"
             if settings.disk_enabled:
                 disk = DiskTier(settings.data_dir, aes_key=settings.aes_key)
+        self.arena: Arena | None = None
+        if settings.local_dir is not None:
+            check_free(settings.local_dir)
+            self.arena = Arena(settings.local_dir, settings.region_bytes)
         self.store = BlockStore(
             memory_bytes=settings.memory_bytes,
             disk=disk,
@@ -36,8 +42,10 @@ class Sidecar:
             pin_policy=settings.pin_policy,
             pins=PinTable(pins_path),
             metrics=self.metrics,
+            arena=self.arena,
         )
         self.server: DataServer | None = None
+        self.local: LocalServer | None = None
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap_loop, name="sidecar-reaper", daemon=True)
 
@@ -57,6 +65,15 @@ class Sidecar:
             metrics=self.metrics,
         )
         self.server.start()
+        if self.arena is not None:
+            self.local = LocalServer(
+                self.store,
+                self.arena,
+                lease_timeout_s=self.settings.lease_timeout_s,
+                max_block_bytes=self.settings.max_block_bytes,
+                metrics=self.metrics,
+            )
+            self.local.start()
         self._reaper.start()
         return self
 
@@ -64,6 +81,8 @@ class Sidecar:
         self._stop.set()
         if self.server is not None:
             self.server.stop()
+        if self.local is not None:
+            self.local.stop()
         if self._reaper.is_alive():
             self._reaper.join(timeout=5)
         if self.settings.flush_on_shutdown:
@@ -71,10 +90,14 @@ class Sidecar:
             if n:
                 log.info("flushed %d memory blocks to the disk tier", n)
         self.store.reap()  # also saves the pins
+        if self.arena is not None:
+            self.arena.close()
 
     def _reap_loop(self) -> None:
         while not self._stop.wait(self.settings.reap_interval):
             try:
                 self.store.reap()
+                if self.local is not None:
+                    self.local.expire()
             except Exception:
                 log.exception("expiry sweep failed")

@@ -31,6 +31,17 @@ class SidecarSettings(BaseSettings):
         "memory, then disk, to make room; reserve: pinned bytes are reserved up to memory + "
         "disk, and new pinned blocks past that are refused (docs/sidecar.md, 'Pin policy')",
     )
+    local_dir: Path | None = Field(
+        None,
+        description="memory-backed directory shared with engines on this node: the memory "
+        "tier lives in a shared region there and engines copy KV through it (docs/sidecar.md)",
+    )
+    local_bytes: int | None = Field(
+        None, gt=0, description="size of the shared region (default: memory_bytes * 1.125)"
+    )
+    lease_timeout_s: float = Field(
+        30.0, gt=0, description="a local lease not released by then ends (its copies: misses)"
+    )
     max_block_bytes: int = Field(1 << 30, gt=0, description="largest PUT accepted")
     reap_interval: float = Field(1.0, gt=0, description="seconds between expiry sweeps")
     flush_on_shutdown: bool = Field(
@@ -48,6 +59,12 @@ class SidecarSettings(BaseSettings):
     @property
     def disk_enabled(self) -> bool:
         return self.data_dir is not None and self.disk_bytes > 0
+
+    @property
+    def region_bytes(self) -> int:
+        """The shared region's size: the memory tier plus room for fragmentation and for
+        slots that leases and sends hold after the store let their blocks go."""
+        return self.local_bytes or self.memory_bytes + self.memory_bytes // 8
 
     @property
     def aes_key(self) -> bytes | None:

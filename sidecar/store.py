@@ -24,6 +24,12 @@ Policy (docs/sidecar.md has the long form):
 
 One lock guards the index; payload bytes move outside it (socket I/O, disk writes and
 reads), so concurrent connections only serialize on dictionary updates.
+
+With a shared-memory region (`sidecar.arena`, when an engine runs on this node) the memory
+tier's payloads are slots of that region: a PUT is received straight into one, and
+`lease` hands an engine a block's place in it (docs/sidecar.md, "Local data path"). A
+block that could not get a slot (the region fragmented, or held by leases) stays in the
+heap and is copied into the region when an engine leases it.
 """
 
 from __future__ import annotations
@@ -35,10 +41,12 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Literal
 
+from sidecar.arena import Arena
 from sidecar.blocks import BlockMeta, Buffer, Entry, Work
 from sidecar.disk import CorruptBlock, DiskTier
 from sidecar.metrics import SidecarMetrics
 from sidecar.sessions import PinTable, save_pins
+from sidecar.wire import new_heap_buffer
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +63,10 @@ class BlockStore:
         pin_policy: PinPolicy = "lru",
         pins: PinTable | None = None,
         metrics: SidecarMetrics | None = None,
+        arena: Arena | None = None,
     ) -> None:
         self.memory_bytes = memory_bytes
+        self.arena = arena
         self.pin_policy = pin_policy
         self.disk = disk if disk_bytes > 0 else None
         self.disk_bytes = disk_bytes if self.disk else 0
@@ -176,6 +186,40 @@ class BlockStore:
         with self._lock:
             return key in self._blocks
 
+    # ---- shared memory --------------------------------------------------------------
+    def new_buffer(self, n: int) -> Buffer:
+        """Where a block of `n` bytes about to be received should go: a slot of the shared
+        region when there is one with room, else the heap."""
+        if self.arena is not None:
+            slot = self.arena.alloc(n)
+            if slot is not None:
+                return slot  # type: ignore[return-value]
+            self.metrics.region_full.inc()
+        return new_heap_buffer(n)
+
+    def lease(self, key: str) -> tuple[BlockMeta, Buffer] | bool | None:
+        """A block's payload as a slot of the shared region, for an engine to copy from
+        under a lease (the caller holds the returned slot until the lease ends). None on a
+        miss; False when the block exists but no slot could be had for it (the engine
+        reads it over TCP instead)."""
+        assert self.arena is not None
+        found = self.get(key)
+        if found is None:
+            return None
+        meta, data = found
+        if self.arena.holds(data):
+            return meta, data
+        slot = self.arena.alloc(len(data))
+        if slot is None:
+            self.metrics.region_full.inc()
+            return False
+        slot[:] = memoryview(data).cast("B")
+        with self._lock:  # later leases of this block need no copy
+            e = self._blocks.get(key)
+            if e is not None and e.data is data and e.in_mem:
+                e.data = slot  # type: ignore[assignment]
+        return meta, slot  # type: ignore[return-value]
+
     def keys(self) -> list[str]:
         with self._lock:
             return list(self._blocks)
@@ -242,6 +286,11 @@ class BlockStore:
                 "pinned_sessions": len(self.pins),
                 "sessions": len(self._by_session),
                 "pin_policy": self.pin_policy,
+                **(
+                    {"region_bytes": self.arena.size, "region_used_bytes": self.arena.used}
+                    if self.arena is not None
+                    else {}
+                ),
             }
 
     def flush(self) -> int:

@@ -21,7 +21,7 @@ from worker.kv.hashing import KeyMaker
 from worker.kv.l1 import L1Cache
 from worker.kv.layout import TORCH_TO_KEY_NAME
 from worker.kv.manager import KVManager
-from worker.kv.sidecar import SidecarKV, kv_client_factory
+from worker.kv.sidecar import SidecarKV, kv_client_factory, kv_path
 from worker.metrics import WorkerMetrics
 from worker.settings import WorkerSettings
 
@@ -34,8 +34,15 @@ def build_state(settings: WorkerSettings, runner: ModelRunner | None = None) -> 
     metrics = WorkerMetrics()
     sidecar = None
     if settings.sidecar:
+        local = str(settings.sidecar_local_dir) if settings.sidecar_local_dir else None
+        log.info(
+            "KV path %s: sidecar %s%s",
+            kv_path(local),
+            settings.sidecar,
+            f", local dir {local}" if local else "",
+        )
         sidecar = SidecarKV(
-            kv_client_factory(settings.sidecar, settings.sidecar_timeout),
+            kv_client_factory(settings.sidecar, settings.sidecar_timeout, local),
             runner.kv_shape,
             on_error=metrics.sidecar_error,
         )

@@ -47,13 +47,34 @@ class BlockClient(Protocol):
 ClientFactory = Callable[[], BlockClient]
 
 
-def kv_client_factory(url: str, timeout: float) -> ClientFactory:
-    def make() -> BlockClient:
+def kv_client_factory(url: str, timeout: float, local_dir: str | None = None) -> ClientFactory:
+    """Clients of the sidecar at `url`; through its shared region (`sidecar.local_client`)
+    when `local_dir` holds its local socket, with `url` for what the region cannot serve."""
+
+    def make_tcp() -> BlockClient:
         from sidecar.client import KVClient
 
         return KVClient.from_url(url, timeout=timeout)
 
+    def make() -> BlockClient:
+        if local_dir is not None:
+            from sidecar.local_client import LocalClient
+
+            if LocalClient.available(local_dir):
+                return LocalClient(local_dir, timeout=timeout, fallback=make_tcp)
+            log.warning("no local sidecar socket in %s; KV goes over %s", local_dir, url)
+        return make_tcp()
+
     return make
+
+
+def kv_path(local_dir: str | None) -> str:
+    """Which path `kv_client_factory(..., local_dir)` takes now: "shm" or "tcp"."""
+    if local_dir is None:
+        return "tcp"
+    from sidecar.local_client import LocalClient
+
+    return "shm" if LocalClient.available(local_dir) else "tcp"
 
 
 class CircuitBreaker:

@@ -1,0 +1,310 @@
+"""The local data path: the shared region, its allocator, leases, and what protects a copy.
+
+Each fault test names the mechanism it checks; without it the test fails (a slot reused
+under a lease shows other bytes; a lease that outlived its holder keeps memory taken; a
+release after a restart or a timeout would vouch for bytes that are not the block's).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import socket
+import stat
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from sidecar.arena import SOCKET_NAME, Arena, RegionError, read_generation
+from sidecar.client import KVClient
+from sidecar.local import LocalDirInUse
+from sidecar.local_client import TCP, LocalClient, Slot
+from sidecar.protocol import DTYPE_BFLOAT16, FMT_KV_2LTD
+from sidecar.service import Sidecar
+from sidecar.settings import SidecarSettings
+from tests.sidecar.helpers import SidecarFactory
+
+SHAPE = (2, 1, 4, 8)
+KEY = "m@1@0@{}@bfloat16@s%sess"
+
+
+def key(i: int) -> str:
+    return KEY.format(i)
+
+
+def payload(n: int, fill: int) -> bytes:
+    return bytes([fill]) * n
+
+
+@pytest.fixture
+def shm_dir() -> Iterator[Path]:
+    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+    with tempfile.TemporaryDirectory(prefix="ctxcache-test-", dir=base) as d:
+        yield Path(d)
+
+
+def start(shm_dir: Path, memory: int = 1 << 20, **kw: object) -> Sidecar:
+    settings = SidecarSettings(port=0, memory_bytes=memory, local_dir=shm_dir, **kw)  # type: ignore[arg-type]
+    return Sidecar(settings).start()
+
+
+@pytest.fixture
+def local(shm_dir: Path) -> Iterator[Sidecar]:
+    sc = start(shm_dir)
+    try:
+        yield sc
+    finally:
+        sc.stop()
+
+
+def put_tcp(sc: Sidecar, k: str, data: bytes) -> None:
+    with KVClient("127.0.0.1", sc.port) as c:
+        c.put(k, data, fmt=FMT_KV_2LTD, dtype=DTYPE_BFLOAT16, shape=SHAPE)
+        c.health()  # PUT has no reply: a round trip after it means it was taken in
+
+
+# ---- the region and its allocator -------------------------------------------------------
+def test_the_region_is_a_0660_file_named_and_headed_by_its_generation(shm_dir: Path) -> None:
+    arena = Arena(shm_dir, 1 << 20)
+    try:
+        assert arena.path.name == f"kv-{arena.generation}.shm"
+        assert stat.S_IMODE(arena.path.stat().st_mode) == 0o660
+        assert read_generation(arena.path) == arena.generation
+        assert arena.path.stat().st_blocks * 512 >= arena.size  # reserved up front
+    finally:
+        arena.close()
+    assert not arena.path.exists()
+
+
+def test_a_region_the_directory_cannot_hold_is_refused_at_start(shm_dir: Path) -> None:
+    with pytest.raises(RegionError, match="cannot hold"):
+        Arena(shm_dir, 1 << 50)
+    assert list(shm_dir.glob("kv-*")) == []
+
+
+def test_slots_are_given_back_when_their_last_reference_goes_and_free_space_coalesces(
+    shm_dir: Path,
+) -> None:
+    arena = Arena(shm_dir, 64 << 10)
+    total = arena.largest_free()
+    a, b, c = arena.alloc(10_000), arena.alloc(20_000), arena.alloc(4096)
+    assert a is not None and b is not None and c is not None
+    assert arena.alloc(total) is None  # no room for more than what is free
+    view = memoryview(b)[100:200]  # a view keeps its slot
+    del b
+    gc.collect()
+    assert arena.slots == 3
+    del view, a
+    gc.collect()
+    assert arena.slots == 1
+    del c
+    gc.collect()
+    assert arena.used == 0 and arena.largest_free() == total  # one extent again
+    arena.close()
+
+
+# ---- interop with the TCP path ------------------------------------------------------------
+def test_a_block_put_over_tcp_is_leased_from_the_region_and_a_local_store_is_read_over_tcp(
+    local: Sidecar, shm_dir: Path
+) -> None:
+    put_tcp(local, key(1), payload(1000, 7))
+    client = LocalClient(shm_dir)
+    try:
+        lease = client.lease([key(1), key(2)])
+        slot = lease.blocks[0]
+        assert isinstance(slot, Slot) and lease.blocks[1] is None
+        assert (slot.length, slot.fmt, slot.shape) == (1000, FMT_KV_2LTD, SHAPE)
+        assert bytes(client.view(slot)) == payload(1000, 7)
+        assert client.release(lease)
+
+        client.put(key(3), payload(3000, 9), fmt=FMT_KV_2LTD, dtype=DTYPE_BFLOAT16, shape=SHAPE)
+        with KVClient("127.0.0.1", local.port) as tcp:
+            got = tcp.get(key(3))
+        assert got is not None and bytes(got.data) == payload(3000, 9)
+        assert got.shape == SHAPE
+        assert client.exists_many([key(3), key(4)]) == [True, False]
+        assert [b is not None for b in client.get_many([key(1), key(4)])] == [True, False]
+    finally:
+        client.close()
+
+
+# ---- faults -------------------------------------------------------------------------------
+def test_a_block_overwritten_and_evicted_during_a_copy_keeps_its_bytes_under_the_lease(
+    shm_dir: Path,
+) -> None:
+    """Mechanism: a lease holds its slot, so neither the store's eviction nor a new PUT of
+    the same key can reuse those bytes until it is released."""
+    sc = start(shm_dir, memory=64 << 10, local_bytes=80 << 10)
+    client = LocalClient(shm_dir)
+    try:
+        put_tcp(sc, key(1), payload(32 << 10, 1))
+        lease = client.lease([key(1)])
+        slot = lease.blocks[0]
+        assert isinstance(slot, Slot)
+        # the same key again, and enough other blocks to push everything old out
+        put_tcp(sc, key(1), payload(32 << 10, 2))
+        for i in range(10, 16):
+            put_tcp(sc, key(i), payload(32 << 10, 3))
+        assert bytes(client.view(slot)) == payload(32 << 10, 1)  # untouched under the lease
+        assert client.release(lease)
+        gc.collect()
+        assert sc.arena is not None and sc.arena.slots <= 2  # and given back after it
+    finally:
+        client.close()
+        sc.stop()
+
+
+def test_a_lease_past_its_timeout_is_a_miss(local: Sidecar, shm_dir: Path) -> None:
+    """Mechanism: leases expire, and a release after that says the copy is not vouched for."""
+    put_tcp(local, key(1), payload(1000, 7))
+    client = LocalClient(shm_dir)
+    try:
+        lease = client.lease([key(1)])
+        assert local.local is not None
+        assert local.local.expire(now=float("inf")) == 1
+        assert not client.release(lease)
+    finally:
+        client.close()
+
+
+def test_an_engine_that_dies_holding_leases_gives_every_slot_back(
+    local: Sidecar, shm_dir: Path
+) -> None:
+    """Mechanism: a connection's leases end with it (no timeout to wait for)."""
+    assert local.arena is not None and local.local is not None
+    put_tcp(local, key(1), payload(1000, 7))
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(str(shm_dir / SOCKET_NAME))
+    reader = sock.makefile("rb")
+    sock.sendall(b'{"op":"lease","keys":["' + key(1).encode() + b'"]}\n')
+    assert json.loads(reader.readline())["lease"]
+    sock.sendall(b'{"op":"alloc","lengths":[200000]}\n')
+    assert json.loads(reader.readline())["ok"]
+    used = local.arena.used
+    assert local.local.leases == 2
+    reader.close()
+    sock.close()  # the engine is gone
+    _wait(lambda: local.local is not None and local.local.leases == 0)
+    gc.collect()
+    assert local.arena.used < used - 200000  # the allocated slot is free again
+
+
+def test_a_restarted_sidecar_is_remapped_and_nothing_stale_is_read(shm_dir: Path) -> None:
+    """Mechanism: the generation. A lease from before the restart is not vouched for, and
+    the client maps the new region instead of reading the old one's bytes."""
+    first = start(shm_dir)
+    client = LocalClient(shm_dir)
+    try:
+        put_tcp(first, key(1), payload(1000, 7))
+        lease = client.lease([key(1)])
+        old = client.region
+        assert old is not None
+        first.stop()
+        second = start(shm_dir)
+        try:
+            assert not client.release(lease)
+            assert client.lease([key(1)]).blocks == [None]  # the new sidecar has no such block
+            assert client.region is not None and client.region.generation != old.generation
+            assert second.arena is not None
+            assert client.region.generation == second.arena.generation
+            assert not old.path.exists()
+        finally:
+            second.stop()
+    finally:
+        client.close()
+
+
+def test_a_full_region_sends_stores_over_tcp_and_counts_it(shm_dir: Path) -> None:
+    sc = start(shm_dir, memory=256 << 10, local_bytes=64 << 10)
+    fallback: list[KVClient] = []
+
+    def tcp() -> KVClient:
+        fallback.append(KVClient("127.0.0.1", sc.port))
+        return fallback[0]
+
+    client = LocalClient(shm_dir, fallback=tcp)
+    try:
+        assert client.alloc([128 << 10]) is None
+        client.put(
+            key(1), payload(128 << 10, 5), fmt=FMT_KV_2LTD, dtype=DTYPE_BFLOAT16, shape=SHAPE
+        )
+        assert fallback  # it went over TCP
+        fallback[0].health()
+        assert sc.store.exists(key(1))
+        assert sc.metrics.region_full._value.get() >= 1
+        # a block that lives in the heap (no slot for it) is leased as "read it over TCP"
+        assert client.lease([key(1)]).blocks == [TCP]
+        got = client.get_many([key(1)])[0]
+        assert got is not None and bytes(got.data) == payload(128 << 10, 5)
+    finally:
+        client.close()
+        sc.stop()
+
+
+def test_a_second_sidecar_on_the_same_directory_refuses_to_start(
+    local: Sidecar, shm_dir: Path
+) -> None:
+    with pytest.raises(LocalDirInUse):
+        start(shm_dir)
+    assert local.arena is not None and local.arena.path.exists()  # the first one's is intact
+
+
+def test_bad_requests_get_an_error_and_the_socket_keeps_serving(
+    local: Sidecar, shm_dir: Path
+) -> None:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(str(shm_dir / SOCKET_NAME))
+    reader = sock.makefile("rb")
+    try:
+        for line in (
+            b"not json\n",
+            b"[1, 2]\n",
+            b'{"op": "nope"}\n',
+            b'{"op": "lease", "keys": "abc"}\n',
+            b'{"op": "alloc", "lengths": [-1]}\n',
+            b'{"op": "release", "lease": "x"}\n',
+            b'{"op": "commit", "lease": 999, "blocks": []}\n',
+        ):
+            sock.sendall(line)
+            assert json.loads(reader.readline())["ok"] is False
+        sock.sendall(b'{"op": "hello"}\n')
+        assert json.loads(reader.readline())["ok"] is True
+    finally:
+        reader.close()
+        sock.close()
+
+
+def test_the_sidecar_process_killed_during_a_load_is_a_miss_and_its_files_are_reclaimed(
+    sidecar_process: SidecarFactory, shm_dir: Path
+) -> None:
+    proc = sidecar_process("--local-dir", str(shm_dir), "--memory-bytes", str(1 << 20))
+    with KVClient("127.0.0.1", proc.data_port) as c:
+        c.put(key(1), payload(1000, 7), fmt=FMT_KV_2LTD, dtype=DTYPE_BFLOAT16, shape=SHAPE)
+        c.health()
+    client = LocalClient(shm_dir)
+    try:
+        lease = client.lease([key(1)])
+        assert isinstance(lease.blocks[0], Slot)
+        proc.kill()
+        assert not client.release(lease)  # the copy is not used
+        restarted = sidecar_process(
+            "--local-dir", str(shm_dir), "--memory-bytes", str(1 << 20), data_port=proc.data_port
+        )
+        assert len(list(shm_dir.glob("kv-*.shm"))) == 1  # the dead one's region is gone
+        assert client.lease([key(1)]).blocks == [None]
+        assert restarted
+    finally:
+        client.close()
+
+
+def _wait(cond: object, timeout: float = 5.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not cond():  # type: ignore[operator]
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(0.01)
