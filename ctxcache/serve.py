@@ -11,6 +11,11 @@ take free ports, so two stacks can run side by side. Start-up is health-gated; C
 SIGTERM, at any moment, stops everything; a restart on the same data dir continues every
 live session. `--redis-url` uses a Redis you run instead of the bundled one: one server,
 a Redis Cluster or Sentinel (the manager's URL grammar, docs/deploy.md).
+
+The engine and the sidecar share memory: the sidecar's memory tier lives in a region file in
+a private directory under /dev/shm (else `<data-dir>/local`), which the engine maps, so KV
+never crosses a socket (docs/deploy.md, "Shared-memory KV path"); the directory is removed
+when serve stops. `--no-local-kv`: KV over lm:// (TCP) only.
 """
 
 from __future__ import annotations
@@ -18,7 +23,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 from ctxcache.supervisor import Child, Interrupted, Supervisor, http_ready
@@ -27,6 +35,11 @@ from ctxcache.vllm_engine import default_engine
 from gateway.cli import add_api_key_argument, api_keys
 
 log = logging.getLogger("ctxcache.serve")
+
+SHM = Path("/dev/shm")
+LOCAL_PREFIX = "ctxcache-"
+LOCAL_RECORD = "local-kv-dir"  # under the data dir: where this stack's region lives
+REGION_SLACK = 1 << 20  # the region's header page, rounding, the socket
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -44,6 +57,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_api_key_argument(p)
     p.add_argument("--sidecar-memory-bytes", type=int, default=512 * 2**20)
     p.add_argument("--sidecar-disk-bytes", type=int, default=4 * 2**30)
+    p.add_argument(
+        "--no-local-kv",
+        action="store_true",
+        help="engine and sidecar exchange KV over lm:// (TCP) only, without the shared-memory "
+        "region (default: a region of the sidecar's memory bytes x 1.125 under /dev/shm)",
+    )
     p.add_argument(
         "--engine",
         choices=("vllm", "builtin"),
@@ -75,20 +94,29 @@ def main(args: argparse.Namespace) -> int:
     setup_logging("serve")
     data = args.data_dir.resolve()
     data.mkdir(parents=True, exist_ok=True)
-    with Supervisor() as sup:
-        try:
-            return _run(args, sup, data)
-        except Interrupted:
-            log.info("interrupted during start-up")
-            return 0
-        except (RuntimeError, TimeoutError) as exc:
-            log.error("start-up failed: %s", exc)
-            return 1
-        finally:
-            log.info("stopping every component")
+    try:
+        if args.no_local_kv:
+            remove_local_kv_dir(data)  # the region of an earlier serve that was killed
+            local = None
+            log.info("KV moves over lm:// only (--no-local-kv)")
+        else:
+            local = local_kv_dir(data, region_bytes(args))
+        with Supervisor() as sup:  # leaving it stops every child, then the region goes
+            try:
+                return _run(args, sup, data, local)
+            except Interrupted:
+                log.info("interrupted during start-up")
+                return 0
+            except (RuntimeError, TimeoutError) as exc:
+                log.error("start-up failed: %s", exc)
+                return 1
+            finally:
+                log.info("stopping every component")
+    finally:
+        remove_local_kv_dir(data)
 
 
-def _run(args: argparse.Namespace, sup: Supervisor, data: Path) -> int:
+def _run(args: argparse.Namespace, sup: Supervisor, data: Path, local: Path | None) -> int:
     from ctxcache.redis_server import RedisServer
 
     cli = [sys.executable, "-m", "ctxcache.cli"]
@@ -106,20 +134,7 @@ def _run(args: argparse.Namespace, sup: Supervisor, data: Path) -> int:
     sup.start(
         Child(
             "sidecar",
-            [
-                *cli,
-                "sidecar",
-                "--port",
-                str(data_port),
-                "--control-port",
-                str(control_port),
-                "--data-dir",
-                str(data / "sidecar"),
-                "--memory-bytes",
-                str(args.sidecar_memory_bytes),
-                "--disk-bytes",
-                str(args.sidecar_disk_bytes),
-            ],
+            [*cli, *sidecar_args(args, data, data_port, control_port, local)],
             ready=http_ready(f"{sidecar_control}/health"),
         )
     )
@@ -135,14 +150,10 @@ def _run(args: argparse.Namespace, sup: Supervisor, data: Path) -> int:
         "engine: %s",
         "vLLM with the ctxcache KV connector" if engine == "vllm" else "the built-in worker",
     )
-    # `ctxcache vllm` and `ctxcache worker` take the same flags for what they share
-    argv = [*cli, command, "--model", model, "--port", str(worker_port), "--sidecar", sidecar_lm]
-    if engine == "vllm":
-        argv += ["--kv-cache-gib", str(args.kv_cache_gib), "--", *args.vllm_arg]
     sup.start(
         Child(
             command,
-            argv,
+            [*cli, *engine_args(args, engine, model, worker_port, sidecar_lm, local)],
             ready=http_ready(f"http://127.0.0.1:{worker_port}/health"),
             startup_timeout=600.0 if engine == "vllm" else 120.0,
         )
@@ -177,6 +188,117 @@ def _run(args: argparse.Namespace, sup: Supervisor, data: Path) -> int:
         flush=True,
     )
     return sup.wait()
+
+
+def sidecar_args(
+    args: argparse.Namespace, data: Path, data_port: int, control_port: int, local: Path | None
+) -> list[str]:
+    """`ctxcache sidecar ...` for this stack: its memory tier in a region under `local`."""
+    argv = [
+        "sidecar",
+        "--port",
+        str(data_port),
+        "--control-port",
+        str(control_port),
+        "--data-dir",
+        str(data / "sidecar"),
+        "--memory-bytes",
+        str(args.sidecar_memory_bytes),
+        "--disk-bytes",
+        str(args.sidecar_disk_bytes),
+    ]
+    if local is not None:
+        argv += ["--local-dir", str(local), "--local-bytes", str(region_bytes(args))]
+    return argv
+
+
+def engine_args(
+    args: argparse.Namespace,
+    engine: str,
+    model: str,
+    port: int,
+    sidecar_lm: str,
+    local: Path | None,
+) -> list[str]:
+    """`ctxcache vllm ...` or `ctxcache worker ...`: the same flags for what they share."""
+    command = {"builtin": "worker", "vllm": "vllm"}[engine]
+    argv = [command, "--model", model, "--port", str(port), "--sidecar", sidecar_lm]
+    if local is not None:
+        argv += ["--sidecar-local-dir", str(local)]
+    if engine == "vllm":
+        argv += ["--kv-cache-gib", str(args.kv_cache_gib), "--", *args.vllm_arg]
+    return argv
+
+
+def region_bytes(args: argparse.Namespace) -> int:
+    """The sidecar's shared region: its memory tier plus an eighth (the sidecar's default
+    for `--local-bytes`, passed explicitly so this directory's room is checked for it)."""
+    memory: int = args.sidecar_memory_bytes
+    return memory + memory // 8
+
+
+def local_kv_dir(data: Path, size: int, shm: Path | None = None) -> Path | None:
+    """A private directory (0700) for the sidecar's region of `size` bytes and its socket:
+    under `shm` (/dev/shm, memory) where that is writable and has room, else
+    `<data>/local`; None (KV over lm:// only) where neither can hold it. Its path is
+    recorded under the data dir, so a serve that was killed has its region removed on the
+    next start.
+
+    `<data>/local` is on disk: the page cache writes the region back there, in the clear,
+    so it is not used when the sidecar has a disk-tier key (`CTX_SIDECAR_ENCRYPTION_KEY`),
+    nor where the sidecar cannot reserve a region (no `posix_fallocate`: macOS).
+    """
+    shm = shm or SHM
+    remove_local_kv_dir(data, shm)
+    need = size + REGION_SLACK
+    path: Path | None = None
+    if shm.is_dir() and os.access(shm, os.W_OK | os.X_OK) and _room(shm) >= need:
+        try:
+            path = Path(tempfile.mkdtemp(prefix=LOCAL_PREFIX, dir=shm))  # mode 0700
+        except OSError as exc:
+            log.warning("no directory in %s for the shared KV region: %s", shm, exc)
+    if path is None:
+        if why := _no_region_on_disk(data, need):
+            log.warning("no shared KV region (%s): KV moves over lm:// only", why)
+            return None
+        path = data / "local"
+        path.mkdir(mode=0o700)
+        path.chmod(0o700)  # whatever the umask
+    (data / LOCAL_RECORD).write_text(f"{path}\n")
+    log.info("shared-memory KV path: a %d MiB region in %s", size >> 20, path)
+    return path
+
+
+def _no_region_on_disk(data: Path, need: int) -> str | None:
+    """Why the region may not go under the data dir, if it may not."""
+    if not hasattr(os, "posix_fallocate"):
+        return "the sidecar cannot reserve one on this system"
+    if os.environ.get("CTX_SIDECAR_ENCRYPTION_KEY"):
+        return "the disk tier is encrypted, and no memory-backed directory was found"
+    if _room(data) < need:
+        return f"no room for {need >> 20} MiB in /dev/shm or {data}"
+    return None
+
+
+def remove_local_kv_dir(data: Path, shm: Path | None = None) -> None:
+    """Remove the region directory recorded under the data dir, if it is one serve makes
+    (`<shm>/ctxcache-*`, `<data>/local`), and the record."""
+    record = data / LOCAL_RECORD
+    try:
+        path = Path(record.read_text().strip())
+    except OSError:
+        path = data / "local"
+    if path.parent == (shm or SHM) and path.name.startswith(LOCAL_PREFIX):
+        shutil.rmtree(path, ignore_errors=True)
+    shutil.rmtree(data / "local", ignore_errors=True)
+    record.unlink(missing_ok=True)
+
+
+def _room(path: Path) -> int:
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return 0
 
 
 def _store_url(url: str) -> str:

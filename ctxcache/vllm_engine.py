@@ -78,6 +78,9 @@ class VllmLaunch:
     port: int
     host: str = "127.0.0.1"
     sidecar_lm: str | None = None  # lm://HOST:PORT; None: no connector (vLLM alone)
+    # the sidecar's shared-memory directory on this node (its `--local-dir`); None: KV
+    # moves over lm:// only (docs/deploy.md, "Shared-memory KV path")
+    sidecar_local_dir: str | None = None
     kv_cache_gib: int | None = 1  # VLLM_CPU_KVCACHE_SPACE takes whole GiB
     num_blocks: int | None = None  # --num-gpu-blocks-override
     max_model_len: int | None = None
@@ -90,12 +93,15 @@ class VllmLaunch:
 
     def transfer_config(self) -> dict[str, object]:
         assert self.sidecar_lm is not None
+        extra: dict[str, object] = {"sidecar_url": self.sidecar_lm, **self.connector_config}
+        if self.sidecar_local_dir:
+            extra["local_dir"] = self.sidecar_local_dir
         return {
             "kv_connector": CONNECTOR_CLASS,
             "kv_connector_module_path": CONNECTOR_MODULE,
             "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"sidecar_url": self.sidecar_lm, **self.connector_config},
+            "kv_connector_extra_config": extra,
         }
 
     def argv(self) -> list[str]:
@@ -174,6 +180,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--sidecar", default=None, help="lm://HOST:PORT of the KV sidecar (unset: no connector)"
     )
+    p.add_argument(
+        "--sidecar-local-dir",
+        default=None,
+        metavar="DIR",
+        help="the sidecar's --local-dir on this node: KV moves through its shared memory "
+        "(lm:// when DIR or its socket is missing; docs/deploy.md)",
+    )
     p.add_argument("--chunk-size", type=int, default=256, help="tokens per sidecar chunk")
     p.add_argument(
         "--async-loads",
@@ -230,6 +243,7 @@ def main(args: argparse.Namespace) -> int:
         port=args.port,
         host=args.host,
         sidecar_lm=args.sidecar,
+        sidecar_local_dir=args.sidecar_local_dir,
         kv_cache_gib=args.kv_cache_gib or kv_cache_gib_from_env(),
         num_blocks=args.num_blocks,
         max_model_len=args.max_model_len,

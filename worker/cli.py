@@ -15,6 +15,7 @@ FLAGS = {
     "threads": "threads",
     "sidecar": "sidecar",
     "sidecar_timeout": "sidecar_timeout",
+    "sidecar_local_dir": "sidecar_local_dir",
     "chunk_size": "chunk_size",
     "l1_bytes": "l1_bytes",
     "worker_id": "worker_id",
@@ -39,6 +40,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, help="torch CPU threads")
     parser.add_argument("--sidecar", help="KV sidecar, lm://HOST:PORT (optional)")
     parser.add_argument("--sidecar-timeout", type=float, help="seconds per sidecar call (1.0)")
+    parser.add_argument(
+        "--sidecar-local-dir",
+        metavar="DIR",
+        help="the sidecar's --local-dir on this node: KV through its shared memory (optional)",
+    )
     parser.add_argument("--chunk-size", type=int, help="sidecar chunk tokens (default 256)")
     parser.add_argument("--l1-bytes", type=int, help="in-process KV cache budget (1 GiB)")
     parser.add_argument("--worker-id", type=int, help="worker id in LMCache keys (default 0)")

@@ -23,6 +23,12 @@ class WorkerSettings(BaseSettings):
 
     sidecar: str | None = Field(None, description="lm://HOST:PORT of the KV sidecar")
     sidecar_timeout: float = Field(1.0, gt=0)
+    sidecar_local_dir: Path | None = Field(
+        None,
+        description="the sidecar's --local-dir on this node: KV moves through its shared "
+        "memory, the socket there carries only which blocks and a lease (lm:// when the "
+        "directory or its socket is missing; docs/deploy.md, 'Shared-memory KV path')",
+    )
     sidecar_tail_blocks: bool = Field(
         True, description="also store/find the last partial chunk at 16-token granularity"
     )

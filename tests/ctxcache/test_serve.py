@@ -279,3 +279,142 @@ def test_internal_ports_survive_a_restart_unless_a_kept_port_would_collide(
     mended = _internal_ports(tmp_path, reserved={gateway})
     assert len(set(mended.values())) == 3 and gateway not in mended.values()
     assert mended["sidecar_control"] == first["engine"]
+
+
+# ---- the shared-memory KV path: the region's directory and who is told about it --------
+
+
+def serve_args(*extra: str) -> Any:
+    from ctxcache.cli import build_parser
+
+    return build_parser().parse_args(["serve", "--model", "/m/tiny", *extra])
+
+
+def flag(argv: list[str], name: str) -> str | None:
+    return argv[argv.index(name) + 1] if name in argv else None
+
+
+@pytest.mark.parametrize("engine", ["builtin", "vllm"])
+def test_the_sidecar_and_the_engine_are_given_the_same_local_dir(
+    tmp_path: Path, engine: str
+) -> None:
+    """The sidecar makes its region and socket in the directory; the engine (either
+    command) looks for them there; the region holds the memory tier plus an eighth."""
+    from ctxcache.cli import build_parser
+    from ctxcache.serve import engine_args, sidecar_args
+
+    args = serve_args("--sidecar-memory-bytes", str(64 << 20), "--vllm-arg=--dtype=float32")
+    local = tmp_path / "shm" / "ctxcache-x"
+    sidecar = sidecar_args(args, tmp_path, 7001, 7002, local)
+    worker = engine_args(args, engine, "/m/tiny", 7003, "lm://127.0.0.1:7001", local)
+    assert flag(sidecar, "--local-dir") == flag(worker, "--sidecar-local-dir") == str(local)
+    assert flag(sidecar, "--local-bytes") == str((64 << 20) * 9 // 8)
+    parser = build_parser()  # the commands as their own CLIs read them
+    assert parser.parse_args(sidecar).local_dir == str(local)
+    assert parser.parse_args(worker).sidecar_local_dir == str(local)
+    if engine == "vllm":  # vLLM's own arguments stay last, after `--`
+        assert worker[-2:] == ["--", "--dtype=float32"]
+
+
+def test_no_local_kv_gives_neither_a_local_dir(tmp_path: Path) -> None:
+    from ctxcache.serve import engine_args, sidecar_args
+
+    args = serve_args("--no-local-kv")
+    assert args.no_local_kv
+    argv = sidecar_args(args, tmp_path, 7001, 7002, None)
+    for engine in ("builtin", "vllm"):
+        argv += engine_args(args, engine, "/m/tiny", 7003, "lm://127.0.0.1:7001", None)
+    assert not {"--local-dir", "--local-bytes", "--sidecar-local-dir"} & set(argv)
+
+
+def test_the_region_goes_in_a_private_directory_under_dev_shm(tmp_path: Path) -> None:
+    from ctxcache.serve import local_kv_dir, remove_local_kv_dir
+
+    shm, data = tmp_path / "shm", tmp_path / "data"
+    shm.mkdir()
+    data.mkdir()
+    local = local_kv_dir(data, 1 << 20, shm=shm)
+    assert local is not None and local.parent == shm and local.name.startswith("ctxcache-")
+    assert local.stat().st_mode & 0o777 == 0o700
+    other = tmp_path / "other-data"  # a second stack beside it: a directory of its own
+    other.mkdir()
+    assert local_kv_dir(other, 1 << 20, shm=shm) not in {None, local}
+    remove_local_kv_dir(data, shm=shm)
+    assert not local.exists() and list(data.iterdir()) == []
+    assert len(list(shm.iterdir())) == 1  # the other stack's, still there
+
+
+def test_without_dev_shm_or_room_there_the_region_goes_under_the_data_dir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import ctxcache.serve
+    from ctxcache.serve import local_kv_dir, remove_local_kv_dir
+
+    monkeypatch.delenv("CTX_SIDECAR_ENCRYPTION_KEY", raising=False)
+    data = tmp_path / "data"
+    data.mkdir()
+    missing = tmp_path / "no-shm"
+    local = local_kv_dir(data, 1 << 20, shm=missing)
+    assert local == data / "local" and local.stat().st_mode & 0o777 == 0o700
+    remove_local_kv_dir(data, shm=missing)
+    assert not local.exists()
+    # on disk the region would be written back in the clear: not beside an encrypted tier
+    monkeypatch.setenv("CTX_SIDECAR_ENCRYPTION_KEY", "a key")
+    assert local_kv_dir(data, 1 << 20, shm=missing) is None
+    monkeypatch.delenv("CTX_SIDECAR_ENCRYPTION_KEY")
+
+    shm = tmp_path / "shm"  # there, but too small for the region
+    shm.mkdir()
+    room = {shm: 1 << 10, data: 1 << 30}
+    monkeypatch.setattr(ctxcache.serve, "_room", lambda path: room[path])
+    assert local_kv_dir(data, 1 << 20, shm=shm) == data / "local"
+    assert list(shm.iterdir()) == []
+    room[data] = 1 << 10  # nowhere: KV over lm:// only, and serve still starts
+    assert local_kv_dir(data, 1 << 20, shm=shm) is None
+    assert not (data / "local").exists()
+
+
+def test_a_killed_serves_region_is_removed_on_the_next_start(tmp_path: Path) -> None:
+    """Nothing removes a region whose serve died by SIGKILL; it holds memory until the
+    next start on the same data dir, which removes it (and only what serve made)."""
+    from ctxcache.serve import local_kv_dir
+
+    shm, data = tmp_path / "shm", tmp_path / "data"
+    shm.mkdir()
+    data.mkdir()
+    stale = local_kv_dir(data, 1 << 20, shm=shm)
+    assert stale is not None
+    (stale / "kv-1.shm").write_bytes(b"\0" * 1024)
+    fresh = local_kv_dir(data, 1 << 20, shm=shm)
+    assert fresh is not None and fresh != stale and not stale.exists()
+    # a record that names anything else is not followed
+    other = shm / "someone-elses"
+    other.mkdir()
+    (data / "local-kv-dir").write_text(f"{other}\n")
+    local_kv_dir(data, 1 << 20, shm=shm)
+    assert other.is_dir()
+
+
+@pytest.mark.parametrize("no_local_kv", [False, True])
+def test_serve_removes_the_region_directory_when_start_up_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_local_kv: bool
+) -> None:
+    import ctxcache.serve
+
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    monkeypatch.setattr(ctxcache.serve, "SHM", shm)
+    seen: list[Path | None] = []
+
+    def failing_run(args: Any, sup: Any, data: Path, local: Path | None) -> int:
+        seen.append(local)
+        assert local is None or local.is_dir()
+        raise RuntimeError("sidecar exited with 1")
+
+    monkeypatch.setattr(ctxcache.serve, "_run", failing_run)
+    extra = ["--no-local-kv"] if no_local_kv else []
+    args = serve_args("--data-dir", str(tmp_path / "data"), *extra)
+    assert ctxcache.serve.main(args) == 1
+    assert (seen[0] is None) == no_local_kv
+    assert list(shm.iterdir()) == []
+    assert not (tmp_path / "data" / "local-kv-dir").exists()

@@ -3,6 +3,7 @@ and reads its KV cache size from the environment compose and Kubernetes set."""
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import sysconfig
@@ -91,3 +92,50 @@ def test_auto_reservation_keeps_both_cpus_of_a_two_cpu_machine(
     for cpus, reserved in ((1, 0), (2, 0), (3, 1), (64, 1)):
         monkeypatch.setattr(os, "sched_getaffinity", lambda _pid, n=cpus: set(range(n)))
         assert auto_reserved_cpus() == reserved, cpus
+
+
+def connector_extra(argv: list[str]) -> dict[str, object]:
+    config = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+    return config["kv_connector_extra_config"]  # type: ignore[no-any-return]
+
+
+def test_the_connector_gets_the_local_dir_only_when_one_is_given() -> None:
+    """`local_dir` in the connector's extra config is what makes it look for the sidecar's
+    socket and shared memory; without it the connector uses lm:// alone."""
+    tcp = VllmLaunch("m", "m", 8100, sidecar_lm="lm://127.0.0.1:65432")
+    assert "local_dir" not in connector_extra(tcp.argv())
+    local = VllmLaunch(
+        "m",
+        "m",
+        8100,
+        sidecar_lm="lm://127.0.0.1:65432",
+        sidecar_local_dir="/run/ctxcache",
+        connector_config={"chunk_size": 256},
+    )
+    extra = connector_extra(local.argv())
+    assert extra == {
+        "sidecar_url": "lm://127.0.0.1:65432",
+        "chunk_size": 256,
+        "local_dir": "/run/ctxcache",
+    }
+
+
+def test_ctxcache_vllm_passes_sidecar_local_dir_to_the_connector(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`ctxcache vllm --sidecar-local-dir DIR` (what serve, compose and the k8s overlays
+    run) reaches vLLM's --kv-transfer-config; the same line without it does not."""
+    import ctxcache.vllm_engine as vllm_engine
+    from ctxcache.cli import build_parser
+
+    launched: list[list[str]] = []
+    monkeypatch.setattr(vllm_engine, "available", lambda: True)
+    monkeypatch.setattr(os, "execvpe", lambda _file, argv, _env: launched.append(list(argv)))
+    line = ["vllm", "--model", "/m/tiny", "--sidecar", "lm://127.0.0.1:65432"]
+    for extra in (["--sidecar-local-dir", "/run/ctxcache"], []):
+        args = build_parser().parse_args([*line, *extra, "--", "--enforce-eager"])
+        vllm_engine.main(args)
+    with_dir, without = (connector_extra(argv) for argv in launched)
+    assert with_dir["local_dir"] == "/run/ctxcache"
+    assert "local_dir" not in without
+    assert with_dir["sidecar_url"] == without["sidecar_url"] == "lm://127.0.0.1:65432"
