@@ -9,6 +9,7 @@ import importlib
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "manager": ("benchmarks.manager", "session operations per second vs raw redis-py"),
     "sidecar": ("benchmarks.sidecar", "KV block PUT/GET bandwidth vs LMCache's server and Redis"),
+    "kvpath": ("benchmarks.kvpath", "KV load/store through the connector, tcp vs shm vs a copy"),
     "worker": ("benchmarks.worker", "TTFT with cached history vs full recompute"),
     "gateway": ("benchmarks.gateway", "gateway overhead vs calling the worker directly"),
     "gateway-ab": ("benchmarks.gateway_ab", "streaming TTFT of two checkouts' gateways"),

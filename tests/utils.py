@@ -107,7 +107,7 @@ class ServiceProcess:
 
 class SidecarProcess(ServiceProcess):
     """A real `ctxcache sidecar` with a disk tier; free ports unless given (to restart on
-    the same ones)."""
+    the same ones); with `local_dir`, its shared-memory data path there too."""
 
     def __init__(
         self,
@@ -116,8 +116,10 @@ class SidecarProcess(ServiceProcess):
         data_port: int | None = None,
         control_port: int | None = None,
         log_path: Path | None = None,
+        local_dir: Path | None = None,
     ) -> None:
         self.data_port = data_port or free_port()
+        self.local_dir = local_dir  # its shared-memory directory (the local data path)
         control = control_port or free_port()
         super().__init__(
             [
@@ -130,6 +132,7 @@ class SidecarProcess(ServiceProcess):
                 str(data_dir),
                 "--disk-bytes",
                 str(1 << 30),
+                *(["--local-dir", str(local_dir)] if local_dir else []),
             ],
             port=control,
             log_path=log_path or data_dir / "sidecar.log",
@@ -220,3 +223,13 @@ def relayed_streams(http: Any, base_url: str = "") -> float:
     name = "ctxcache_gateway_relayed_streams_total"
     assert f"\n{name} " in text, "no relayed-streams counter"
     return metric(text, name)
+
+
+def shm_dir(root: Path) -> Path:
+    """A fresh private directory for a sidecar's shared region: under /dev/shm (memory, as
+    in production) where it is writable, else under `root`."""
+    import tempfile
+
+    base = Path("/dev/shm")
+    parent = base if base.is_dir() and os.access(base, os.W_OK) else root
+    return Path(tempfile.mkdtemp(prefix="ctxcache-test-", dir=parent))

@@ -13,6 +13,12 @@ class ConnectorConfig(StrictModel):
     """Every key is optional but `sidecar_url`; unknown keys are an error at start-up."""
 
     sidecar_url: str = Field(description="lm://HOST:PORT of the KV sidecar's data port")
+    local_dir: str | None = Field(
+        None,
+        description="the sidecar's --local-dir when it runs on this node: KV moves through "
+        "its shared memory, the socket carries only leases (docs/vllm.md); unset, or no "
+        "socket there: lm:// over TCP",
+    )
     chunk_size: int = Field(
         256, ge=16, description="tokens per sidecar chunk (LMCache's chunk_size; keys chain on it)"
     )

@@ -23,6 +23,17 @@ COUNTERS: dict[str, str] = {
     "stored_tokens": "tokens of KV handed to the background storer",
     "store_drops": "finished requests whose KV was not stored (sidecar down, queue full)",
     "sidecar_errors": "sidecar calls that failed or timed out",
+    # per data path: shm (the local sidecar's shared region) or tcp (lm://)
+    "load_bytes_shm": "bytes of KV loaded through the local sidecar's shared memory",
+    "load_us_shm": "microseconds spent loading KV through shared memory (lease to release)",
+    "load_bytes_tcp": "bytes of KV loaded over lm:// (TCP)",
+    "load_us_tcp": "microseconds spent loading KV over lm:// (GETs and writes)",
+    "store_bytes_shm": "bytes of KV stored through the local sidecar's shared memory",
+    "store_us_shm": "microseconds spent storing KV through shared memory (alloc to commit)",
+    "store_bytes_tcp": "bytes of KV handed to the lm:// storer",
+    "store_us_tcp": "microseconds spent copying KV out for the lm:// storer",
+    "load_races": "shared-memory loads whose lease ended before release: recomputed",
+    "region_full": "stores that found the shared region full and went over lm://",
 }
 
 

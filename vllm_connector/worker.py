@@ -1,7 +1,15 @@
 """The connector's worker half: writes loaded blocks into vLLM's paged cache before the
 forward pass and reads finished requests' blocks out of it for the sidecar.
 
-A load's blocks come in one pipelined round trip of GETs, then one scatter per layer each.
+Two data paths (docs/vllm.md, "KV paths"):
+- **shm**, when the sidecar runs on this node (`local_dir`): one round trip leases the
+  blocks, the copies go straight from the sidecar's shared region into vLLM's blocks (the
+  blocks are stored in vLLM's own block layout, so a load is a few large copies per layer,
+  `vllm_connector.blockcopy`), and a release confirms that nothing raced them. A store
+  copies vLLM's blocks into slots the sidecar allocated, then commits them.
+- **tcp** (lm://, a remote sidecar, or whatever the shm path cannot serve): a load's
+  blocks come in one pipelined round trip of GETs (LMCache's `KV_2LTD`), then one scatter
+  per layer each.
 By default loads are synchronous (the step's forward attends over them); with `async_loads`
 they run on one background thread while the engine steps on, and a request whose load is
 whole is reported in `take_loaded` (vLLM's `finished_recving`), with its failed blocks.
@@ -17,6 +25,7 @@ soon as that copy is made) and PUT them from a background thread
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -27,6 +36,9 @@ from typing import Any
 import torch
 
 from ctxcache.lmcache_keys import parse_key
+from sidecar.local_client import TCP, LocalClient, LocalError, Region, Slot
+from sidecar.protocol import FMT_ENGINE_BLOCKS, FMT_KV_2LTD
+from vllm_connector.blockcopy import BlockCopier, kernel_blocks, register_host, unregister_host
 from vllm_connector.config import ConnectorConfig
 from vllm_connector.layout import (
     BlockLayout,
@@ -36,7 +48,7 @@ from vllm_connector.layout import (
     scatter,
     token_slots,
 )
-from vllm_connector.plan import LoadSpec, StoreSpec
+from vllm_connector.plan import LoadSpec, Piece, StoreSpec
 from vllm_connector.scheduler import StepPlan
 from vllm_connector.stats import Counters
 from worker.kv.layout import KVShape
@@ -54,6 +66,11 @@ class WorkerSide:
         self.caches: list[torch.Tensor] = []
         self.layouts: list[BlockLayout] = []
         self.sidecar: SidecarKV | None = None
+        self.copier: BlockCopier | None = None
+        self.local: LocalClient | None = None
+        self._region: torch.Tensor | None = None  # the local sidecar's region, mapped
+        self._region_pinned = False
+        self._retired: list[torch.Tensor] = []  # earlier sidecars' regions, pinned
         self._sent: set[str] = set()
         self._invalid: set[int] = set()
         self._loader: ThreadPoolExecutor | None = None  # (async_loads) started on first use
@@ -82,6 +99,8 @@ class WorkerSide:
             return
         self.caches, self.layouts = caches, layouts
         shape = KVShape(len(caches), first.heads, first.head_dim, caches[0].dtype)
+        self.shape = shape
+        self.copier = BlockCopier(caches, layouts)
         self.sidecar = SidecarKV(
             kv_client_factory(self.config.sidecar_url, self.config.timeout_s),
             shape,
@@ -89,14 +108,41 @@ class WorkerSide:
             max_pending_bytes=self.config.max_pending_store_bytes,
             on_error=lambda op: self.counters.add("sidecar_errors"),
         )
+        path = self._open_local()
         log.info(
-            "ctxcache connector: %d layers, %d kv heads x %d, %s, %d-token kernel blocks",
+            "ctxcache connector: %d layers, %d kv heads x %d, %s, %d-token kernel blocks; "
+            "KV path %s",
             len(caches),
             first.heads,
             first.head_dim,
             caches[0].dtype,
             first.tokens,
+            path,
         )
+
+    def _open_local(self) -> str:
+        """Use the local sidecar's shared memory when its socket is there; say which path."""
+        where = self.config.local_dir
+        if where is None:
+            return f"tcp ({self.config.sidecar_url})"
+        if not LocalClient.available(where):
+            log.warning("ctxcache connector: no local sidecar socket in %s; using TCP", where)
+            return f"tcp ({self.config.sidecar_url}; no socket in {where})"
+        self.local = LocalClient(where, timeout=self.config.timeout_s)
+        self.local.on_map.append(self._mapped)
+        try:
+            self.local.connect()
+        except LocalError as exc:  # tried again at each load; TCP meanwhile
+            log.warning("ctxcache connector: local sidecar not answering yet (%s)", exc)
+        return f"shm ({where})"
+
+    def _mapped(self, region: Region) -> None:
+        """A (new) region is mapped: view it as bytes, and pin it for DMA on a GPU."""
+        if self._region is not None and self._region_pinned:
+            # a copy on another thread may still be reading the old region: unpin it at close
+            self._retired.append(self._region)
+        self._region = torch.frombuffer(region.map, dtype=torch.uint8)
+        self._region_pinned = self.caches[0].is_cuda and register_host(self._region)
 
     # -- loads ----------------------------------------------------------------------------
     def load(self, plan: StepPlan) -> None:
@@ -146,12 +192,104 @@ class WorkerSide:
         return set(done)
 
     def _load(self, spec: LoadSpec) -> int:
-        """Write `spec`'s tokens; returns the first token not written. Its blocks come in
-        one pipelined round trip; the writes stop at the first that is missing."""
-        assert self.sidecar is not None
+        """Write `spec`'s tokens; returns the first token not written."""
         pieces = [p for p in spec.pieces if min(spec.end, p.end) > max(spec.start, p.begin)]
+        if self.local is not None:
+            try:
+                done, rest = self._load_local(spec, pieces)
+            except LocalError as exc:
+                self.counters.add("sidecar_errors")
+                log.warning("request %s: local sidecar failed (%s); over TCP", spec.req_id, exc)
+            else:
+                if not rest:
+                    return done
+                # blocks the region could not hold: the rest over lm:// (rare)
+                return self._load_tcp(replace(spec, start=done), rest)
+        return self._load_tcp(spec, pieces)
+
+    def _load_local(self, spec: LoadSpec, pieces: list[Piece]) -> tuple[int, list[Piece]]:
+        """One round trip leases the blocks; copies from the region; a release that says the
+        lease held makes them good, else everything written here is recomputed. Returns the
+        first token not written and the pieces to get over TCP instead (from a block the
+        sidecar holds but could not place in the region)."""
+        assert self.local is not None and self.copier is not None
+        t0 = time.perf_counter()
+        lease = self.local.lease([self.key(p.key) for p in pieces])
+        region = self._region
+        assert region is not None
+        done, moved, rest = spec.start, 0, []
+        for i, (piece, block) in enumerate(zip(pieces, lease.blocks, strict=True)):
+            lo, hi = max(done, piece.begin), min(spec.end, piece.end)
+            if block == TCP:
+                rest = pieces[i:]
+                break
+            if not isinstance(block, Slot):
+                break  # a miss: recomputed from here
+            src = region[block.offset : block.offset + block.length]
+            if not self._write_piece(spec, piece, block, src, lo, hi):
+                log.warning(
+                    "request %s: block %s is not KV this engine reads; recomputing",
+                    spec.req_id,
+                    piece.key,
+                )
+                break
+            done, moved = hi, moved + block.length
+        self.copier.wait()
+        if not self.local.release(lease):
+            self.counters.add("load_races")
+            log.warning("request %s: the lease ended before the copy did; recomputing", spec.req_id)
+            return spec.start, []
+        self.counters.add("load_bytes_shm", moved)
+        self.counters.add("load_us_shm", round((time.perf_counter() - t0) * 1e6))
+        return done, rest
+
+    def _write_piece(
+        self, spec: LoadSpec, piece: Piece, block: Slot, src: torch.Tensor, lo: int, hi: int
+    ) -> bool:
+        """Write tokens [lo, hi) of `piece` from its payload `src`; False if the payload is
+        not one this engine can read (another layout, dtype or length)."""
+        assert self.copier is not None
+        shape = self.shape
+        if block.dtype != shape.dtype_code:
+            return False
+        if block.fmt == FMT_ENGINE_BLOCKS:
+            want = (len(self.caches), piece.length, self.copier.elems, self.copier.tag)
+            if tuple(block.shape) != want or block.length != self.copier.nbytes(piece.length):
+                return False
+            # one id per payload block; those past `hi` are never touched (nor maybe allocated)
+            ids = self._kernel_blocks(spec.block_ids, piece.begin, hi)
+            ids += [-1] * (math.ceil(piece.length / self.copier.tokens) - len(ids))
+            self.copier.write(
+                ids,
+                src,
+                lo - piece.begin,
+                hi - piece.begin,
+            )
+            return True
+        if block.fmt == FMT_KV_2LTD:
+            if tuple(block.shape) != shape.wire_shape(piece.length):
+                return False
+            if block.length != piece.length * shape.bytes_per_token():
+                return False
+            kv = src.view(shape.dtype).view(
+                2, shape.num_layers, piece.length, shape.num_kv_heads, shape.head_dim
+            )
+            kv = kv.permute(0, 1, 3, 2, 4)[:, :, :, lo - piece.begin : hi - piece.begin]
+            slots = token_slots(spec.block_ids, self.block_size, self.layouts[0].tokens, lo, hi)
+            self.copier.scatter_2ltd(slots, kv)
+            return True
+        return False
+
+    def _kernel_blocks(self, block_ids: list[int], begin: int, end: int) -> list[int]:
+        return kernel_blocks(block_ids, self.block_size, self.layouts[0].tokens, begin, end)
+
+    def _load_tcp(self, spec: LoadSpec, pieces: list[Piece]) -> int:
+        """Its blocks come in one pipelined round trip; the writes stop at the first that is
+        missing."""
+        assert self.sidecar is not None
+        t0 = time.perf_counter()
         kvs = self.sidecar.get_many([(self.key(p.key), p.length) for p in pieces])
-        done = spec.start
+        done, moved = spec.start, 0
         for piece, kv in zip(pieces, kvs, strict=True):
             lo, hi = max(done, piece.begin), min(spec.end, piece.end)
             if kv is None:
@@ -164,6 +302,9 @@ class WorkerSide:
                 self.caches, self.layouts, slots, kv[:, :, :, lo - piece.begin : hi - piece.begin]
             )
             done = hi
+            moved += kv.numel() * kv.element_size()
+        self.counters.add("load_bytes_tcp", moved)
+        self.counters.add("load_us_tcp", round((time.perf_counter() - t0) * 1e6))
         return done
 
     def key(self, key: str) -> str:
@@ -195,7 +336,53 @@ class WorkerSide:
                 self.counters.add("store_copy_ms", round((time.perf_counter() - t0) * 1e3))
 
     def _save(self, spec: StoreSpec) -> bool:
+        if self.local is not None:
+            try:
+                if self._save_local(spec):
+                    return True
+            except LocalError as exc:
+                self.counters.add("sidecar_errors")
+                log.warning("request %s: local sidecar failed (%s); over TCP", spec.req_id, exc)
+        return self._save_tcp(spec)
+
+    def _save_local(self, spec: StoreSpec) -> bool:
+        """Copy the blocks into slots the sidecar allocated, then commit them (two round
+        trips). False when the region is full (the caller stores over TCP)."""
+        assert self.local is not None and self.copier is not None
+        t0 = time.perf_counter()
+        got = self.local.alloc([self.copier.nbytes(p.length) for p in spec.pieces])
+        if got is None:
+            self.counters.add("region_full")
+            return False
+        lease_id, slots = got
+        region = self._region
+        assert region is not None
+        for piece, slot in zip(spec.pieces, slots, strict=True):
+            out = region[slot.offset : slot.offset + slot.length]
+            self.copier.read(self._kernel_blocks(spec.block_ids, piece.begin, piece.end), out)
+        self.copier.wait()
+        tag, elems, layers = self.copier.tag, self.copier.elems, len(self.caches)
+        stored = self.local.commit(
+            lease_id,
+            [
+                (
+                    self.key(p.key),
+                    FMT_ENGINE_BLOCKS,
+                    self.shape.dtype_code,
+                    (layers, p.length, elems, tag),
+                )
+                for p in spec.pieces
+            ],
+        )
+        self.counters.add("stored_blocks", stored)
+        self.counters.add("stored_tokens", sum(p.length for p in spec.pieces))
+        self.counters.add("store_bytes_shm", sum(s.length for s in slots))
+        self.counters.add("store_us_shm", round((time.perf_counter() - t0) * 1e6))
+        return True
+
+    def _save_tcp(self, spec: StoreSpec) -> bool:
         assert self.sidecar is not None
+        t0 = time.perf_counter()
         lo = min(p.begin for p in spec.pieces)
         hi = max(p.end for p in spec.pieces)
         slots = token_slots(spec.block_ids, self.block_size, self.layouts[0].tokens, lo, hi)
@@ -205,6 +392,8 @@ class WorkerSide:
             return False
         self.counters.add("stored_blocks", len(blocks))
         self.counters.add("stored_tokens", sum(p.length for p in spec.pieces))
+        self.counters.add("store_bytes_tcp", kv.numel() * kv.element_size())
+        self.counters.add("store_us_tcp", round((time.perf_counter() - t0) * 1e6))
         return True
 
     def take_sent(self) -> set[str]:
@@ -218,6 +407,14 @@ class WorkerSide:
         if self.sidecar is not None:
             self.sidecar.close()
             self.sidecar = None
+        if self.local is not None:
+            if self._region is not None and self._region_pinned:
+                self._retired.append(self._region)
+            for region in self._retired:
+                unregister_host(region)
+            self._region, self._retired = None, []
+            self.local.close()
+            self.local = None
 
 
 def cache_writer(

@@ -12,6 +12,8 @@ import json
 import os
 import socket
 import stat
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -170,26 +172,46 @@ def test_a_lease_past_its_timeout_is_a_miss(local: Sidecar, shm_dir: Path) -> No
         client.close()
 
 
-def test_an_engine_that_dies_holding_leases_gives_every_slot_back(
+ENGINE = """
+import sys, time
+from sidecar.local_client import LocalClient
+c = LocalClient(sys.argv[1])
+lease = c.lease([sys.argv[2]])
+assert lease.id and c.alloc([200000]) is not None
+print("holding", flush=True)
+time.sleep(600)
+"""
+
+
+def test_an_engine_killed_holding_leases_gives_every_slot_back(
     local: Sidecar, shm_dir: Path
 ) -> None:
-    """Mechanism: a connection's leases end with it (no timeout to wait for)."""
+    """Mechanism: a connection's leases end with it (no timeout to wait for): an engine
+    process killed with -9 while it holds a lease and an allocated slot."""
     assert local.arena is not None and local.local is not None
     put_tcp(local, key(1), payload(1000, 7))
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.connect(str(shm_dir / SOCKET_NAME))
-    reader = sock.makefile("rb")
-    sock.sendall(b'{"op":"lease","keys":["' + key(1).encode() + b'"]}\n')
-    assert json.loads(reader.readline())["lease"]
-    sock.sendall(b'{"op":"alloc","lengths":[200000]}\n')
-    assert json.loads(reader.readline())["ok"]
-    used = local.arena.used
-    assert local.local.leases == 2
-    reader.close()
-    sock.close()  # the engine is gone
-    _wait(lambda: local.local is not None and local.local.leases == 0)
     gc.collect()
-    assert local.arena.used < used - 200000  # the allocated slot is free again
+    idle = local.arena.used
+    engine = subprocess.Popen(
+        [sys.executable, "-c", ENGINE, str(shm_dir), key(1)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    try:
+        assert engine.stdout is not None and engine.stdout.readline() == "holding\n"
+        assert local.local.leases == 2 and local.arena.used >= idle + 200000
+        engine.kill()
+        engine.wait(timeout=10)
+        _wait(lambda: local.local is not None and local.local.leases == 0)
+        gc.collect()
+        assert local.arena.used == idle  # the allocated slot is free again
+    finally:
+        if engine.poll() is None:
+            engine.kill()
+            engine.wait(timeout=10)
+        assert engine.stdout is not None
+        engine.stdout.close()
 
 
 def test_a_restarted_sidecar_is_remapped_and_nothing_stale_is_read(shm_dir: Path) -> None:

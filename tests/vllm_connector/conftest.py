@@ -3,6 +3,7 @@ one server for the module, a real sidecar, the run's Redis."""
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ from ctxcache.lmcache_keys import session_key
 from ctxcache.net import free_port
 from ctxcache.redis_server import RedisServer
 from ctxcache.vllm_engine import VllmLaunch
-from tests.utils import ServiceProcess, SidecarProcess, VllmProcess, require_vllm
+from tests.utils import ServiceProcess, SidecarProcess, VllmProcess, require_vllm, shm_dir
 
 VLLM_TIMEOUT = 900  # per test: the module's vLLM takes ~1 minute to start on 2 cores
 
@@ -49,6 +50,7 @@ class VllmStack:
             data_port=self.sidecar.data_port,
             control_port=self.sidecar.port,
             log_path=self.root / "sidecar.log",
+            local_dir=self.sidecar.local_dir,
         ).start()
 
 
@@ -66,18 +68,25 @@ def started_stack(
     redis_server: RedisServer,
     tiny_model: Path,
     connector_config: dict[str, object] | None = None,
+    *,
+    local: bool = True,
 ) -> Iterator[VllmStack]:
     """vLLM with the connector (`connector_config`: its extra settings), a sidecar and a
-    gateway, stopped when the block ends."""
+    gateway, stopped when the block ends. `local`: KV moves through the sidecar's shared
+    memory (as `ctxcache serve` sets it up), else over lm:// only."""
     require_vllm()
     root = tmp_path_factory.mktemp("vllm-stack")
     (root / "sidecar").mkdir()
-    sidecar = SidecarProcess(root / "sidecar", log_path=root / "sidecar.log").start()
+    local_dir = shm_dir(root) if local else None
+    sidecar = SidecarProcess(
+        root / "sidecar", log_path=root / "sidecar.log", local_dir=local_dir
+    ).start()
     launch = VllmLaunch(
         model=str(tiny_model),
         served_name="tiny",
         port=free_port(),
         sidecar_lm=sidecar.lm_url,
+        sidecar_local_dir=str(local_dir) if local_dir else None,
         kv_cache_gib=1,
         dev_mode=True,
         connector_config=dict(connector_config or {}),
@@ -98,3 +107,5 @@ def started_stack(
         stack.http.close()
         for proc in (stack.gateway, stack.vllm, stack.sidecar):
             proc.stop()
+        if local_dir is not None:
+            shutil.rmtree(local_dir, ignore_errors=True)

@@ -1,15 +1,48 @@
 """The Responses API over the real vLLM engine: a `previous_response_id` chain answers as
-the same conversation sent in full, and reuses the chain's KV."""
+the same conversation sent in full, and reuses the chain's KV. This module's stack moves KV
+over lm:// only (the others use the local sidecar's shared memory), so the TCP path is
+checked on the real vLLM too."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
 
 import openai
 import pytest
 
-from tests.vllm_connector.conftest import VLLM_TIMEOUT, VllmStack
-from tests.vllm_connector.test_vllm_e2e import BLOCK, document
+from ctxcache.redis_server import RedisServer
+from tests.vllm_connector.conftest import VLLM_TIMEOUT, VllmStack, started_stack
+from tests.vllm_connector.test_vllm_e2e import (
+    BLOCK,
+    Chat,
+    cached,
+    document,
+    vllm_counter,
+    wait_for,
+)
 
 pytestmark = pytest.mark.timeout(VLLM_TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def vllm_stack(
+    tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer, tiny_model: Path
+) -> Iterator[VllmStack]:
+    with started_stack(tmp_path_factory, redis_server, tiny_model, local=False) as stack:
+        yield stack
+
+
+def test_over_tcp_a_session_comes_back_from_the_sidecar(vllm_stack: VllmStack) -> None:
+    chat = Chat(vllm_stack, seed=21)
+    chat.turn("what is the cat doing?")
+    vllm_stack.reset_prefix_cache()
+    context = chat.context_tokens()
+    _, usage = chat.turn("and the dogs?")  # answered like the full history
+    assert cached(usage) >= context - BLOCK
+    wait_for(lambda: vllm_counter(vllm_stack, "load_bytes_tcp") > 0)
+    assert vllm_counter(vllm_stack, "load_bytes_shm") == 0
+
 
 GREEDY = {"model": "tiny", "max_output_tokens": 24, "temperature": 0}
 

@@ -131,6 +131,9 @@ def test_after_a_prefix_cache_reset_the_sidecar_serves_the_session(
         _, usage = chat.turn(question)  # also checks the text against the full history
         assert cached(usage) >= context - BLOCK
     wait_for(lambda: vllm_counter(vllm_stack, "loaded_tokens") > loaded_before)
+    # through the local sidecar's shared memory, not the socket
+    assert vllm_counter(vllm_stack, "load_bytes_shm") > 0
+    assert vllm_counter(vllm_stack, "load_bytes_tcp") == 0
 
 
 def test_delete_drops_the_sessions_blocks(vllm_stack: VllmStack) -> None:

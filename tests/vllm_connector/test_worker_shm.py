@@ -1,0 +1,257 @@
+"""The connector's worker half on both data paths, against a real sidecar (no vLLM: random
+paged caches in FlashAttention's layout, written by a plain-torch cache write).
+
+What a user would notice: KV stored by one request is loaded into another's blocks exactly;
+the shm path is taken when the sidecar is local and says so in its counters; a block this
+engine cannot read, a copy that raced its lease, or a sidecar that died mid-load is a miss
+(the blocks are reported for recompute), never wrong KV and never an exception.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from sidecar.service import Sidecar
+from sidecar.settings import SidecarSettings
+from vllm_connector.config import ConnectorConfig
+from vllm_connector.layout import gather, token_slots
+from vllm_connector.plan import LoadSpec, Piece, StoreSpec
+from vllm_connector.scheduler import StepPlan
+from vllm_connector.worker import WorkerSide
+
+N, HEADS, DIM, LAYERS = 16, 2, 32, 3
+BLOCKS = 40
+TOKENS = 200  # 12 whole blocks and a partial one: the edge goes through the indexed path
+
+
+def flash_writer(
+    k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor
+) -> None:
+    key_cache, value_cache = cache.transpose(1, 2).split(DIM, dim=-1)
+    key_cache[slots // N, slots % N] = k
+    value_cache[slots // N, slots % N] = v
+
+
+def caches(transposed: bool = False) -> dict[str, torch.Tensor]:
+    out = {}
+    for layer in range(LAYERS):
+        if transposed:  # another layout: [blocks, H, N, 2D] stored as it is
+            cache = torch.randn(BLOCKS, HEADS, N, 2 * DIM).to(torch.bfloat16)
+        else:
+            cache = torch.randn(BLOCKS, N, HEADS, 2 * DIM).to(torch.bfloat16).transpose(1, 2)
+        out[f"layer.{layer}"] = cache
+    return out
+
+
+def plain_writer(
+    k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor
+) -> None:
+    key_cache, value_cache = cache.split(DIM, dim=-1)  # [B, H, N, D]
+    key_cache[slots // N, :, slots % N] = k
+    value_cache[slots // N, :, slots % N] = v
+
+
+@pytest.fixture
+def shm_dir() -> Iterator[Path]:
+    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+    with tempfile.TemporaryDirectory(prefix="ctxcache-test-", dir=base) as d:
+        yield Path(d)
+
+
+@pytest.fixture
+def sidecar(shm_dir: Path) -> Iterator[Sidecar]:
+    sc = Sidecar(SidecarSettings(port=0, memory_bytes=64 << 20, local_dir=shm_dir)).start()
+    try:
+        yield sc
+    finally:
+        sc.stop()
+
+
+def worker(
+    sidecar: Sidecar, local: Path | None, *, transposed: bool = False, chunk: int = 64
+) -> WorkerSide:
+    config = ConnectorConfig(
+        sidecar_url=f"lm://127.0.0.1:{sidecar.port}",
+        local_dir=str(local) if local else None,
+        chunk_size=chunk,
+    )
+    side = WorkerSide(config, N)
+    write = plain_writer if transposed else flash_writer
+    side.register(caches(transposed), {k: (write, HEADS, DIM) for k in caches(transposed)})
+    assert side.enabled
+    return side
+
+
+def pieces(tag: str, tokens: int = TOKENS, chunk: int = 64) -> list[Piece]:
+    return [
+        Piece(f"m@1@0@{tag}{i:x}@bfloat16@s%sess", i, min(chunk, tokens - i))
+        for i in range(0, tokens, chunk)
+    ]
+
+
+SRC = list(range(0, 13))
+DST = [30, 17, 25, 14, 39, 20, 33, 15, 22, 36, 18, 27, 31]  # a paged cache's random order
+
+
+def kv(side: WorkerSide, blocks: list[int], tokens: int = TOKENS) -> torch.Tensor:
+    return gather(side.caches, side.layouts, token_slots(blocks, N, N, 0, tokens))
+
+
+def store(side: WorkerSide, ps: list[Piece]) -> None:
+    side.save(StepPlan(stores=[StoreSpec("s", "sess", ps, SRC)]))
+    side.take_sent()
+    if side.sidecar is not None:
+        side.sidecar.drain()
+
+
+def load(side: WorkerSide, ps: list[Piece], start: int = 0, end: int = TOKENS) -> set[int]:
+    side.load(StepPlan(loads=[LoadSpec("l", start, end, ps, DST)]))
+    return side.take_invalid()
+
+
+@pytest.mark.parametrize("end", [TOKENS, TOKENS - 1, 150])
+def test_a_store_and_a_load_through_shared_memory_move_the_kv_exactly(
+    sidecar: Sidecar, shm_dir: Path, end: int
+) -> None:
+    side = worker(sidecar, shm_dir)
+    try:
+        ps = pieces("a")
+        store(side, ps)
+        before = kv(side, DST)
+        assert load(side, ps, end=end) == set()
+        assert torch.equal(kv(side, DST, end), kv(side, SRC, end))
+        # tokens past `end` in the last block are not touched
+        after = kv(side, DST)
+        assert torch.equal(after[:, :, :, end:], before[:, :, :, end:])
+        counts = side.counters.drain()
+        assert counts["store_bytes_shm"] > 0 and counts["load_bytes_shm"] > 0
+        assert "load_bytes_tcp" not in counts and "store_bytes_tcp" not in counts
+        assert counts["loaded_tokens"] == end
+    finally:
+        side.close()
+
+
+def test_kv_stored_over_tcp_loads_through_shared_memory(sidecar: Sidecar, shm_dir: Path) -> None:
+    tcp, shm = worker(sidecar, None), worker(sidecar, shm_dir)
+    try:
+        for cache_tcp, cache_shm in zip(tcp.caches, shm.caches, strict=True):
+            cache_shm.copy_(cache_tcp)
+        ps = pieces("b")
+        store(tcp, ps)
+        assert tcp.counters.drain()["store_bytes_tcp"] > 0
+        assert load(shm, ps) == set()
+        assert torch.equal(kv(shm, DST), kv(tcp, SRC))
+        assert shm.counters.drain()["load_bytes_shm"] > 0
+    finally:
+        tcp.close()
+        shm.close()
+
+
+def test_blocks_in_another_engines_layout_are_a_miss_not_wrong_kv(
+    sidecar: Sidecar, shm_dir: Path
+) -> None:
+    flash, other = worker(sidecar, shm_dir), worker(sidecar, shm_dir, transposed=True)
+    try:
+        assert flash.copier is not None and other.copier is not None
+        assert flash.copier.tag != other.copier.tag
+        ps = pieces("c")
+        store(flash, ps)
+        before = kv(other, DST)
+        assert load(other, ps) == set(DST)  # every block reported for recompute
+        assert torch.equal(kv(other, DST), before)  # and nothing written
+    finally:
+        flash.close()
+        other.close()
+
+
+def test_a_copy_that_outlived_its_lease_is_recomputed(
+    sidecar: Sidecar, shm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The release is what makes a shm load good: a lease ended during the copies (here by
+    its timeout; a restart or a dropped connection end it the same way) fails the load."""
+    side = worker(sidecar, shm_dir)
+    try:
+        ps = pieces("d")
+        store(side, ps)
+        assert side.copier is not None and sidecar.local is not None
+        copier_wait = side.copier.wait
+        server = sidecar.local
+
+        def wait_then_expire() -> None:
+            copier_wait()
+            server.expire(now=float("inf"))
+
+        monkeypatch.setattr(side.copier, "wait", wait_then_expire)
+        assert load(side, ps) == set(DST)
+        assert side.counters.drain()["load_races"] == 1
+    finally:
+        side.close()
+
+
+def test_without_a_local_socket_the_connector_uses_tcp_and_says_so(
+    sidecar: Sidecar, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="vllm_connector.worker")
+    side = worker(sidecar, tmp_path)  # no socket there
+    try:
+        assert side.local is None
+        assert "KV path tcp" in caplog.text
+        ps = pieces("e")
+        store(side, ps)
+        assert load(side, ps) == set()
+        assert torch.equal(kv(side, DST), kv(side, SRC))
+        assert side.counters.drain()["load_bytes_tcp"] > 0
+    finally:
+        side.close()
+
+
+def test_a_sidecar_gone_mid_session_is_a_miss_and_a_new_one_is_used_again(
+    shm_dir: Path,
+) -> None:
+    first = Sidecar(SidecarSettings(port=0, memory_bytes=64 << 20, local_dir=shm_dir)).start()
+    side = worker(first, shm_dir)
+    try:
+        ps = pieces("f")
+        store(side, ps)
+        first.stop()
+        assert load(side, ps) == set(DST)  # no sidecar: recompute, no exception
+        second = Sidecar(
+            SidecarSettings(port=first.port, memory_bytes=64 << 20, local_dir=shm_dir)
+        ).start()
+        try:
+            assert load(side, ps) == set(DST)  # the new one has no such blocks: a miss
+            store(side, ps)  # the new region is mapped and used
+            assert load(side, ps) == set()
+            assert torch.equal(kv(side, DST), kv(side, SRC))
+        finally:
+            second.stop()
+    finally:
+        side.close()
+
+
+def test_a_full_region_sends_stores_and_loads_over_tcp_and_counts_them(shm_dir: Path) -> None:
+    """The region holds less than one request's blocks: the store goes over lm:// (counted),
+    the sidecar keeps the blocks in its heap, and the load gets them over lm:// too."""
+    settings = SidecarSettings(
+        port=0, memory_bytes=64 << 20, local_dir=shm_dir, local_bytes=64 << 10
+    )
+    sc = Sidecar(settings).start()
+    side = worker(sc, shm_dir)
+    try:
+        ps = pieces("g")
+        store(side, ps)
+        assert load(side, ps) == set()
+        assert torch.equal(kv(side, DST), kv(side, SRC))
+        counts = side.counters.drain()
+        assert counts["region_full"] == 1 and counts["store_bytes_tcp"] > 0
+        assert counts["load_bytes_tcp"] > 0  # (a block that fitted came through the region)
+    finally:
+        side.close()
+        sc.stop()
