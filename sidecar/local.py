@@ -248,9 +248,8 @@ class LocalServer:
         for n in lengths:
             if not isinstance(n, int) or not 0 < n <= self.max_block_bytes:
                 raise ValueError("length")
-            slot = self.arena.alloc(n)
+            slot = self.store.alloc_slot(n)
             if slot is None:
-                self.metrics.region_full.inc()
                 return {"ok": False, "error": "full"}  # the slots taken so far go with `slots`
             slots.append(slot)
         offsets = [self.arena.offset(s) for s in slots]

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sidecar.arena import MAGIC, SOCKET_NAME, read_generation
+from sidecar.arena import MAGIC, MAP_FLAGS, SOCKET_NAME, read_generation
 from sidecar.client import KVBlock
 from sidecar.protocol import Shape
 
@@ -65,7 +65,7 @@ class Region:
         try:
             if os.fstat(fd).st_size < size:
                 raise OSError(f"{path} is smaller than the sidecar says")
-            self.map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            self.map = mmap.mmap(fd, size, MAP_FLAGS, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
         if self.map[: len(MAGIC)] != MAGIC or read_generation(path) != generation:

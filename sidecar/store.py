@@ -191,11 +191,32 @@ class BlockStore:
         """Where a block of `n` bytes about to be received should go: a slot of the shared
         region when there is one with room, else the heap."""
         if self.arena is not None:
-            slot = self.arena.alloc(n)
+            slot = self.alloc_slot(n)
             if slot is not None:
                 return slot  # type: ignore[return-value]
-            self.metrics.region_full.inc()
         return new_heap_buffer(n)
+
+    def alloc_slot(self, n: int) -> Any:
+        """A slot of the shared region for a block of `n` bytes about to be stored; when
+        the region has no room, the memory tier first makes room for it as the PUT would
+        after storing it (so a region sized memory + 1/8 always has some), then it tries
+        again. None (counted) when the region is still full: leases or sends hold it, or it
+        is too fragmented."""
+        assert self.arena is not None
+        slot = self.arena.alloc(n)
+        if slot is None:
+            work = Work()
+            with self._lock:
+                self.mem_used += n  # as if the block were in: evict as its PUT would
+                try:
+                    self._evict_memory(work)
+                finally:
+                    self.mem_used -= n
+            self._finish(work)  # spills written, evicted payloads let go
+            slot = self.arena.alloc(n)
+        if slot is None:
+            self.metrics.region_full.inc()
+        return slot
 
     def lease(self, key: str) -> tuple[BlockMeta, Buffer] | bool | None:
         """A block's payload as a slot of the shared region, for an engine to copy from
@@ -209,9 +230,8 @@ class BlockStore:
         meta, data = found
         if self.arena.holds(data):
             return meta, data
-        slot = self.arena.alloc(len(data))
+        slot = self.alloc_slot(len(data))
         if slot is None:
-            self.metrics.region_full.inc()
             return False
         slot[:] = memoryview(data).cast("B")
         with self._lock:  # later leases of this block need no copy

@@ -330,3 +330,24 @@ def _wait(cond: object, timeout: float = 5.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError("condition not met in time")
         time.sleep(0.01)
+
+
+def test_a_full_memory_tier_makes_room_in_the_region_for_a_local_store(shm_dir: Path) -> None:
+    """The region is the memory tier plus an eighth: when the tier is full, an alloc evicts
+    as the PUT would (least recently used first) instead of sending the store to TCP."""
+    sc = start(shm_dir, memory=256 << 10)
+    client = LocalClient(shm_dir)
+    try:
+        for i in range(12):  # three times the memory tier, 64 KiB at a time
+            got = client.alloc([64 << 10])
+            assert got is not None, f"store {i} found the region full"
+            lease_id, (slot,) = got
+            client.view(slot)[:] = payload(64 << 10, i)
+            assert client.commit(lease_id, [(key(i), FMT_KV_2LTD, DTYPE_BFLOAT16, SHAPE)]) == 1
+        assert sc.metrics.region_full._value.get() == 0
+        assert client.exists_many([key(0), key(11)]) == [False, True]  # the oldest left
+        got_back = client.get_many([key(11)])[0]
+        assert got_back is not None and bytes(got_back.data) == payload(64 << 10, 11)
+    finally:
+        client.close()
+        sc.stop()
