@@ -32,11 +32,22 @@ class Sidecar:
             if settings.disk_enabled:
                 disk = DiskTier(settings.data_dir, aes_key=settings.aes_key)
         self.arena: Arena | None = None
+        memory_bytes = settings.memory_bytes
         if settings.local_dir is not None:
             check_free(settings.local_dir)
             self.arena = Arena(settings.local_dir, settings.region_bytes)
+            # the memory tier lives in the region: it cannot hold more than the region can
+            room = settings.region_bytes * 8 // 9
+            if room < memory_bytes:
+                log.warning(
+                    "the shared region (%d bytes) holds a memory tier of %d bytes at most "
+                    "(an eighth is kept free); the memory budget is cut to that",
+                    settings.region_bytes,
+                    room,
+                )
+                memory_bytes = room
         self.store = BlockStore(
-            memory_bytes=settings.memory_bytes,
+            memory_bytes=memory_bytes,
             disk=disk,
             disk_bytes=settings.disk_bytes,
             pin_policy=settings.pin_policy,

@@ -90,6 +90,7 @@ class BlockStore:
         self._copies: OrderedDict[str, Entry] = OrderedDict()
         self._memory_hits = self.metrics.hits.labels("memory")
         self.mem_used = 0
+        self.mem_region = 0  # of which in slots of the shared region
         self.disk_used = 0  # written + reserved for writes in flight
         self.pinned_used = 0
 
@@ -197,23 +198,23 @@ class BlockStore:
         return new_heap_buffer(n)
 
     def alloc_slot(self, n: int) -> Any:
-        """A slot of the shared region for a block of `n` bytes about to be stored; when
-        the region has no room, the memory tier first makes room for it as the PUT would
-        after storing it (so a region sized memory + 1/8 always has some), then it tries
-        again. None (counted) when the region is still full: leases or sends hold it, or it
-        is too fragmented."""
+        """A slot of the shared region for a block of `n` bytes about to be stored. When the
+        region has no room (slots of stores in flight, leases, fragments) while memory
+        blocks live in it, the memory tier lets its least recently used blocks go, `n`
+        bytes' worth at a time (spilled to disk as usual), until the slot fits. None
+        (counted) when no block in memory holds any of the region."""
         assert self.arena is not None
         slot = self.arena.alloc(n)
-        if slot is None:
+        while slot is None and n <= self.arena.size and self.mem_region:
             work = Work()
-            with self._lock:
-                self.mem_used += n  # as if the block were in: evict as its PUT would
-                try:
-                    self._evict_memory(work)
-                finally:
-                    self.mem_used -= n
+            with self._lock:  # the least recently used blocks leave memory, n bytes' worth
+                before = self.mem_used
+                self._evict_memory(work, target=max(0, min(before, self.memory_bytes) - n))
+                evicted = before - self.mem_used
             self._finish(work)  # spills written, evicted payloads let go
             slot = self.arena.alloc(n)
+            if not evicted:
+                break  # nothing left to evict: leases, sends or fragments hold the rest
         if slot is None:
             self.metrics.region_full.inc()
         return slot
@@ -230,14 +231,16 @@ class BlockStore:
         meta, data = found
         if self.arena.holds(data):
             return meta, data
-        slot = self.alloc_slot(len(data))
+        slot = self.arena.alloc(len(data))  # (a read evicts nothing to make room)
         if slot is None:
+            self.metrics.region_full.inc()
             return False
         slot[:] = memoryview(data).cast("B")
         with self._lock:  # later leases of this block need no copy
             e = self._blocks.get(key)
             if e is not None and e.data is data and e.in_mem:
                 e.data = slot  # type: ignore[assignment]
+                self.mem_region += e.size
         return meta, slot  # type: ignore[return-value]
 
     def keys(self) -> list[str]:
@@ -368,6 +371,8 @@ class BlockStore:
         self._mem[e.pinned][e.meta.key] = e
         e.in_mem = True
         self.mem_used += e.size
+        if self.arena is not None and self.arena.holds(e.data):
+            self.mem_region += e.size
         if e.disk_path is not None:
             self._copies[e.meta.key] = e
 
@@ -375,6 +380,8 @@ class BlockStore:
         del self._mem[e.pinned][e.meta.key]
         e.in_mem = False
         self.mem_used -= e.size
+        if self.arena is not None and self.arena.holds(e.data):
+            self.mem_region -= e.size
         self._copies.pop(e.meta.key, None)
 
     def _disk_add(self, e: Entry, path: Path) -> None:
@@ -441,8 +448,12 @@ class BlockStore:
         self.disk_used += n
         return True
 
-    def _evict_memory(self, work: Work, protect: str | None = None) -> None:
-        while self.mem_used > self.memory_bytes:
+    def _evict_memory(
+        self, work: Work, protect: str | None = None, target: int | None = None
+    ) -> None:
+        """Make the memory tier fit `target` bytes (default: its budget)."""
+        target = self.memory_bytes if target is None else target
+        while self.mem_used > target:
             tier = self._mem[False] or self._mem[True]
             if not tier:
                 return

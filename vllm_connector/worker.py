@@ -218,6 +218,7 @@ class WorkerSide:
         region = self._region
         assert region is not None
         done, moved, rest = spec.start, 0, []
+        batch: list[tuple[list[int], torch.Tensor, int, int]] = []  # engine-layout pieces
         for i, (piece, block) in enumerate(zip(pieces, lease.blocks, strict=True)):
             lo, hi = max(done, piece.begin), min(spec.end, piece.end)
             if block == TCP:
@@ -226,7 +227,7 @@ class WorkerSide:
             if not isinstance(block, Slot):
                 break  # a miss: recomputed from here
             src = region[block.offset : block.offset + block.length]
-            if not self._write_piece(spec, piece, block, src, lo, hi):
+            if not self._write_piece(spec, piece, block, src, lo, hi, batch):
                 log.warning(
                     "request %s: block %s is not KV this engine reads; recomputing",
                     spec.req_id,
@@ -234,6 +235,7 @@ class WorkerSide:
                 )
                 break
             done, moved = hi, moved + block.length
+        self.copier.write_many(batch)
         self.copier.wait()
         if not self.local.release(lease):
             self.counters.add("load_races")
@@ -244,10 +246,18 @@ class WorkerSide:
         return done, rest
 
     def _write_piece(
-        self, spec: LoadSpec, piece: Piece, block: Slot, src: torch.Tensor, lo: int, hi: int
+        self,
+        spec: LoadSpec,
+        piece: Piece,
+        block: Slot,
+        src: torch.Tensor,
+        lo: int,
+        hi: int,
+        batch: list[tuple[list[int], torch.Tensor, int, int]],
     ) -> bool:
-        """Write tokens [lo, hi) of `piece` from its payload `src`; False if the payload is
-        not one this engine can read (another layout, dtype or length)."""
+        """Write tokens [lo, hi) of `piece` from its payload `src` (a payload in the engine's
+        layout: added to `batch`, written with the others); False if the payload is not one
+        this engine can read (another layout, dtype or length)."""
         assert self.copier is not None
         shape = self.shape
         if block.dtype != shape.dtype_code:
@@ -259,12 +269,7 @@ class WorkerSide:
             # one id per payload block; those past `hi` are never touched (nor maybe allocated)
             ids = self._kernel_blocks(spec.block_ids, piece.begin, hi)
             ids += [-1] * (math.ceil(piece.length / self.copier.tokens) - len(ids))
-            self.copier.write(
-                ids,
-                src,
-                lo - piece.begin,
-                hi - piece.begin,
-            )
+            batch.append((ids, src, lo - piece.begin, hi - piece.begin))
             return True
         if block.fmt == FMT_KV_2LTD:
             if tuple(block.shape) != shape.wire_shape(piece.length):
@@ -357,9 +362,15 @@ class WorkerSide:
         lease_id, slots = got
         region = self._region
         assert region is not None
-        for piece, slot in zip(spec.pieces, slots, strict=True):
-            out = region[slot.offset : slot.offset + slot.length]
-            self.copier.read(self._kernel_blocks(spec.block_ids, piece.begin, piece.end), out)
+        self.copier.read_many(
+            [
+                (
+                    self._kernel_blocks(spec.block_ids, piece.begin, piece.end),
+                    region[slot.offset : slot.offset + slot.length],
+                )
+                for piece, slot in zip(spec.pieces, slots, strict=True)
+            ]
+        )
         self.copier.wait()
         tag, elems, layers = self.copier.tag, self.copier.elems, len(self.caches)
         stored = self.local.commit(

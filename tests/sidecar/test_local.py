@@ -239,16 +239,22 @@ def test_a_restarted_sidecar_is_remapped_and_nothing_stale_is_read(shm_dir: Path
         client.close()
 
 
-def test_a_full_region_sends_stores_over_tcp_and_counts_it(shm_dir: Path) -> None:
-    sc = start(shm_dir, memory=256 << 10, local_bytes=64 << 10)
+def test_a_region_held_by_stores_in_flight_sends_stores_over_tcp_and_counts_it(
+    shm_dir: Path,
+) -> None:
+    """Another engine holds most of the region in slots it has not committed: nothing the
+    memory tier could evict frees them, so a store goes over TCP (counted) into the heap,
+    and a lease of that block says "read it over TCP"."""
+    sc = start(shm_dir, memory=256 << 10)
     fallback: list[KVClient] = []
 
     def tcp() -> KVClient:
         fallback.append(KVClient("127.0.0.1", sc.port))
         return fallback[0]
 
-    client = LocalClient(shm_dir, fallback=tcp)
+    holder, client = LocalClient(shm_dir), LocalClient(shm_dir, fallback=tcp)
     try:
+        assert holder.alloc([240 << 10]) is not None  # of a 288 KiB region
         assert client.alloc([128 << 10]) is None
         client.put(
             key(1), payload(128 << 10, 5), fmt=FMT_KV_2LTD, dtype=DTYPE_BFLOAT16, shape=SHAPE
@@ -256,12 +262,12 @@ def test_a_full_region_sends_stores_over_tcp_and_counts_it(shm_dir: Path) -> Non
         assert fallback  # it went over TCP
         fallback[0].health()
         assert sc.store.exists(key(1))
-        assert sc.metrics.region_full._value.get() >= 1
-        # a block that lives in the heap (no slot for it) is leased as "read it over TCP"
+        assert sc.metrics.region_full._value.get() >= 2
         assert client.lease([key(1)]).blocks == [TCP]
         got = client.get_many([key(1)])[0]
         assert got is not None and bytes(got.data) == payload(128 << 10, 5)
     finally:
+        holder.close()
         client.close()
         sc.stop()
 

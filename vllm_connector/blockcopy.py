@@ -1,0 +1,399 @@
+"""Whole kernel blocks between vLLM's paged KV cache and a flat host payload, at copy speed.
+
+The shared-memory data path keeps a piece's KV in **the engine's own block layout**: the
+paged payload of a piece of `tokens` tokens is `[L, nb, elems]` of the cache dtype
+(nb = ceil(tokens / N)), row `i` of layer `l` being the raw storage of the piece's kernel
+block `i` in layer `l`. Moving it is then one row copy per layer and block, with no element
+reordering at all, so a load or a store runs at the speed of a plain copy instead of the
+~1 GB/s of indexing every element (`layout.gather`/`scatter`). Two engines can read each
+other's payloads exactly when their `tag`s (a hash of dtype, shape and block layout) agree.
+
+On CPU the copies are slices of the runs of consecutive block ids (memcpy), or one
+`index_select`/`index_copy_` per layer where the runs are short. On CUDA the only kernels
+are those row copies inside the device; host <-> device moves are one DMA copy each between
+the (pinned, see `register_host`) host payload and a device staging tensor, all on a side
+stream so the engine's stream keeps running; `wait()` joins them. A block only partly
+inside a write's token range is merged through a mask of its tokens' elements.
+
+torch only: this runs where vLLM is absent.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import math
+import os
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from vllm_connector.layout import BlockLayout, TokenSlots, block_runs, gather, scatter
+
+log = logging.getLogger(__name__)
+
+
+def layout_tag(dtype: torch.dtype, layouts: Sequence[BlockLayout]) -> int:
+    """A stable positive 31-bit id of a paged payload's format: dtype, layers, tokens per
+    block, heads, head size, block elements and every layer's element offsets."""
+    first = layouts[0]
+    digest = hashlib.blake2b(digest_size=8)
+    head = f"{dtype}|{len(layouts)}|{first.tokens}|{first.heads}|{first.head_dim}|{first.elems}"
+    digest.update(head.encode())
+    previous: torch.Tensor | None = None
+    for layout in layouts:
+        offsets = layout.offsets.cpu()
+        if previous is not None and torch.equal(offsets, previous):
+            digest.update(b"=")  # the same as the layer before: skip hashing it again
+            continue
+        digest.update(offsets.contiguous().numpy().astype("<i8").tobytes())
+        previous = offsets
+    return int.from_bytes(digest.digest()[:4], "little") & 0x7FFFFFFF or 1
+
+
+# On CPU, blocks whose ids run consecutively for at least this many bytes on average are
+# copied as slices (memcpy); shorter runs go through one index_select (reads: a memcpy per
+# row, as fast from 512 KiB rows up) or index_copy_ (writes: an element loop, ~0.5x a copy).
+_READ_RUN_BYTES = 1 << 20
+_WRITE_RUN_BYTES = 128 << 10
+
+
+class BlockCopier:
+    """Copies between every layer's paged cache and paged payloads (module docstring).
+
+    `block_ids` are kernel block ids (`kernel_blocks` turns scheduler blocks into them):
+    `block_ids[i]` is where the piece's payload block `i` lives in every layer's cache.
+    """
+
+    def __init__(self, caches: list[torch.Tensor], layouts: list[BlockLayout]) -> None:
+        if not caches or len(caches) != len(layouts):
+            raise ValueError(f"{len(caches)} caches for {len(layouts)} layouts")
+        first = layouts[0]
+        same = {
+            (lay.tokens, lay.elems, c.dtype, c.device)
+            for c, lay in zip(caches, layouts, strict=True)
+        }
+        if len(same) != 1:
+            raise ValueError(f"layers differ in block size, elements, dtype or device: {same}")
+        self.caches, self.layouts = caches, layouts
+        self.tokens, self.elems = first.tokens, first.elems
+        self.dtype, self.device = caches[0].dtype, caches[0].device
+        self.row_bytes = first.elems * caches[0].element_size()
+        self.block_bytes = len(caches) * self.row_bytes
+        self.tag = layout_tag(self.dtype, layouts)
+        self._rows = [lay.blocks_view(c) for c, lay in zip(caches, layouts, strict=True)]
+        # (CPU) the same rows as numpy byte arrays: a fancy-indexed row assignment there is
+        # one memcpy per row, where torch's index_copy_ loops over elements (~0.5x a copy)
+        self._np_rows = (
+            [rows.view(torch.uint8).numpy() for rows in self._rows]
+            if self.device.type == "cpu"
+            else []
+        )
+        self._token_of = _token_maps(layouts)
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._pending: list[torch.Tensor] = []  # what in-flight CUDA copies read or write
+
+    def nbytes(self, tokens: int) -> int:
+        """Bytes of the paged payload of a piece of `tokens` tokens."""
+        return math.ceil(tokens / self.tokens) * self.block_bytes
+
+    def read(self, block_ids: Sequence[int], out: torch.Tensor) -> None:
+        """Engine -> payload: blocks `block_ids` of every layer into `out` (host, uint8).
+        On CUDA the copy is only issued: `out` is complete after `wait()`."""
+        payload = self._payload(out, len(block_ids))
+        if self._stream is None:
+            self._get_rows(block_ids, payload)
+            return
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            staged = torch.empty(payload.shape, dtype=self.dtype, device=self.device)
+            self._get_rows(block_ids, staged)
+            payload.copy_(staged, non_blocking=True)
+        self._pending += [staged, out]
+
+    def write(self, block_ids: Sequence[int], src: torch.Tensor, lo: int, hi: int) -> None:
+        """Payload -> engine: tokens `[lo, hi)` of the piece in `src` (host, uint8) into its
+        blocks `block_ids`. Whole blocks are row copies; a block only partly inside
+        `[lo, hi)` is merged element-wise, so its other tokens keep their values.
+        On CUDA the copy is only issued: it is in the cache after `wait()`, and `src` must
+        not change before then."""
+        payload = self._payload(src, len(block_ids))
+        n = self.tokens
+        if not 0 <= lo <= hi <= len(block_ids) * n:
+            raise ValueError(f"tokens [{lo}, {hi}) are not inside {len(block_ids)} blocks")
+        if lo == hi:
+            return
+        first, end = lo // n, -(-hi // n)  # the payload rows [first, end) that are touched
+        if self._stream is None:
+            self._write_rows(payload[:, first:end], first, block_ids, lo, hi)
+            return
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            staged = torch.empty(
+                (len(self.caches), end - first, self.elems), dtype=self.dtype, device=self.device
+            )
+            if end - first == len(block_ids):
+                staged.copy_(payload, non_blocking=True)
+            else:
+                for layer in range(len(self.caches)):
+                    staged[layer].copy_(payload[layer, first:end], non_blocking=True)
+            self._write_rows(staged, first, block_ids, lo, hi)
+        self._pending += [staged, src]
+
+    def write_many(self, items: Sequence[tuple[Sequence[int], torch.Tensor, int, int]]) -> None:
+        """`write` of several pieces `(block_ids, src, lo, hi)`, e.g. every block of a load.
+        On CUDA their whole blocks go in with one index kernel per layer (not one per piece
+        and layer), each piece's payload in one DMA copy, and no host sync on the way."""
+        if self._stream is None or len(items) < 2:
+            for ids, src, lo, hi in items:
+                self.write(ids, src, lo, hi)
+            return
+        n = self.tokens
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            staged, dst, edges, at = [], [], [], 0
+            for ids, src, lo, hi in items:
+                payload = self._payload(src, len(ids))
+                if not 0 <= lo < hi <= len(ids) * n:
+                    raise ValueError(f"tokens [{lo}, {hi}) are not inside {len(ids)} blocks")
+                first, end = lo // n, -(-hi // n)
+                part = torch.empty(
+                    (len(self.caches), end - first, self.elems),
+                    dtype=self.dtype,
+                    device=self.device,
+                )
+                part.copy_(payload[:, first:end], non_blocking=True)
+                staged.append(part)
+                for i in range(first, end):
+                    if lo <= i * n and (i + 1) * n <= hi:
+                        dst.append((ids[i], at + i - first))
+                    else:
+                        edges.append((ids, i, lo, hi, at + i - first))
+                at += end - first
+            rows = torch.cat(staged, dim=1) if len(staged) > 1 else staged[0]
+            if dst:
+                blocks = self._device_index([b for b, _ in dst])
+                whole = rows
+                if len(dst) != rows.shape[1]:
+                    whole = rows.index_select(1, self._device_index([r for _, r in dst]))
+                for layer, cache_rows in enumerate(self._rows):
+                    cache_rows.index_copy_(0, blocks, whole[layer])
+            for ids, i, lo, hi, r in edges:
+                self._merge_row(rows[:, r], ids[i], max(lo - i * n, 0), min(hi - i * n, n))
+        self._pending += [rows, *(src for _, src, _, _ in items)]
+
+    def read_many(self, items: Sequence[tuple[Sequence[int], torch.Tensor]]) -> None:
+        """`read` of several pieces `(block_ids, out)`: on CUDA one index kernel per layer
+        for all of them, then each piece's DMA copy out."""
+        if self._stream is None or len(items) < 2:
+            for ids, out in items:
+                self.read(ids, out)
+            return
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            index = self._device_index([b for ids, _ in items for b in ids])
+            staged = torch.empty(
+                (len(self.caches), index.numel(), self.elems), dtype=self.dtype, device=self.device
+            )
+            for layer, rows in enumerate(self._rows):
+                torch.index_select(rows, 0, index, out=staged[layer])
+            at = 0
+            for ids, out in items:
+                payload = self._payload(out, len(ids))
+                payload.copy_(staged[:, at : at + len(ids)], non_blocking=True)
+                at += len(ids)
+        self._pending += [staged, *(out for _, out in items)]
+
+    def _device_index(self, ids: Sequence[int]) -> torch.Tensor:
+        """`ids` as an int64 tensor on the caches' device, copied from pinned memory without
+        a host sync (a plain `torch.tensor(..., device=cuda)` waits for the stream)."""
+        host = torch.tensor(list(ids), dtype=torch.long).pin_memory()
+        self._pending.append(host)
+        return host.to(self.device, non_blocking=True)
+
+    def wait(self) -> None:
+        """Block until every copy issued so far is complete (CUDA: the side stream is
+        drained and the current stream ordered after it; CPU copies are synchronous)."""
+        if self._stream is not None:
+            self._stream.synchronize()
+            torch.cuda.current_stream(self.device).wait_stream(self._stream)
+        self._pending.clear()
+
+    def scatter_2ltd(self, slots: TokenSlots, kv: torch.Tensor) -> None:
+        """`kv` (`[2, L, H, T, D]`, LMCache's KV_2LTD) into `slots` (`layout.scatter`)."""
+        scatter(self.caches, self.layouts, slots, kv)
+
+    def gather_2ltd(self, slots: TokenSlots) -> torch.Tensor:
+        """`slots` as `[2, L, H, T, D]` on the caches' device (`layout.gather`)."""
+        return gather(self.caches, self.layouts, slots)
+
+    # -- row copies ---------------------------------------------------------------------
+    def _payload(self, buf: torch.Tensor, blocks: int) -> torch.Tensor:
+        """`buf` (flat uint8, at least the payload's bytes) as `[L, blocks, elems]`."""
+        need = blocks * self.block_bytes
+        if buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous():
+            raise ValueError(f"a payload is a flat uint8 tensor, got {buf.dtype} {buf.shape}")
+        if buf.numel() < need:
+            raise ValueError(f"{blocks} blocks need {need} bytes, the buffer has {buf.numel()}")
+        return buf[:need].view(self.dtype).view(len(self.caches), blocks, self.elems)
+
+    def _slices(self, ids: Sequence[int], least: int) -> list[tuple[int, int, int]] | None:
+        """`ids` as runs of consecutive ids if they hold `least` bytes on average, to copy
+        as slices (CPU only: on CUDA one index kernel per layer is fast and issues less)."""
+        runs = block_runs(ids)
+        if self._stream is not None or len(ids) * self.row_bytes < len(runs) * least:
+            return None
+        return runs
+
+    def _get_rows(self, ids: Sequence[int], out: torch.Tensor) -> None:
+        """Blocks `ids` of every layer into `out` (`[L, len(ids), elems]`, caches' device)."""
+        runs = self._slices(ids, _READ_RUN_BYTES)
+        if runs is None:
+            index = torch.tensor(list(ids), dtype=torch.long, device=self.device)
+            for layer, rows in enumerate(self._rows):
+                torch.index_select(rows, 0, index, out=out[layer])
+            return
+        for layer, rows in enumerate(self._rows):
+            for first, block, count in runs:
+                out[layer, first : first + count].copy_(rows[block : block + count])
+
+    def _put_rows(self, ids: Sequence[int], src: torch.Tensor) -> None:
+        """`src` (`[L, len(ids), elems]`, caches' device) into blocks `ids` of every layer."""
+        runs = self._slices(ids, _WRITE_RUN_BYTES)
+        if runs is None and self._np_rows:
+            index = np.asarray(ids, dtype=np.int64)
+            for layer, rows in enumerate(self._np_rows):
+                rows[index] = src[layer].view(torch.uint8).numpy()
+            return
+        if runs is None:
+            index = self._device_index(ids)
+            for layer, rows in enumerate(self._rows):
+                rows.index_copy_(0, index, src[layer])
+            return
+        for layer, rows in enumerate(self._rows):
+            for first, block, count in runs:
+                rows[block : block + count].copy_(src[layer, first : first + count])
+
+    def _write_rows(
+        self, rows: torch.Tensor, first: int, block_ids: Sequence[int], lo: int, hi: int
+    ) -> None:
+        """`rows` (`[L, k, elems]`: the payload's rows `first..`, on the caches' device) into
+        the caches: rows wholly inside tokens [lo, hi) as they are, the (at most two) others
+        merged through a mask of the elements of their tokens inside [lo, hi)."""
+        n = self.tokens
+        whole = range(-(-lo // n), hi // n)
+        if whole:
+            ids = [block_ids[i] for i in whole]
+            self._put_rows(ids, rows[:, whole.start - first : whole.stop - first])
+        for i in dict.fromkeys((first, first + rows.shape[1] - 1)):
+            if i not in whole:
+                self._merge_row(
+                    rows[:, i - first], block_ids[i], max(lo - i * n, 0), min(hi - i * n, n)
+                )
+
+    def _merge_row(self, row: torch.Tensor, block: int, a: int, b: int) -> None:
+        """Tokens [a, b) of `row` (`[L, elems]`, one payload block of every layer) into
+        kernel block `block`, its other tokens untouched: through a mask of the elements of
+        those tokens."""
+        maps = {id(token): token for token in self._token_of}  # layers mostly share one
+        masks = {key: (token >= a) & (token < b) for key, token in maps.items()}
+        for layer, (dst, token) in enumerate(zip(self._rows, self._token_of, strict=True)):
+            cell = dst[block]
+            torch.where(masks[id(token)], row[layer], cell, out=cell)
+
+
+def _token_maps(layouts: Sequence[BlockLayout]) -> list[torch.Tensor]:
+    """Per layer, the token (0..N-1) of each element of a block, -1 for padding; layers
+    with the same offsets share one map."""
+    maps: list[torch.Tensor] = []
+    for layout in layouts:
+        if maps and torch.equal(layout.offsets, layouts[len(maps) - 1].offsets):
+            maps.append(maps[-1])
+            continue
+        token = torch.full((layout.elems,), -1, dtype=torch.int32, device=layout.offsets.device)
+        of = torch.arange(layout.tokens, dtype=torch.int32, device=token.device)
+        token[layout.offsets.flatten()] = of.view(1, -1, 1, 1).expand_as(layout.offsets).flatten()
+        maps.append(token)
+    return maps
+
+
+def kernel_blocks(
+    block_ids: Sequence[int], block_size: int, kernel_tokens: int, start: int, end: int
+) -> list[int]:
+    """Kernel block ids holding tokens `[start, end)` of a request whose scheduler blocks
+    (of `block_size` tokens, each `block_size / kernel_tokens` kernel blocks) are
+    `block_ids`; `start` is a multiple of `kernel_tokens`."""
+    if start % kernel_tokens:
+        raise ValueError(f"token {start} does not start a {kernel_tokens}-token block")
+    per = block_size // kernel_tokens
+    return [
+        block_ids[t // block_size] * per + (t % block_size) // kernel_tokens
+        for t in range(start, end, kernel_tokens)
+    ]
+
+
+def register_host(t: torch.Tensor) -> bool:
+    """Page-lock `t`'s memory (`cudaHostRegister`) so host <-> device copies of it are
+    asynchronous DMA. False (logged) without CUDA or when the driver refuses; a tensor that
+    is already pinned is left as it is (True)."""
+    if not torch.cuda.is_available():
+        log.info("no CUDA: host memory stays pageable")
+        return False
+    if t.device.type != "cpu" or not t.is_contiguous() or t.numel() == 0:
+        log.warning("cannot register %s %s tensor", t.device, tuple(t.shape))
+        return False
+    if t.is_pinned():
+        return True
+    nbytes = t.numel() * t.element_size()
+    err = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0))
+    if err:
+        _drain_cuda_error()
+        log.warning("cudaHostRegister of %d bytes failed (cudaError %d)", nbytes, err)
+        return False
+    return True
+
+
+def unregister_host(t: torch.Tensor) -> bool:
+    """Undo `register_host` (`cudaHostUnregister`); False (logged) if it was not registered."""
+    if not torch.cuda.is_available() or t.device.type != "cpu" or not t.is_pinned():
+        return False
+    err = int(torch.cuda.cudart().cudaHostUnregister(t.data_ptr()))
+    if err:
+        _drain_cuda_error()
+        log.warning("cudaHostUnregister failed (cudaError %d)", err)
+        return False
+    return True
+
+
+def _drain_cuda_error() -> None:
+    """Reset the CUDA runtime's last error after a failed call.
+
+    A failed `cudaHostRegister` stays as the thread's last error, and torch's next kernel
+    launch check (`cudaGetLastError`) would raise it for an unrelated op. torch's cudart
+    binding has no `cudaGetLastError`, so it is called in every libcudart this process has
+    mapped (opening a loaded library's path returns that library; nothing new is loaded).
+    """
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split(maxsplit=5)[-1].strip() for line in maps if "libcudart" in line}
+    except OSError:
+        return
+    for path in paths:
+        path = path.removesuffix(" (deleted)")
+        if "libcudart" not in os.path.basename(path):
+            continue
+        try:
+            ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY).cudaGetLastError()
+        except (OSError, AttributeError):
+            log.debug("cannot reset the CUDA error through %s", path)
+
+
+__all__ = [
+    "BlockCopier",
+    "kernel_blocks",
+    "layout_tag",
+    "register_host",
+    "unregister_host",
+]
