@@ -363,7 +363,9 @@ def _move_blocks(
             stage.index_copy_(1, layout.offsets[kv].flatten(), piece.reshape(len(run.ids), -1))
         else:
             piece.copy_(stage.index_select(1, layout.offsets[kv].flatten()).view(piece.shape))
-    if to_cache:
+    if to_cache and cache.device.type == "cpu":  # a memcpy per row (index_copy_ loops)
+        store.view(torch.uint8).numpy()[run.ids] = stage.view(torch.uint8).numpy()
+    elif to_cache:
         store.index_copy_(0, index, stage)
 
 

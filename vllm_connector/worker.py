@@ -28,8 +28,8 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
@@ -56,6 +56,8 @@ from worker.kv.sidecar import SidecarKV, StoreJob, kv_client_factory
 
 log = logging.getLogger(__name__)
 
+_GET_GROUP = 2  # blocks per GET round trip of a TCP load (the next group arrives meanwhile)
+
 
 class WorkerSide:
     def __init__(self, config: ConnectorConfig, block_size: int, rank: int = 0) -> None:
@@ -74,6 +76,7 @@ class WorkerSide:
         self._sent: set[str] = set()
         self._invalid: set[int] = set()
         self._loader: ThreadPoolExecutor | None = None  # (async_loads) started on first use
+        self._prefetch: ThreadPoolExecutor | None = None  # TCP loads' GETs, started on first use
         self._loaded_lock = threading.Lock()
         self._loaded: dict[str, set[int]] = {}  # async loads done: request -> failed blocks
 
@@ -293,11 +296,22 @@ class WorkerSide:
         missing."""
         assert self.sidecar is not None
         t0 = time.perf_counter()
-        kvs = self.sidecar.get_many([(self.key(p.key), p.length) for p in pieces])
+        sidecar = self.sidecar
+        # the GETs of the next blocks arrive (one round trip per group, on the prefetch
+        # thread) while this one is written: the socket and the scatter overlap
+        groups = [pieces[i : i + _GET_GROUP] for i in range(0, len(pieces), _GET_GROUP)]
+        if self._prefetch is None:
+            self._prefetch = ThreadPoolExecutor(1, thread_name_prefix="ctxcache-get")
+        fetches = [
+            self._prefetch.submit(sidecar.get_many, [(self.key(p.key), p.length) for p in group])
+            for group in groups
+        ]
         done, moved = spec.start, 0
-        for piece, kv in zip(pieces, kvs, strict=True):
+        for piece, kv in self._arrivals(groups, fetches):
             lo, hi = max(done, piece.begin), min(spec.end, piece.end)
             if kv is None:
+                for fetch in fetches:
+                    fetch.cancel()
                 log.warning(
                     "request %s: block %s gone or unreadable; recomputing", spec.req_id, piece.key
                 )
@@ -311,6 +325,13 @@ class WorkerSide:
         self.counters.add("load_bytes_tcp", moved)
         self.counters.add("load_us_tcp", round((time.perf_counter() - t0) * 1e6))
         return done
+
+    @staticmethod
+    def _arrivals(
+        groups: list[list[Piece]], fetches: list[Future[list[torch.Tensor | None]]]
+    ) -> Iterator[tuple[Piece, torch.Tensor | None]]:
+        for group, fetch in zip(groups, fetches, strict=True):
+            yield from zip(group, fetch.result(), strict=True)
 
     def key(self, key: str) -> str:
         """The scheduler's (rank 0) key for this worker's tensor-parallel rank."""
@@ -415,6 +436,9 @@ class WorkerSide:
         if self._loader is not None:
             self._loader.shutdown(wait=True)
             self._loader = None
+        if self._prefetch is not None:
+            self._prefetch.shutdown(wait=True)
+            self._prefetch = None
         if self.sidecar is not None:
             self.sidecar.close()
             self.sidecar = None
