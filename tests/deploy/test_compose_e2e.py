@@ -273,12 +273,26 @@ def test_a_session_keeps_its_kv_through_sidecar_and_worker_restarts(
     assert isinstance(usage, dict)
     info = httpx.get(f"{stack.url}/v1/context/{sid}", headers=headers).json()
     assert info["turns"] == turns + 1  # the history is whole and the turn appended
+    # ... and it came through the shared-memory volume, not the socket (the cpu profile
+    # mounts one tmpfs in the sidecar and the engine: docs/deploy.md)
+    if stack.env.get("CTXCACHE_ENGINE", "vllm") == "vllm":  # (the connector's counters)
+        shm = engine_counter(stack, "load_bytes_shm")
+        tcp = engine_counter(stack, "load_bytes_tcp")
+        assert shm > 0 and tcp == 0, (shm, tcp)
     log.info(
         "session %s: %s of %s prompt tokens cached after the restarts",
         sid,
         cached_tokens(after),
         usage["prompt_tokens"],
     )
+
+
+def engine_counter(stack: ComposeStack, name: str) -> float:
+    """A `vllm:ctxcache_<name>_total` counter of the engine, read inside its container."""
+    read = "import urllib.request as u; print(u.urlopen('http://127.0.0.1:8100/metrics').read().decode())"
+    text = stack.compose("exec", "-T", "worker", "python", "-c", read).stdout
+    found = re.findall(rf"^vllm:ctxcache_{name}_total\{{[^}}]*\}} ([0-9.e+]+)$", text, re.M)
+    return sum(float(v) for v in found)
 
 
 def test_the_image_healthcheck_finds_each_service(stack: ComposeStack) -> None:
