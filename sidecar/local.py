@@ -99,7 +99,9 @@ class LocalServer:
         with contextlib.suppress(OSError):
             self._listener.shutdown(socket.SHUT_RDWR)
         self._listener.close()
-        for conn in list(self._conns):
+        with self._lock:
+            conns = list(self._conns)
+        for conn in conns:
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
         self._thread.join(timeout=5)
@@ -129,7 +131,8 @@ class LocalServer:
                 conn, _ = self._listener.accept()
             except OSError:
                 return
-            self._conns.add(conn)
+            with self._lock:
+                self._conns.add(conn)
             threading.Thread(
                 target=self._serve, args=(conn,), name="local-conn", daemon=True
             ).start()
@@ -154,7 +157,8 @@ class LocalServer:
             log.exception("local connection failed")
         finally:
             self.metrics.local_connections.dec()
-            self._conns.discard(conn)
+            with self._lock:
+                self._conns.discard(conn)
             reader.close()
             conn.close()
             self._drop_connection(cid)
