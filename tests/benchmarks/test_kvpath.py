@@ -1,0 +1,91 @@
+"""`ctxcache bench kvpath`: the connector's loads and stores against a plain copy, and
+`--engine vllm`, a cold session turn beside a hot one on real vLLM (the tiny model)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.benchmarks.test_commands import RUN_TIMEOUT_S, run_bench
+from tests.utils import check_png, require_vllm
+
+
+@pytest.mark.timeout(300)
+def test_kvpath_times_both_paths_against_a_plain_copy(tmp_path: Path) -> None:
+    data = run_bench(
+        "kvpath",
+        tmp_path / "kvpath",
+        *("--shapes", "small", "--rounds", "1", "--tokens", "512", "--paths", "tcp,shm"),
+    )
+    rows = data["results"]
+    cases = {(r["path"], r["op"]) for r in rows}  # tcp also times its GETs alone
+    assert cases == {(p, op) for p in ("tcp", "shm") for op in ("load", "store")} | {("tcp", "get")}
+    for r in rows:
+        assert r["tokens"] == 512 and r["bytes"] > 0
+        assert r["vs_copy"] > 0 and r["gbps"] > 0, r
+    shm = next(r for r in rows if (r["path"], r["op"]) == ("shm", "load"))
+    assert shm["counters"]["load_bytes_shm"] > 0  # the shm rows went through shared memory
+
+
+@pytest.mark.timeout(RUN_TIMEOUT_S + 60)
+def test_kvpath_on_vllm_cold_turns_load_through_shm_and_answer_like_the_full_history(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    require_vllm()
+    out = tmp_path / "kvpath-vllm"
+    argv = ["bench", "kvpath", "--engine", "vllm", "--out", str(out)]
+    argv += ["--preset", "tiny", "--model-dir", str(tiny_model), "--dtypes", "float32"]
+    argv += ["--paths", "shm", "--rounds", "2", "--context-tokens", "600"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ctxcache.cli", *argv], stderr=subprocess.PIPE, text=True
+    )
+    try:
+        _, stderr = proc.communicate(timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)  # the bench stops every server it started
+        _, stderr = proc.communicate(timeout=60)
+        pytest.fail(f"still running after {RUN_TIMEOUT_S}s: {stderr[-3000:]}")
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "%|" in stderr, "no tqdm progress bar on stderr"
+
+    data = json.loads((out / "kvpath-vllm.json").read_text())
+    assert set(data) == {"meta", "results"}
+    meta = data["meta"]
+    assert meta["command"] == shlex.join(["ctxcache", *argv])
+    assert (meta["engine"], meta["dtypes"], meta["paths"], meta["rounds"]) == (
+        "vllm",
+        ["float32"],
+        ["shm"],
+        2,
+    )
+    [row] = data["results"]
+    assert (row["dtype"], row["path"], row["rounds"]) == ("float32", "shm", 2)
+    assert 500 <= row["context_tokens"] <= 600
+    assert row["hot_ttft_p50_ms"] > 0 and row["cold_ttft_p50_ms"] > 0
+    assert len(row["cold_vs_hot_rounds"]) == 2 and row["cold_vs_hot"] > 0
+    # every answer, hot and cold, is the full history's
+    assert row["answers"] == 4 and row["answers_matched"] == row["answers_matched_cached"] == 4
+    assert row["cold_equals_hot"] == 2
+    # every cold turn loaded its history, through shared memory only, and nothing failed
+    assert row["cold_cached_ok"] and row["cold_loaded_tokens_min"] >= row["context_tokens"] - 128
+    counters = row["counters"]
+    assert counters["load_bytes_shm"] > 0 and counters["load_bytes_tcp"] == 0
+    assert counters["load_failures"] == 0 and counters["load_races"] == 0
+    assert row["hot_loaded_tokens"] == 0  # a hot turn is vLLM's own prefix cache
+    assert row["others_cpu_percent"] >= 0
+    kinds = [t["kind"] for t in row["turns"]]
+    assert {k: kinds.count(k) for k in set(kinds)} == dict.fromkeys(
+        ("hot", "cold", "reference", "cached-reference"), 3
+    )
+
+    table = (out / "kvpath-vllm.md").read_text()
+    assert table.startswith(f"`{meta['command']}` — {meta['date']}")
+    assert "| float32 | shm |" in table
+    check_png(out / "kvpath-vllm.png")
+    assert (out / "servers-float32-shm.log").stat().st_size > 0
