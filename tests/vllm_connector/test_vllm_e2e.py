@@ -125,6 +125,9 @@ def test_after_a_prefix_cache_reset_the_sidecar_serves_the_session(
     assert held["kv_tokens"] >= held["context_tokens"] - BLOCK  # the sidecar holds it all
     assert held["kv_bytes"] > 0
     loaded_before = vllm_counter(vllm_stack, "loaded_tokens")
+    # (this module's other tests may have loaded over TCP on purpose: count from here)
+    shm_before = vllm_counter(vllm_stack, "load_bytes_shm")
+    tcp_before = vllm_counter(vllm_stack, "load_bytes_tcp")
     for question in ("and the dogs?", "will it rain?"):
         vllm_stack.reset_prefix_cache()  # vLLM forgets; only the sidecar can supply KV now
         context = chat.context_tokens()
@@ -132,8 +135,8 @@ def test_after_a_prefix_cache_reset_the_sidecar_serves_the_session(
         assert cached(usage) >= context - BLOCK
     wait_for(lambda: vllm_counter(vllm_stack, "loaded_tokens") > loaded_before)
     # through the local sidecar's shared memory, not the socket
-    assert vllm_counter(vllm_stack, "load_bytes_shm") > 0
-    assert vllm_counter(vllm_stack, "load_bytes_tcp") == 0
+    assert vllm_counter(vllm_stack, "load_bytes_shm") > shm_before
+    assert vllm_counter(vllm_stack, "load_bytes_tcp") == tcp_before
 
 
 def test_delete_drops_the_sessions_blocks(vllm_stack: VllmStack) -> None:
