@@ -34,8 +34,11 @@ MAGIC = b"CTXKV001"
 HEADER_BYTES = 4096  # magic, generation; the first slot starts after it
 ALIGN = 4096
 SOCKET_NAME = "sidecar.sock"
-# Map every page at once: a page first touched in a copy costs a fault (about 13k faults,
-# ~15 ms, per 50 MB here), paid once at start instead of on the loads and stores.
+# How an engine maps the region: every page at once, since a page first touched in a copy
+# costs a fault (about 13k faults, ~15 ms, per 50 MB here), paid once at connect instead of
+# on its loads and stores. The sidecar maps it plainly (its pages are touched by socket
+# receives, which cost far more than the faults; a 4 GiB populate would add seconds to its
+# start).
 MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
 
@@ -67,7 +70,7 @@ class Arena:
                     f"{directory} cannot hold a {self.size}-byte KV region ({exc.strerror}); "
                     "size the memory-backed volume for the memory tier (docs/deploy.md)"
                 ) from exc
-            self._map = mmap.mmap(fd, self.size, MAP_FLAGS, mmap.PROT_READ | mmap.PROT_WRITE)
+            self._map = mmap.mmap(fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(fd)
             self.path.unlink(missing_ok=True)

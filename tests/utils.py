@@ -134,7 +134,12 @@ class SidecarProcess(ServiceProcess):
                 str(data_dir),
                 "--disk-bytes",
                 str(1 << 30),
-                *(["--local-dir", str(local_dir)] if local_dir else []),
+                # (a region for the tiny model's KV: the 4 GiB default takes seconds to reserve)
+                *(
+                    ["--local-dir", str(local_dir), "--memory-bytes", str(256 << 20)]
+                    if local_dir
+                    else []
+                ),
             ],
             port=control,
             log_path=log_path or data_dir / "sidecar.log",
