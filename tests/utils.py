@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import pytest
 
 from ctxcache.net import free_port, wait_http
 
@@ -245,3 +248,14 @@ def shm_dir(root: Path) -> Path:
     base = Path("/dev/shm")
     parent = base if base.is_dir() and os.access(base, os.W_OK) else root
     return Path(tempfile.mkdtemp(prefix="ctxcache-test-", dir=parent))
+
+
+@pytest.fixture(name="local_dir")
+def local_dir_fixture(tmp_path: Path) -> Iterator[Path]:
+    """A test's sidecar `--local-dir` (`shm_dir`), removed afterwards. A module that
+    needs it imports it (not in a conftest: the GPU check runs without conftests)."""
+    path = shm_dir(tmp_path)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 import socket
 import stat
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,6 +26,7 @@ from sidecar.protocol import DTYPE_BFLOAT16, FMT_KV_2LTD
 from sidecar.service import Sidecar
 from sidecar.settings import SidecarSettings
 from tests.sidecar.helpers import SidecarFactory
+from tests.utils import local_dir_fixture  # noqa: F401 (the local_dir fixture)
 
 SHAPE = (2, 1, 4, 8)
 KEY = "m@1@0@{}@bfloat16@s%sess"
@@ -41,21 +40,14 @@ def payload(n: int, fill: int) -> bytes:
     return bytes([fill]) * n
 
 
-@pytest.fixture
-def shm_dir() -> Iterator[Path]:
-    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-    with tempfile.TemporaryDirectory(prefix="ctxcache-test-", dir=base) as d:
-        yield Path(d)
-
-
-def start(shm_dir: Path, memory: int = 1 << 20, **kw: object) -> Sidecar:
-    settings = SidecarSettings(port=0, memory_bytes=memory, local_dir=shm_dir, **kw)  # type: ignore[arg-type]
+def start(local_dir: Path, memory: int = 1 << 20, **kw: object) -> Sidecar:
+    settings = SidecarSettings(port=0, memory_bytes=memory, local_dir=local_dir, **kw)  # type: ignore[arg-type]
     return Sidecar(settings).start()
 
 
 @pytest.fixture
-def local(shm_dir: Path) -> Iterator[Sidecar]:
-    sc = start(shm_dir)
+def local(local_dir: Path) -> Iterator[Sidecar]:
+    sc = start(local_dir)
     try:
         yield sc
     finally:
@@ -69,8 +61,8 @@ def put_tcp(sc: Sidecar, k: str, data: bytes) -> None:
 
 
 # ---- the region and its allocator -------------------------------------------------------
-def test_the_region_is_a_0660_file_named_and_headed_by_its_generation(shm_dir: Path) -> None:
-    arena = Arena(shm_dir, 1 << 20)
+def test_the_region_is_a_0660_file_named_and_headed_by_its_generation(local_dir: Path) -> None:
+    arena = Arena(local_dir, 1 << 20)
     try:
         assert arena.path.name == f"kv-{arena.generation}.shm"
         assert stat.S_IMODE(arena.path.stat().st_mode) == 0o660
@@ -81,16 +73,16 @@ def test_the_region_is_a_0660_file_named_and_headed_by_its_generation(shm_dir: P
     assert not arena.path.exists()
 
 
-def test_a_region_the_directory_cannot_hold_is_refused_at_start(shm_dir: Path) -> None:
+def test_a_region_the_directory_cannot_hold_is_refused_at_start(local_dir: Path) -> None:
     with pytest.raises(RegionError, match="cannot hold"):
-        Arena(shm_dir, 1 << 50)
-    assert list(shm_dir.glob("kv-*")) == []
+        Arena(local_dir, 1 << 50)
+    assert list(local_dir.glob("kv-*")) == []
 
 
 def test_slots_are_given_back_when_their_last_reference_goes_and_free_space_coalesces(
-    shm_dir: Path,
+    local_dir: Path,
 ) -> None:
-    arena = Arena(shm_dir, 64 << 10)
+    arena = Arena(local_dir, 64 << 10)
     total = arena.largest_free()
     a, b, c = arena.alloc(10_000), arena.alloc(20_000), arena.alloc(4096)
     assert a is not None and b is not None and c is not None
@@ -110,10 +102,10 @@ def test_slots_are_given_back_when_their_last_reference_goes_and_free_space_coal
 
 # ---- interop with the TCP path ------------------------------------------------------------
 def test_a_block_put_over_tcp_is_leased_from_the_region_and_a_local_store_is_read_over_tcp(
-    local: Sidecar, shm_dir: Path
+    local: Sidecar, local_dir: Path
 ) -> None:
     put_tcp(local, key(1), payload(1000, 7))
-    client = LocalClient(shm_dir)
+    client = LocalClient(local_dir)
     try:
         lease = client.lease([key(1), key(2)])
         slot = lease.blocks[0]
@@ -135,12 +127,12 @@ def test_a_block_put_over_tcp_is_leased_from_the_region_and_a_local_store_is_rea
 
 # ---- faults -------------------------------------------------------------------------------
 def test_a_block_overwritten_and_evicted_during_a_copy_keeps_its_bytes_under_the_lease(
-    shm_dir: Path,
+    local_dir: Path,
 ) -> None:
     """Mechanism: a lease holds its slot, so neither the store's eviction nor a new PUT of
     the same key can reuse those bytes until it is released."""
-    sc = start(shm_dir, memory=64 << 10, local_bytes=80 << 10)
-    client = LocalClient(shm_dir)
+    sc = start(local_dir, memory=64 << 10, local_bytes=80 << 10)
+    client = LocalClient(local_dir)
     try:
         put_tcp(sc, key(1), payload(32 << 10, 1))
         lease = client.lease([key(1)])
@@ -159,10 +151,10 @@ def test_a_block_overwritten_and_evicted_during_a_copy_keeps_its_bytes_under_the
         sc.stop()
 
 
-def test_a_lease_past_its_timeout_is_a_miss(local: Sidecar, shm_dir: Path) -> None:
+def test_a_lease_past_its_timeout_is_a_miss(local: Sidecar, local_dir: Path) -> None:
     """Mechanism: leases expire, and a release after that says the copy is not vouched for."""
     put_tcp(local, key(1), payload(1000, 7))
-    client = LocalClient(shm_dir)
+    client = LocalClient(local_dir)
     try:
         lease = client.lease([key(1)])
         assert local.local is not None
@@ -184,7 +176,7 @@ time.sleep(600)
 
 
 def test_an_engine_killed_holding_leases_gives_every_slot_back(
-    local: Sidecar, shm_dir: Path
+    local: Sidecar, local_dir: Path
 ) -> None:
     """Mechanism: a connection's leases end with it (no timeout to wait for): an engine
     process killed with -9 while it holds a lease and an allocated slot."""
@@ -193,7 +185,7 @@ def test_an_engine_killed_holding_leases_gives_every_slot_back(
     gc.collect()
     idle = local.arena.used
     engine = subprocess.Popen(
-        [sys.executable, "-c", ENGINE, str(shm_dir), key(1)],
+        [sys.executable, "-c", ENGINE, str(local_dir), key(1)],
         stdout=subprocess.PIPE,
         text=True,
         cwd=Path(__file__).resolve().parents[2],
@@ -214,18 +206,18 @@ def test_an_engine_killed_holding_leases_gives_every_slot_back(
         engine.stdout.close()
 
 
-def test_a_restarted_sidecar_is_remapped_and_nothing_stale_is_read(shm_dir: Path) -> None:
+def test_a_restarted_sidecar_is_remapped_and_nothing_stale_is_read(local_dir: Path) -> None:
     """Mechanism: the generation. A lease from before the restart is not vouched for, and
     the client maps the new region instead of reading the old one's bytes."""
-    first = start(shm_dir)
-    client = LocalClient(shm_dir)
+    first = start(local_dir)
+    client = LocalClient(local_dir)
     try:
         put_tcp(first, key(1), payload(1000, 7))
         lease = client.lease([key(1)])
         old = client.region
         assert old is not None
         first.stop()
-        second = start(shm_dir)
+        second = start(local_dir)
         try:
             assert not client.release(lease)
             assert client.lease([key(1)]).blocks == [None]  # the new sidecar has no such block
@@ -240,19 +232,19 @@ def test_a_restarted_sidecar_is_remapped_and_nothing_stale_is_read(shm_dir: Path
 
 
 def test_a_region_held_by_stores_in_flight_sends_stores_over_tcp_and_counts_it(
-    shm_dir: Path,
+    local_dir: Path,
 ) -> None:
     """Another engine holds most of the region in slots it has not committed: nothing the
     memory tier could evict frees them, so a store goes over TCP (counted) into the heap,
     and a lease of that block says "read it over TCP"."""
-    sc = start(shm_dir, memory=256 << 10)
+    sc = start(local_dir, memory=256 << 10)
     fallback: list[KVClient] = []
 
     def tcp() -> KVClient:
         fallback.append(KVClient("127.0.0.1", sc.port))
         return fallback[0]
 
-    holder, client = LocalClient(shm_dir), LocalClient(shm_dir, fallback=tcp)
+    holder, client = LocalClient(local_dir), LocalClient(local_dir, fallback=tcp)
     try:
         assert holder.alloc([240 << 10]) is not None  # of a 288 KiB region
         assert client.alloc([128 << 10]) is None
@@ -273,18 +265,18 @@ def test_a_region_held_by_stores_in_flight_sends_stores_over_tcp_and_counts_it(
 
 
 def test_a_second_sidecar_on_the_same_directory_refuses_to_start(
-    local: Sidecar, shm_dir: Path
+    local: Sidecar, local_dir: Path
 ) -> None:
     with pytest.raises(LocalDirInUse):
-        start(shm_dir)
+        start(local_dir)
     assert local.arena is not None and local.arena.path.exists()  # the first one's is intact
 
 
 def test_bad_requests_get_an_error_and_the_socket_keeps_serving(
-    local: Sidecar, shm_dir: Path
+    local: Sidecar, local_dir: Path
 ) -> None:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.connect(str(shm_dir / SOCKET_NAME))
+    sock.connect(str(local_dir / SOCKET_NAME))
     reader = sock.makefile("rb")
     try:
         for line in (
@@ -306,22 +298,22 @@ def test_bad_requests_get_an_error_and_the_socket_keeps_serving(
 
 
 def test_the_sidecar_process_killed_during_a_load_is_a_miss_and_its_files_are_reclaimed(
-    sidecar_process: SidecarFactory, shm_dir: Path
+    sidecar_process: SidecarFactory, local_dir: Path
 ) -> None:
-    proc = sidecar_process("--local-dir", str(shm_dir), "--memory-bytes", str(1 << 20))
+    proc = sidecar_process("--local-dir", str(local_dir), "--memory-bytes", str(1 << 20))
     with KVClient("127.0.0.1", proc.data_port) as c:
         c.put(key(1), payload(1000, 7), fmt=FMT_KV_2LTD, dtype=DTYPE_BFLOAT16, shape=SHAPE)
         c.health()
-    client = LocalClient(shm_dir)
+    client = LocalClient(local_dir)
     try:
         lease = client.lease([key(1)])
         assert isinstance(lease.blocks[0], Slot)
         proc.kill()
         assert not client.release(lease)  # the copy is not used
         restarted = sidecar_process(
-            "--local-dir", str(shm_dir), "--memory-bytes", str(1 << 20), data_port=proc.data_port
+            "--local-dir", str(local_dir), "--memory-bytes", str(1 << 20), data_port=proc.data_port
         )
-        assert len(list(shm_dir.glob("kv-*.shm"))) == 1  # the dead one's region is gone
+        assert len(list(local_dir.glob("kv-*.shm"))) == 1  # the dead one's region is gone
         assert client.lease([key(1)]).blocks == [None]
         assert restarted
     finally:
@@ -338,11 +330,11 @@ def _wait(cond: object, timeout: float = 5.0) -> None:
         time.sleep(0.01)
 
 
-def test_a_full_memory_tier_makes_room_in_the_region_for_a_local_store(shm_dir: Path) -> None:
+def test_a_full_memory_tier_makes_room_in_the_region_for_a_local_store(local_dir: Path) -> None:
     """The region is the memory tier plus an eighth: when the tier is full, an alloc evicts
     as the PUT would (least recently used first) instead of sending the store to TCP."""
-    sc = start(shm_dir, memory=256 << 10)
-    client = LocalClient(shm_dir)
+    sc = start(local_dir, memory=256 << 10)
+    client = LocalClient(local_dir)
     try:
         for i in range(12):  # three times the memory tier, 64 KiB at a time
             got = client.alloc([64 << 10])

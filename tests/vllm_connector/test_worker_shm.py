@@ -10,16 +10,16 @@ engine cannot read, a copy that raced its lease, or a sidecar that died mid-load
 from __future__ import annotations
 
 import logging
-import os
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
+from benchmarks.kvpath import flash_writer as flash_writer_of
 from sidecar.service import Sidecar
 from sidecar.settings import SidecarSettings
+from tests.utils import local_dir_fixture  # noqa: F401 (the local_dir fixture)
 from vllm_connector.config import ConnectorConfig
 from vllm_connector.layout import gather, token_slots
 from vllm_connector.plan import LoadSpec, Piece, StoreSpec
@@ -29,14 +29,6 @@ from vllm_connector.worker import WorkerSide
 N, HEADS, DIM, LAYERS = 16, 2, 32, 3
 BLOCKS = 40
 TOKENS = 200  # 12 whole blocks and a partial one: the edge goes through the indexed path
-
-
-def flash_writer(
-    k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor
-) -> None:
-    key_cache, value_cache = cache.transpose(1, 2).split(DIM, dim=-1)
-    key_cache[slots // N, slots % N] = k
-    value_cache[slots // N, slots % N] = v
 
 
 def caches(transposed: bool = False) -> dict[str, torch.Tensor]:
@@ -59,15 +51,8 @@ def plain_writer(
 
 
 @pytest.fixture
-def shm_dir() -> Iterator[Path]:
-    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-    with tempfile.TemporaryDirectory(prefix="ctxcache-test-", dir=base) as d:
-        yield Path(d)
-
-
-@pytest.fixture
-def sidecar(shm_dir: Path) -> Iterator[Sidecar]:
-    sc = Sidecar(SidecarSettings(port=0, memory_bytes=64 << 20, local_dir=shm_dir)).start()
+def sidecar(local_dir: Path) -> Iterator[Sidecar]:
+    sc = Sidecar(SidecarSettings(port=0, memory_bytes=64 << 20, local_dir=local_dir)).start()
     try:
         yield sc
     finally:
@@ -83,7 +68,7 @@ def worker(
         chunk_size=chunk,
     )
     side = WorkerSide(config, N)
-    write = plain_writer if transposed else flash_writer
+    write = plain_writer if transposed else flash_writer_of(N, DIM)
     side.register(caches(transposed), {k: (write, HEADS, DIM) for k in caches(transposed)})
     assert side.enabled
     return side
@@ -118,9 +103,9 @@ def load(side: WorkerSide, ps: list[Piece], start: int = 0, end: int = TOKENS) -
 
 @pytest.mark.parametrize("end", [TOKENS, TOKENS - 1, 150])
 def test_a_store_and_a_load_through_shared_memory_move_the_kv_exactly(
-    sidecar: Sidecar, shm_dir: Path, end: int
+    sidecar: Sidecar, local_dir: Path, end: int
 ) -> None:
-    side = worker(sidecar, shm_dir)
+    side = worker(sidecar, local_dir)
     try:
         ps = pieces("a")
         store(side, ps)
@@ -138,8 +123,8 @@ def test_a_store_and_a_load_through_shared_memory_move_the_kv_exactly(
         side.close()
 
 
-def test_kv_stored_over_tcp_loads_through_shared_memory(sidecar: Sidecar, shm_dir: Path) -> None:
-    tcp, shm = worker(sidecar, None), worker(sidecar, shm_dir)
+def test_kv_stored_over_tcp_loads_through_shared_memory(sidecar: Sidecar, local_dir: Path) -> None:
+    tcp, shm = worker(sidecar, None), worker(sidecar, local_dir)
     try:
         for cache_tcp, cache_shm in zip(tcp.caches, shm.caches, strict=True):
             cache_shm.copy_(cache_tcp)
@@ -155,9 +140,9 @@ def test_kv_stored_over_tcp_loads_through_shared_memory(sidecar: Sidecar, shm_di
 
 
 def test_blocks_in_another_engines_layout_are_a_miss_not_wrong_kv(
-    sidecar: Sidecar, shm_dir: Path
+    sidecar: Sidecar, local_dir: Path
 ) -> None:
-    flash, other = worker(sidecar, shm_dir), worker(sidecar, shm_dir, transposed=True)
+    flash, other = worker(sidecar, local_dir), worker(sidecar, local_dir, transposed=True)
     try:
         assert flash.copier is not None and other.copier is not None
         assert flash.copier.tag != other.copier.tag
@@ -172,11 +157,11 @@ def test_blocks_in_another_engines_layout_are_a_miss_not_wrong_kv(
 
 
 def test_a_copy_that_outlived_its_lease_is_recomputed(
-    sidecar: Sidecar, shm_dir: Path, monkeypatch: pytest.MonkeyPatch
+    sidecar: Sidecar, local_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The release is what makes a shm load good: a lease ended during the copies (here by
     its timeout; a restart or a dropped connection end it the same way) fails the load."""
-    side = worker(sidecar, shm_dir)
+    side = worker(sidecar, local_dir)
     try:
         ps = pieces("d")
         store(side, ps)
@@ -213,17 +198,17 @@ def test_without_a_local_socket_the_connector_uses_tcp_and_says_so(
 
 
 def test_a_sidecar_gone_mid_session_is_a_miss_and_a_new_one_is_used_again(
-    shm_dir: Path,
+    local_dir: Path,
 ) -> None:
-    first = Sidecar(SidecarSettings(port=0, memory_bytes=64 << 20, local_dir=shm_dir)).start()
-    side = worker(first, shm_dir)
+    first = Sidecar(SidecarSettings(port=0, memory_bytes=64 << 20, local_dir=local_dir)).start()
+    side = worker(first, local_dir)
     try:
         ps = pieces("f")
         store(side, ps)
         first.stop()
         assert load(side, ps) == set(DST)  # no sidecar: recompute, no exception
         second = Sidecar(
-            SidecarSettings(port=first.port, memory_bytes=64 << 20, local_dir=shm_dir)
+            SidecarSettings(port=first.port, memory_bytes=64 << 20, local_dir=local_dir)
         ).start()
         try:
             assert load(side, ps) == set(DST)  # the new one has no such blocks: a miss
@@ -237,15 +222,15 @@ def test_a_sidecar_gone_mid_session_is_a_miss_and_a_new_one_is_used_again(
 
 
 def test_a_full_region_sends_stores_and_loads_over_tcp_and_counts_them(
-    sidecar: Sidecar, shm_dir: Path
+    sidecar: Sidecar, local_dir: Path
 ) -> None:
     """Another engine holds the region in slots it has not committed: the store goes over
     lm:// (counted), the sidecar keeps the blocks in its heap, and the load gets them over
     lm:// too."""
     from sidecar.local_client import LocalClient
 
-    holder = LocalClient(shm_dir)
-    side = worker(sidecar, shm_dir)
+    holder = LocalClient(local_dir)
+    side = worker(sidecar, local_dir)
     try:
         assert sidecar.arena is not None
         assert holder.alloc([sidecar.arena.largest_free() - 4096]) is not None

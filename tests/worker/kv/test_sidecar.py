@@ -1,9 +1,11 @@
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import torch
 
+from tests.utils import local_dir_fixture  # noqa: F401 (the local_dir fixture)
 from worker.kv.layout import KVShape
 from worker.kv.sidecar import SidecarKV, StoreJob
 
@@ -86,33 +88,30 @@ def test_the_store_queue_is_bounded_in_bytes_and_frees_them_as_puts_land() -> No
         side.close()
 
 
-def test_the_builtin_workers_storer_and_loader_go_through_a_local_sidecars_region() -> None:
+def test_the_builtin_workers_storer_and_loader_go_through_a_local_sidecars_region(
+    local_dir: Path,
+) -> None:
     """`kv_client_factory` with the sidecar's local dir: the built-in worker's stores and
     loads are copies through the shared region (counted by the sidecar), not lm:// streams."""
-    import os
-    import tempfile
-    from pathlib import Path
-
     from sidecar.service import Sidecar
     from sidecar.settings import SidecarSettings
     from worker.kv.sidecar import kv_client_factory, kv_path
 
-    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-    with tempfile.TemporaryDirectory(prefix="ctxcache-test-", dir=base) as d:
-        sc = Sidecar(SidecarSettings(port=0, memory_bytes=16 << 20, local_dir=Path(d))).start()
-        shape = KVShape(2, 2, 8, torch.bfloat16)
-        side = SidecarKV(kv_client_factory(f"lm://127.0.0.1:{sc.port}", 2.0, d), shape)
-        try:
-            assert kv_path(d) == "shm" and kv_path(None) == "tcp"
-            kv = torch.randn(2, 2, 2, 32, 8).to(torch.bfloat16)
-            assert side.submit(StoreJob([("m@1@0@a@bfloat16@s%x", kv)], "x"))
-            side.drain()
-            (got,) = side.get_many([("m@1@0@a@bfloat16@s%x", 32)])
-            assert got is not None and torch.equal(got, kv)
-            local = sc.metrics.local_bytes
-            assert local.labels("store")._value.get() == kv.numel() * 2
-            assert local.labels("load")._value.get() == kv.numel() * 2
-            assert sc.metrics.bytes_in._value.get() == 0  # nothing came over lm://
-        finally:
-            side.close()
-            sc.stop()
+    d = str(local_dir)
+    sc = Sidecar(SidecarSettings(port=0, memory_bytes=16 << 20, local_dir=local_dir)).start()
+    shape = KVShape(2, 2, 8, torch.bfloat16)
+    side = SidecarKV(kv_client_factory(f"lm://127.0.0.1:{sc.port}", 2.0, d), shape)
+    try:
+        assert kv_path(d) == "shm" and kv_path(None) == "tcp"
+        kv = torch.randn(2, 2, 2, 32, 8).to(torch.bfloat16)
+        assert side.submit(StoreJob([("m@1@0@a@bfloat16@s%x", kv)], "x"))
+        side.drain()
+        (got,) = side.get_many([("m@1@0@a@bfloat16@s%x", 32)])
+        assert got is not None and torch.equal(got, kv)
+        local = sc.metrics.local_bytes
+        assert local.labels("store")._value.get() == kv.numel() * 2
+        assert local.labels("load")._value.get() == kv.numel() * 2
+        assert sc.metrics.bytes_in._value.get() == 0  # nothing came over lm://
+    finally:
+        side.close()
+        sc.stop()
