@@ -132,6 +132,13 @@ def _case_bytes(shape: Shape, tokens: int | None, dtype: torch.dtype) -> int:
     return 2 * shape.layers * shape.kv_heads * shape.head_dim * dtype.itemsize * n
 
 
+def shm_tempdir() -> tempfile.TemporaryDirectory[str]:
+    """A private directory for a sidecar's `--local-dir`: in /dev/shm (memory, as in
+    production) where it is writable, else in the default temporary directory."""
+    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+    return tempfile.TemporaryDirectory(prefix="ctxcache-kvpath-", dir=base)
+
+
 # ---- the sidecar, in its own process ----------------------------------------------------
 _SIDECAR = """
 import sys, threading
@@ -149,8 +156,7 @@ s.stop()
 @contextmanager
 def start_sidecar(case_bytes: int) -> Iterator[tuple[str, str]]:
     """A sidecar process with room for two paths' copies of the largest case."""
-    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-    with tempfile.TemporaryDirectory(prefix="ctxcache-kvpath-", dir=base) as local:
+    with shm_tempdir() as local:
         memory = 3 * case_bytes + (64 << 20)
         proc = subprocess.Popen(
             [sys.executable, "-c", _SIDECAR, str(memory), local],

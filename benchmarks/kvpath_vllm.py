@@ -35,6 +35,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks.kvpath import shm_tempdir
+from benchmarks.util import stream_chat
+
 NAME = "kvpath-vllm"
 ROUNDS = 8  # the default here; kvpath's own `--rounds` default is for its copies
 TARGET = 1.15  # cold TTFT at most this many times hot (the target)
@@ -220,10 +223,7 @@ def started(model: Path, dtype: str, path: str, log: Path) -> Iterator[Stack]:
     from ctxcache.supervisor import Child, Supervisor, http_ready
     from ctxcache.vllm_engine import VllmLaunch, must_run_eager, served_name
 
-    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-    shm = (
-        tempfile.TemporaryDirectory(prefix="ctxcache-kvpath-", dir=base) if path == "shm" else None
-    )
+    shm = shm_tempdir() if path == "shm" else None
     with (
         tempfile.TemporaryDirectory(prefix="ctxcache-kvpath-vllm-") as data,
         shm or nullcontext(None) as local,
@@ -337,25 +337,14 @@ class Session:
         body = {"model": self.stack.model, "max_tokens": self.max_tokens, "temperature": 0}
         body |= {"stream": True, "stream_options": {"include_usage": True}, **fields}
         before = scrape(self.engine)
-        pieces: list[str] = []
-        first, usage = 0.0, {}
-        t0 = time.perf_counter()
-        with self.http.stream("POST", "/v1/chat/completions", content=orjson.dumps(body)) as r:
-            if r.status_code != 200:
-                raise RuntimeError(f"{kind} turn: {r.status_code} {r.read()[:300]!r}")
-            for event in _events(r.iter_lines()):
-                usage = event.get("usage") or usage
-                for choice in event.get("choices") or []:
-                    pieces.append((choice.get("delta") or {}).get("content") or "")
-                    first = first or (time.perf_counter() if pieces[-1] else 0.0)
-        end = time.perf_counter()
+        text, ttft, total, usage = stream_chat(self.http, orjson.dumps(body), f"{kind} turn")
         after = scrape(self.engine)
         return Turn(
             i,
             kind,
-            "".join(pieces),
-            ((first or end) - t0) * 1e3,
-            (end - t0) * 1e3,
+            text,
+            ttft * 1e3,
+            total * 1e3,
             int(usage.get("prompt_tokens") or 0),
             int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0),
             {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after},
@@ -373,14 +362,6 @@ class Session:
             if time.monotonic() > deadline:
                 raise RuntimeError("vLLM did not reset its prefix cache in 30 s")
             time.sleep(0.05)
-
-
-def _events(lines: Iterator[str]) -> Iterator[dict[str, Any]]:
-    import orjson
-
-    for line in lines:
-        if line.startswith("data: ") and line != "data: [DONE]":
-            yield orjson.loads(line[6:])
 
 
 def scrape(engine: Any) -> dict[str, float]:

@@ -13,7 +13,7 @@ from typing import Any
 
 from benchmarks.multiturn import user_message, user_token_targets
 from benchmarks.multiturn_stacks import Mode
-from benchmarks.util import percentile
+from benchmarks.util import percentile, stream_chat
 
 SYSTEM = "You are a helpful assistant. Answer briefly."
 REFERENCES = ("vllm-full", "full")  # the mode every other mode's answers are compared with
@@ -147,29 +147,7 @@ class Replay:
         return text
 
     def _stream(self, mode: str, data: bytes) -> tuple[str, float, float, dict[str, Any]]:
-        import orjson
-
-        parts: list[str] = []
-        usage: dict[str, Any] = {}
-        ttft = 0.0
-        t0 = time.perf_counter()
-        with self.http[mode].stream("POST", "/v1/chat/completions", content=data) as r:
-            if r.status_code != 200:
-                r.read()
-                raise RuntimeError(f"{mode}: {r.status_code}: {r.text[:500]}")
-            for line in r.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = orjson.loads(line[6:])
-                for choice in chunk.get("choices") or []:
-                    piece = (choice.get("delta") or {}).get("content") or ""
-                    if piece and not ttft:
-                        ttft = time.perf_counter() - t0
-                    parts.append(piece)
-                if chunk.get("usage"):
-                    usage = chunk["usage"]
-        total = time.perf_counter() - t0
-        return "".join(parts), ttft or total, total, usage
+        return stream_chat(self.http[mode], data, mode)
 
     def _floor_turn(self, conv: Conversation, turn: int, answers: dict[str, str]) -> None:
         name = "session" if "session" in answers else next(iter(answers))

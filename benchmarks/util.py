@@ -249,3 +249,34 @@ def bar_plot(
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def stream_chat(
+    client: Any, data: bytes, on_error: str = "stream"
+) -> tuple[str, float, float, dict[str, Any]]:
+    """POST `data` (a streamed chat body) to `client`'s /v1/chat/completions (an
+    `httpx.Client`): the text, the seconds to its first content token (the whole time when
+    none came), the whole time, and the usage chunk."""
+    import orjson
+
+    parts: list[str] = []
+    usage: dict[str, Any] = {}
+    ttft = 0.0
+    t0 = time.perf_counter()
+    with client.stream("POST", "/v1/chat/completions", content=data) as r:
+        if r.status_code != 200:
+            r.read()
+            raise RuntimeError(f"{on_error}: {r.status_code}: {r.text[:500]}")
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = orjson.loads(line[6:])
+            for choice in chunk.get("choices") or []:
+                piece = (choice.get("delta") or {}).get("content") or ""
+                if piece and not ttft:
+                    ttft = time.perf_counter() - t0
+                parts.append(piece)
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+    total = time.perf_counter() - t0
+    return "".join(parts), ttft or total, total, usage
