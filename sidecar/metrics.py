@@ -25,6 +25,14 @@ class SidecarMetrics:
             f"{PREFIX}_evictions", "blocks dropped to make room, by tier", ["tier"], registry=r
         )
         self.spills = Counter(f"{PREFIX}_spills", "blocks written to the disk tier", registry=r)
+        self.write_behind_blocks = Counter(
+            f"{PREFIX}_write_behind_blocks",
+            "pinned memory blocks given a disk copy by write-behind (also counted in spills)",
+            registry=r,
+        )
+        self.write_behind_bytes = Counter(
+            f"{PREFIX}_write_behind_bytes", "payload bytes written by write-behind", registry=r
+        )
         self.corrupt = Counter(
             f"{PREFIX}_corrupt_blocks", "disk blocks that failed verification", registry=r
         )

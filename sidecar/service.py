@@ -1,4 +1,5 @@
-"""One running sidecar: the store, its tiers, the data server and the expiry reaper.
+"""One running sidecar: the store, its tiers, the data server, the expiry reaper and the
+write-behind of pinned blocks to the disk tier.
 
 `create_app` (sidecar/app.py) starts and stops it in the control API's lifespan, so one
 process serves both ports; tests can also run it on its own.
@@ -59,6 +60,11 @@ class Sidecar:
         self.local: LocalServer | None = None
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap_loop, name="sidecar-reaper", daemon=True)
+        self._writer: threading.Thread | None = None
+        if disk is not None and settings.write_behind_s > 0:
+            self._writer = threading.Thread(
+                target=self._write_behind_loop, name="sidecar-write-behind", daemon=True
+            )
 
     @property
     def port(self) -> int:
@@ -86,6 +92,8 @@ class Sidecar:
             )
             self.local.start()
         self._reaper.start()
+        if self._writer is not None:
+            self._writer.start()
         return self
 
     def stop(self) -> None:
@@ -96,6 +104,8 @@ class Sidecar:
             self.local.stop()
         if self._reaper.is_alive():
             self._reaper.join(timeout=5)
+        if self._writer is not None and self._writer.is_alive():
+            self._writer.join(timeout=5)
         if self.settings.flush_on_shutdown:
             n = self.store.flush()
             if n:
@@ -112,3 +122,10 @@ class Sidecar:
                     self.local.expire()
             except Exception:
                 log.exception("expiry sweep failed")
+
+    def _write_behind_loop(self) -> None:
+        while not self._stop.wait(self.settings.write_behind_s):
+            try:
+                self.store.write_behind()
+            except Exception:
+                log.exception("write-behind failed")

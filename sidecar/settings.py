@@ -47,6 +47,12 @@ class SidecarSettings(BaseSettings):
     flush_on_shutdown: bool = Field(
         True, description="on a clean stop, write memory-only blocks to the disk tier"
     )
+    write_behind_s: float = Field(
+        1.0,
+        ge=0,
+        description="seconds between write-behind passes: pinned blocks only in memory get a "
+        "disk copy in free disk room, so sessions' KV survives a kill -9 (0: off)",
+    )
     log_level: str | None = None
 
     @field_validator("encryption_key")

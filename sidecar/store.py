@@ -21,6 +21,9 @@ Policy (docs/sidecar.md has the long form):
     pinned bytes past the pin budget (memory + disk budgets) is refused, and pinned blocks
     are never dropped: a pinned block with no room on disk stays in memory, over budget.
 - A GET served from disk promotes the block back into memory (keeping the disk copy).
+- Write-behind (`write_behind`, run every few seconds by the service): pinned blocks that
+  live only in memory get a disk copy too, oldest first, in free disk room only (nothing is
+  evicted for it), so a session's KV survives a crash of the process.
 
 One lock guards the index; payload bytes move outside it (socket I/O, disk writes and
 reads), so concurrent connections only serialize on dictionary updates.
@@ -317,26 +320,25 @@ class BlockStore:
             }
 
     def flush(self) -> int:
-        """Write every memory-only block to the disk tier (clean shutdown); returns count."""
-        if self.disk is None:
-            return 0
+        """Write every memory-only block to the disk tier (clean shutdown), pinned ones
+        first, most recently used first, making room as a spill does; returns how many."""
         with self._lock:
-            pending = [*reversed(self._mem[1].values()), *reversed(self._mem[0].values())]
-        written = 0
-        for e in pending:
-            work = Work()
-            with self._lock:
-                if self._blocks.get(e.meta.key) is not e or e.data is None:
-                    continue
-                if e.disk_path is not None or e.spilling or not e.in_mem:
-                    continue
-                if not self._reserve_disk(e.size, work):
-                    continue
-                e.spilling = True
-                work.spill.append((e, e.data))
-            self._finish(work)
-            written += 1
-        return written
+            pending = [*reversed(self._mem[True].values()), *reversed(self._mem[False].values())]
+        return self._copy_to_disk(pending, evict=True)[0]
+
+    def write_behind(self, max_bytes: int | None = None) -> int:
+        """Give memory-only pinned blocks a disk copy, oldest first, so that a session's KV
+        survives a crash of the process; they stay in memory. Only free disk room is used:
+        nothing is evicted for a copy, and it stops at the first block that does not fit
+        (or once `max_bytes` are written). Returns how many blocks it wrote."""
+        with self._lock:
+            pending = list(self._mem[True].values())
+        blocks, nbytes = self._copy_to_disk(pending, evict=False, max_bytes=max_bytes)
+        if blocks:
+            self.metrics.write_behind_blocks.inc(blocks)
+            self.metrics.write_behind_bytes.inc(nbytes)
+            log.debug("write-behind: %d pinned blocks, %d bytes", blocks, nbytes)
+        return blocks
 
     # ---- internals (call with the lock held) ----------------------------------------
     def _refuse(self, meta: BlockMeta, reason: str) -> bool:
@@ -415,11 +417,24 @@ class BlockStore:
             self._unlink(e, work)
         return len(entries), sum(e.size for e in entries)
 
-    def _reserve_disk(self, n: int, work: Work, protect: str | None = None) -> bool:
-        """Make room for n bytes on disk by deleting unpinned LRU blocks (pin policy lru:
-        then the least recently used pinned sessions' blocks), then reserve it."""
+    def _reserve_disk(
+        self, n: int, work: Work, protect: str | None = None, *, evict: bool = True
+    ) -> bool:
+        """Reserve n bytes on disk; with `evict`, make room first (`_make_disk_room`),
+        else only free room will do."""
         if self.disk is None or n > self.disk_bytes:
             return False
+        if evict:
+            self._make_disk_room(n, work, protect)
+        if self.disk_used + n > self.disk_bytes:
+            return False
+        self.disk_used += n
+        return True
+
+    def _make_disk_room(self, n: int, work: Work, protect: str | None) -> None:
+        """Make room for n bytes on disk by deleting unpinned LRU blocks (pin policy lru:
+        then disk copies of blocks in memory, then the least recently used pinned sessions'
+        blocks)."""
         unpinned = self._disk[False]
         while self.disk_used + n > self.disk_bytes and unpinned:
             victim = next(iter(unpinned.values()))
@@ -443,10 +458,6 @@ class BlockStore:
                 self._disk_remove(victim, work)  # still in memory: only the copy goes
             else:
                 self._drop_pinned(victim, work, protect)
-        if self.disk_used + n > self.disk_bytes:
-            return False
-        self.disk_used += n
-        return True
 
     def _evict_memory(
         self, work: Work, protect: str | None = None, target: int | None = None
@@ -461,6 +472,8 @@ class BlockStore:
             self._mem_remove(victim)
             if victim.disk_path is not None:
                 victim.data = None  # the disk copy is current
+            elif victim.spilling:
+                pass  # its copy is being written (write-behind, flush): the write lets go of it
             elif victim.data is not None and self._reserve_disk(victim.size, work, protect):
                 victim.spilling = True
                 work.spill.append((victim, victim.data))
@@ -517,15 +530,49 @@ class BlockStore:
             log.info("pinned session %s: %d blocks dropped to make room", session, gone)
 
     # ---- work done outside the lock -------------------------------------------------
-    def _finish(self, work: Work) -> None:
+    def _copy_to_disk(
+        self, pending: list[Entry], *, evict: bool, max_bytes: int | None = None
+    ) -> tuple[int, int]:
+        """Write the blocks of `pending` that are still memory-only to the disk tier, one
+        at a time, keeping them in memory; returns (blocks, bytes) written. With `evict`,
+        room is made as for a spill and a block that finds none is skipped; without, only
+        free room is used and the first block that finds none ends it."""
+        if self.disk is None:
+            return 0, 0
+        blocks = nbytes = 0
+        for e in pending:
+            if max_bytes is not None and nbytes >= max_bytes:
+                break
+            work = Work()
+            with self._lock:
+                if self._blocks.get(e.meta.key) is not e or e.data is None:
+                    continue  # replaced or dropped since
+                if e.disk_path is not None or e.spilling or not e.in_mem:
+                    continue  # has a copy, is being written, or left memory
+                if not self._reserve_disk(e.size, work, evict=evict):
+                    if evict:
+                        continue
+                    break
+                e.spilling = True
+                work.spill.append((e, e.data))
+            if self._finish(work):
+                blocks += 1
+                nbytes += e.size
+        return blocks, nbytes
+
+    def _finish(self, work: Work) -> int:
+        """Do a locked section's work; returns how many of its blocks were written."""
         # Write before deleting: a crash in between must leave the old copy of an
         # overwritten key, not nothing (the next start keeps the newest file per key).
+        written = 0
         for e, data in work.spill:
-            self._write(e, data)
+            written += self._write(e, data)
         for path in work.trash:
             path.unlink(missing_ok=True)
+        return written
 
-    def _write(self, e: Entry, data: Buffer) -> None:
+    def _write(self, e: Entry, data: Buffer) -> bool:
+        """Write a block whose room is reserved; True when its disk copy is indexed."""
         assert self.disk is not None
         try:
             path: Path | None = self.disk.write(e.meta, data)
@@ -540,7 +587,7 @@ class BlockStore:
                 if not e.in_mem:
                     e.data = None
                 self.metrics.spills.inc()
-                return
+                return True
             self.disk_used -= e.size  # give the reservation back
             if current and not e.in_mem:
                 if e.pinned and e.size <= self.memory_bytes:
@@ -549,6 +596,7 @@ class BlockStore:
                     self._unlink(e, Work())
         if path is not None:
             path.unlink(missing_ok=True)  # the block was replaced or dropped meanwhile
+        return False
 
     def _drop_corrupt(self, e: Entry, path: Path, exc: CorruptBlock) -> None:
         work = Work()
