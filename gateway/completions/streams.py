@@ -5,9 +5,13 @@ session turn's events are shaped by `TurnService.stream`. Either way one task wa
 the client to leave (`ctxcache.disconnect`); if it does, the stream is cancelled, its
 generator closed, and so the worker's connection: the worker stops generating for nobody.
 
-A worker that breaks off mid-stream cannot change the status already sent: the response
-ends without its last chunk, and the server closes the client's connection, so the client
-sees a cut answer, never a complete-looking one.
+A stream that breaks off mid-answer (the worker's connection drops, `WorkerDown`, or a
+`CtxError` such as a commit the store refused) cannot change the status already sent. It
+ends with one last event, OpenAI's error envelope (`data: {"error": {...}}`, which the
+openai SDK raises as an `APIError`; a worker that dropped is `backend_unavailable`), then
+without its last chunk (no `[DONE]`): the server closes the client's connection, so any
+client sees a cut answer, never a complete-looking one. A stream whose format ends badly
+by itself (a Responses stream's `response.failed` and `error` events) raises nothing here.
 """
 
 from __future__ import annotations
@@ -16,11 +20,12 @@ import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 
+import orjson
 from fastapi import Response
 from starlette.types import Message, Receive, Scope, Send
 
 from ctxcache.disconnect import ClientLeft, until_the_client_leaves
-from ctxcache.errors import CtxError
+from ctxcache.errors import BackendUnavailable, CtxError
 from gateway.metrics import GatewayMetrics
 from gateway.pool import WorkerPool
 from gateway.upstream import SSEStream, WorkerDown
@@ -79,6 +84,10 @@ class SSEResponse(Response):
             return
         except (CtxError, WorkerDown) as exc:  # the status is sent: the answer is cut
             log.warning("a stream broke off mid-answer: %s", exc)
+            if started:
+                await send(
+                    {"type": "http.response.body", "body": broke_off(exc), "more_body": True}
+                )
             return
         finally:
             if started:
@@ -86,6 +95,13 @@ class SSEResponse(Response):
             elif self.never_started is not None:
                 await self.never_started()
         await send(_END)
+
+
+def broke_off(exc: CtxError | WorkerDown) -> bytes:
+    """The last event of a stream that broke off: the error's OpenAI envelope."""
+    if isinstance(exc, WorkerDown):
+        exc = BackendUnavailable(f"the inference worker failed mid-answer: {exc}")
+    return b"data: " + orjson.dumps(exc.envelope()) + b"\n\n"
 
 
 def relayed(
