@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: serve test test-compose lint install clean
+.PHONY: serve test test-slow test-compose lint install clean
 
 $(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,12 +33,18 @@ lint: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/pytest $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -m "not slow" $(PYTEST_ARGS)
+
+# The tests marked slow (minutes each): `ctxcache serve --engine vllm` with its parts
+# killed one by one, the container stack (where Docker answers). CI runs them after
+# `make test`.
+test-slow: $(STAMP)
+	$(VENV)/bin/pytest -m slow $(PYTEST_ARGS)
 
 # The container stack for real (tests/deploy/test_compose_e2e.py): builds the image,
 # `docker compose --profile cpu up --wait`, the README walk-through, restarts, `down -v`.
 # Needs a Docker daemon and compose v2 (skips without); build settings from the
-# environment (docs/deploy.md). `make test` runs it too where Docker answers.
+# environment (docs/deploy.md). `make test-slow` runs it too where Docker answers.
 test-compose: $(STAMP)
 	$(VENV)/bin/pytest -p no:cacheprovider -o log_cli=true -o log_cli_level=INFO \
 		tests/deploy/test_compose_e2e.py $(PYTEST_ARGS)

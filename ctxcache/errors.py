@@ -9,6 +9,7 @@ with `error_from_envelope`, so a `SessionNotFound` raised in the manager surface
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -184,9 +185,26 @@ class RateLimited(CtxError):
     default_message = "rate limit reached"
 
 
+def retry_headers(seconds: float) -> dict[str, str]:
+    """`retry-after` (whole seconds, as HTTP has it) and `retry-after-ms` (which the openai
+    SDKs read first) for a 503 worth retrying in `seconds`."""
+    return {
+        "retry-after": str(max(1, math.ceil(seconds))),
+        "retry-after-ms": str(int(seconds * 1000)),
+    }
+
+
 class BackendUnavailable(CtxError):
+    """No worker can take the request now: down, or (re)starting. `retry_after_s` is how
+    long until one is expected (`gateway/components.py` knows an engine's start time)."""
+
     status, code, type = 503, "backend_unavailable", "server_error"
     default_message = "no healthy inference worker"
+
+    def __init__(
+        self, message: str | None = None, *, param: str | None = None, retry_after_s: float = 1.0
+    ) -> None:
+        super().__init__(message, param=param, headers=retry_headers(retry_after_s))
 
 
 class StoreUnavailable(CtxError):
@@ -198,7 +216,7 @@ class StoreUnavailable(CtxError):
 
     def __init__(self, message: str | None = None, *, retry_after_ms: int = 1000) -> None:
         # about how long a Redis restart or a Sentinel / Cluster failover takes to be over
-        super().__init__(message, headers={"retry-after-ms": str(retry_after_ms)})
+        super().__init__(message, headers=retry_headers(retry_after_ms / 1000))
 
 
 class BackendTimeout(CtxError):

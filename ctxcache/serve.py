@@ -9,7 +9,12 @@ on Linux x86_64 with the `vllm` extra), else the built-in CPU worker (`--engine 
 docs/vllm.md says why. Internal services
 take free ports, so two stacks can run side by side. Start-up is health-gated; Ctrl-C or
 SIGTERM, at any moment, stops everything; a restart on the same data dir continues every
-live session. `--redis-url` uses a Redis you run instead of the bundled one: one server,
+live session. A component that dies while the stack runs is restarted (with backoff; given
+up after 5 crashes in 5 minutes), and its state is in `<data-dir>/components.json`, which
+the gateway reports in `/ready` and `/metrics` (docs/reliability.md, "When a part of
+`ctxcache serve` dies"). The bundled Redis fsyncs its AOF before it answers
+(`--redis-fsync always`): nothing it acknowledged is lost, by a crash of Redis or of the
+machine. `--redis-url` uses a Redis you run instead of the bundled one: one server,
 a Redis Cluster or Sentinel (the manager's URL grammar, docs/deploy.md).
 
 The engine and the sidecar share memory: the sidecar's memory tier lives in a region file in
@@ -29,6 +34,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ctxcache.redis_server import FSYNC_POLICIES
 from ctxcache.supervisor import Child, Interrupted, Supervisor, http_ready
 from ctxcache.vllm_engine import available as vllm_available
 from ctxcache.vllm_engine import default_engine
@@ -40,6 +46,7 @@ SHM = Path("/dev/shm")
 LOCAL_PREFIX = "ctxcache-"
 LOCAL_RECORD = "local-kv-dir"  # under the data dir: where this stack's region lives
 REGION_SLACK = 1 << 20  # the region's header page, rounding, the socket
+STATUS_FILE = "components.json"  # under the data dir: the supervisor's view of the stack
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -52,6 +59,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=_store_url,
         help="an external Redis instead of the bundled one: redis[s]://, "
         "redis[s]+cluster://host:port,..., redis[s]+sentinel://host:port,.../service[/db]",
+    )
+    p.add_argument(
+        "--redis-fsync",
+        choices=FSYNC_POLICIES,
+        default="always",
+        help="the bundled Redis's appendfsync: always (nothing acknowledged is ever lost), "
+        "everysec (faster writes; a machine crash, or a Redis crash while the disk is slow, "
+        "loses up to about 2 s of acknowledged turns)",
     )
     p.add_argument("--model", default=None, help="local HF model dir (default: tiny preset)")
     add_api_key_argument(p)
@@ -101,7 +116,8 @@ def main(args: argparse.Namespace) -> int:
             log.info("KV moves over lm:// only (--no-local-kv)")
         else:
             local = local_kv_dir(data, region_bytes(args))
-        with Supervisor() as sup:  # leaving it stops every child, then the region goes
+        # leaving it stops every child, then the region goes
+        with Supervisor(status_path=data / STATUS_FILE) as sup:
             try:
                 return _run(args, sup, data, local)
             except Interrupted:
@@ -123,7 +139,7 @@ def _run(args: argparse.Namespace, sup: Supervisor, data: Path, local: Path | No
 
     redis_url = args.redis_url
     if redis_url is None:  # the bundled one
-        redis = RedisServer(data / "redis")
+        redis = RedisServer(data / "redis", fsync=args.redis_fsync)
         redis.data_dir.mkdir(parents=True, exist_ok=True)
         sup.start(Child("redis", redis.argv(), ready=redis.wait_ready))
         redis_url = redis.url
@@ -177,7 +193,10 @@ def _run(args: argparse.Namespace, sup: Supervisor, data: Path, local: Path | No
             ready=http_ready(f"http://127.0.0.1:{args.port}/ready"),
             # the keys go to the gateway in its environment, not its command line (which
             # every user of the machine can read)
-            env=args.gateway_env,
+            env={
+                **args.gateway_env,
+                "CTX_GATEWAY_COMPONENTS_FILE": str(data / STATUS_FILE),
+            },
         )
     )
 

@@ -22,6 +22,7 @@ from ctxcache.schema import ErrorResponse
 from gateway.auth import KeyRing
 from gateway.completions import router as completion_routes
 from gateway.completions.service import CompletionService
+from gateway.components import ComponentCollector, Components
 from gateway.context.router import router as context_router
 from gateway.context.service import ContextService
 from gateway.conversations.router import router as conversations_router
@@ -86,6 +87,10 @@ def create_app(settings: GatewaySettings, *, freeze_heap: bool = False) -> FastA
                     )
                 )
                 manager = await stack.enter_async_context(ManagerClient.in_process(manager_app))
+            components = Components(settings.components_file)
+            collector = ComponentCollector(components)
+            metrics.registry.register(collector)
+            stack.callback(metrics.registry.unregister, collector)
             pool = WorkerPool(
                 settings.workers,
                 connect_timeout_s=settings.connect_timeout_s,
@@ -93,6 +98,7 @@ def create_app(settings: GatewaySettings, *, freeze_heap: bool = False) -> FastA
                 health_interval_s=settings.health_interval_s,
                 imbalance_slack=settings.imbalance_slack,
                 max_inflight=settings.max_inflight_per_worker,
+                components=components,
             )
             await pool.start()
             stack.push_async_callback(pool.aclose)
@@ -106,6 +112,7 @@ def create_app(settings: GatewaySettings, *, freeze_heap: bool = False) -> FastA
             stack.push_async_callback(keeper.aclose)
             turns = TurnService(manager, pool, metrics, PromptBuilder(), salt, recent, keeper)
             stack.push_async_callback(turns.background.drain)
+            app.state.components = components
             app.state.keys = KeyRing(settings.api_keys)
             app.state.manager = manager
             app.state.pool = pool

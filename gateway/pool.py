@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import orjson
 
 from ctxcache.errors import BackendUnavailable, NotFound
+from gateway.components import Components
 from gateway.settings import WorkerEndpoint
 from gateway.worker_client import ConnectionLost, Misframed, WorkerClient
 
@@ -52,6 +53,7 @@ class WorkerPool:
         health_interval_s: float,
         imbalance_slack: int,
         max_inflight: int,
+        components: Components | None = None,
     ) -> None:
         self.workers = [
             Worker(
@@ -69,6 +71,7 @@ class WorkerPool:
         self.health_interval_s = health_interval_s
         self.imbalance_slack = imbalance_slack
         self.max_inflight = max_inflight
+        self.components = components or Components(None)
         self._rr = itertools.count()
         self._task: asyncio.Task[None] | None = None
 
@@ -129,6 +132,15 @@ class WorkerPool:
                 out.update(w.models)
         return out
 
+    def unavailable(self) -> BackendUnavailable:
+        """The 503 for a request no worker can take: what is (re)starting, and a
+        `retry-after` of when it is expected up."""
+        why = self.components.describe()
+        return BackendUnavailable(
+            f"{BackendUnavailable.default_message}{why}" if why else None,
+            retry_after_s=self.components.retry_after_s(),
+        )
+
     def healthy(self) -> list[Worker]:
         return [w for w in self.workers if w.healthy]
 
@@ -145,7 +157,7 @@ class WorkerPool:
             known = any(model in w.models for w in self.workers)
             if not known and any(w.healthy for w in self.workers):
                 raise ModelNotFound(f"model {model!r} does not exist", param="model")
-            raise BackendUnavailable()
+            raise self.unavailable()
         least = min(w.inflight for w in candidates)
         if affinity is not None:
             for w in candidates:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, Field, field_validator
@@ -103,6 +104,11 @@ class GatewaySettings(BaseSettings):
         0,
         description="vLLM scheduling priority of a create's prefill, turns being 0 (lower "
         "runs first; needs vLLM's --scheduling-policy priority); 0: none sent",
+    )
+    components_file: Path | None = Field(
+        None,
+        description="the status file of ctxcache serve's supervisor: /ready, retry-after "
+        "and ctxcache_component_* metrics report its components (serve sets it)",
     )
     log_level: str = Field("INFO", description="DEBUG, INFO, WARNING, ...")
 

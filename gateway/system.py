@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import PlainTextResponse
 
-from ctxcache.errors import BackendUnavailable, CtxError, InvalidAPIKey, NotFound, StoreUnavailable
+from ctxcache.errors import CtxError, InvalidAPIKey, NotFound, StoreUnavailable
 from ctxcache.responses import JSONResponse
 
 router = APIRouter()
@@ -37,12 +37,16 @@ async def health() -> dict[str, str]:
 
 @router.get("/ready")
 async def ready(request: Request) -> dict[str, Any]:
-    """Readiness: the session store answers and at least one worker is healthy."""
+    """Readiness: the session store answers and at least one worker is healthy. Under
+    `ctxcache serve`, a 503 names the components not up (an engine restarting: since when,
+    and how long its last start took) and its `retry-after` is when they are expected."""
+    pool = request.app.state.pool
     if not await request.app.state.manager.health():
-        raise StoreUnavailable()
-    healthy = request.app.state.pool.healthy()
+        why = pool.components.describe()
+        raise StoreUnavailable(f"{StoreUnavailable.default_message}{why}" if why else None)
+    healthy = pool.healthy()
     if not healthy:
-        raise BackendUnavailable()
+        raise pool.unavailable()
     return {"status": "ready", "workers": len(healthy)}
 
 

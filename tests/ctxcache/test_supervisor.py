@@ -1,13 +1,20 @@
-"""The supervisor's output: a child's last lines are written before `stop()` returns."""
+"""The supervisor: a child's last lines are written before `stop()` returns; a child that
+dies is restarted, one that keeps dying is given up, and the status file says so."""
 
 from __future__ import annotations
 
 import io
+import json
+import os
+import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
-from ctxcache.supervisor import Child, Supervisor
+from ctxcache.supervisor import Child, Restarts, Supervisor
 
 # prints a line, and on SIGTERM its last words as it exits
 CHILD = """
@@ -58,3 +65,68 @@ def test_a_childs_last_lines_are_written_before_stop_returns() -> None:
         threading.excepthook = old_hook
     assert any("last words 99" in line for line in out.lines[:written]), out.lines[-3:]
     assert not errors, errors
+
+
+SLEEPER = "import time; print('up', flush=True); time.sleep(600)"
+CRASHER = "import sys; print('up', flush=True); sys.exit(3)"
+
+
+def status(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text())["components"]
+
+
+def until(check: Callable[[], bool], within_s: float = 20.0) -> None:
+    deadline = time.monotonic() + within_s
+    while not check():
+        assert time.monotonic() < deadline, "not within the deadline"
+        time.sleep(0.05)
+
+
+def test_a_child_that_dies_is_restarted_and_one_that_keeps_dying_is_given_up(
+    tmp_path: Path,
+) -> None:
+    """kill -9 of a healthy child: its group is killed, it restarts after its backoff and is
+    up again (the status file says so, with the restart counted). A child that exits each
+    time it starts is given up after `max_crashes`; the other child is unaffected; a stop
+    then ends everything and removes the status file."""
+    path = tmp_path / "components.json"
+    policy = Restarts(backoff_s=0.1, max_backoff_s=0.4, max_crashes=3, window_s=60)
+    with Supervisor(out=io.StringIO(), restarts=policy, status_path=path) as sup:
+        steady = sup.start(Child("steady", [sys.executable, "-c", SLEEPER]))
+        flaky = sup.start(Child("flaky", [sys.executable, "-c", SLEEPER]))
+        assert {c["state"] for c in status(path).values()} == {"up"}
+        watcher = threading.Thread(target=sup.wait, kwargs={"poll_s": 0.05})
+        watcher.start()
+        try:
+            assert flaky.proc is not None
+            first = flaky.proc.pid
+            os.kill(first, signal.SIGKILL)
+            until(lambda: status(path)["flaky"]["restarts"] == 1)
+            until(lambda: status(path)["flaky"]["state"] == "up")
+            now = status(path)["flaky"]
+            assert now["pid"] != first and now["last_exit"] == -signal.SIGKILL
+            assert alive(now["pid"]) and not alive(first)
+
+            # from now on it dies at each start: crashes 2 and 3 (within the window) give it up
+            flaky.argv = [sys.executable, "-c", CRASHER]
+            assert flaky.proc is not None
+            os.kill(flaky.proc.pid, signal.SIGKILL)
+            until(lambda: status(path)["flaky"]["state"] == "down")
+            assert status(path)["flaky"] == {**status(path)["flaky"], "pid": None, "restarts": 2}
+            time.sleep(0.5)  # no more restarts once given up
+            assert status(path)["flaky"]["restarts"] == 2
+            assert status(path)["steady"]["state"] == "up"
+            assert steady.proc is not None and steady.proc.poll() is None
+        finally:
+            sup.stopping.set()
+            watcher.join(timeout=10)
+    assert steady.proc.poll() is not None
+    assert not path.exists()
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
