@@ -173,12 +173,15 @@ class ManagerClient:
             body=req,
         )
 
-    async def release(self, session_id: str, tenant: str, lock: str) -> None:
+    async def release(
+        self, session_id: str, tenant: str, lock: str, *, record: str | None = None
+    ) -> None:
+        """Give a lock back; `record`: a claim's (see `ReleaseLock`)."""
         await self._call(
             "POST",
             self._path(session_id, "/release"),
             None,
-            body=ReleaseLock(tenant=tenant, lock=lock),
+            body=ReleaseLock(tenant=tenant, lock=lock, record=record),
         )
 
     async def claim(self, session_id: str, req: ClaimKey) -> Claim:
@@ -312,8 +315,10 @@ class LocalManager(ManagerClient):
     async def append(self, session_id: str, req: AppendTurn) -> SessionInfo:
         return await self.service.append(session_id, req)
 
-    async def release(self, session_id: str, tenant: str, lock: str) -> None:
-        await self.service.release(session_id, tenant, lock)
+    async def release(
+        self, session_id: str, tenant: str, lock: str, *, record: str | None = None
+    ) -> None:
+        await self.service.release(session_id, tenant, lock, record=record)
 
     async def claim(self, session_id: str, req: ClaimKey) -> Claim:
         return await self.service.claim(session_id, req)

@@ -182,8 +182,12 @@ class AppendTurn(StrictModel):
 
 
 class ReleaseLock(StrictModel):
+    """Give a lock back; with `record` (a claim's: its idempotency key's hash), the key's
+    record goes too unless its attempt recorded an answer (it binds nothing then)."""
+
     tenant: str
     lock: str
+    record: str | None = Field(None, pattern=r"^[0-9a-f]{32}$")
 
 
 class UpdateSession(StrictModel):
@@ -245,7 +249,11 @@ class RateWindow(StrictModel):
 
 
 class RateSettle(StrictModel):
-    """A request's real token count replaces its reservation (in the window it was taken)."""
+    """A request's real token count replaces its reservation (in the window it was taken;
+    if that window has ended, a charge beyond the reservation counts in the current one)."""
 
     window_end_ms: int = Field(ge=0)
     delta: int = Field(ge=-(10**12), le=10**12, description="used minus reserved")
+    window_ms: int = Field(
+        0, ge=0, le=3_600_000, description="to open a window for a late charge (0: never)"
+    )

@@ -39,10 +39,12 @@ class RateLimitStore:
         )
 
     async def settle(self, key_id: str, req: RateSettle) -> bool:
-        """Whether the window was still open (else its counts are gone: nothing to fix)."""
+        """Whether the difference was counted: in its own window, or (a charge beyond the
+        reservation, after that window ended) in the current one. A refund to a window that
+        ended is dropped: the tokens it gave back were counted in a window that is gone."""
         if req.delta == 0:
             return True
-        args = ["settle", req.window_end_ms, req.delta]
+        args = ["settle", req.window_end_ms, req.delta, req.window_ms]
         async with redis_errors():
             res = await self._script(keys=[rate_key(key_id)], args=args)
-        return int(res[0]) == 1
+        return int(res[0]) != 0

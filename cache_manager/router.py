@@ -81,7 +81,7 @@ async def append(session_id: str, body: AppendTurn, svc: ServiceDep) -> Response
 
 @router.post("/{session_id}/release", status_code=204)
 async def release(session_id: str, body: ReleaseLock, svc: ServiceDep) -> None:
-    await svc.release(session_id, body.tenant, body.lock)
+    await svc.release(session_id, body.tenant, body.lock, record=body.record)
 
 
 @router.post("/{session_id}/renew", response_model=LockRenewed)

@@ -310,7 +310,11 @@ class SessionService:
         neither drops them; the pin runs out after the family's last turn."""
         return info.kv_shared or info.kv_key != session_key(info.session_id)
 
-    async def release(self, session_id: str, tenant: str, lock: str) -> None:
+    async def release(
+        self, session_id: str, tenant: str, lock: str, *, record: str | None = None
+    ) -> None:
+        """Give a lock back; with `record`, a claim's: its key's record goes too unless it
+        holds an answer."""
         self._check_id(session_id)
         try:
             try:
@@ -318,10 +322,10 @@ class SessionService:
             except SessionNotFound:
                 # a create's idempotency claim locks a session not made yet: the token (128
                 # random bits) is all there is to check
-                if not await self.store.release(session_id, lock):
+                if not await self.store.release(session_id, lock, record=record):
                     raise
                 return
-            await self.store.release(session_id, lock)
+            await self.store.release(session_id, lock, record=record)
         except StoreUnavailable:
             # a failover, at the tenant check or the release: once there is a master (the
             # token is all `_release_later` checks, as above)

@@ -8,6 +8,7 @@ Key layout (see docs/architecture.md):
     ctx:{<id>}:r      hash    /v1/responses objects made in the session: id -> JSON
     ctx:{<id>}:i:<k>  hash    an Idempotency-Key's record: request hash, running lock or
                               the answer it gave (written by the script that wrote the turn)
+    ctx:{<id>}:k      set     the session's idempotency records (deleted with the session)
     tn:{<tenant>}:exp zset    live session ids by expires_at ms (purge + quota count)
     tn:{<tenant>}:new zset    session ids by created ms (listing order)
     tn:{<tenant>}:tok hash    id -> "version:context_tokens"
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -98,6 +100,16 @@ def idempotency_key(session_id: str, key: str) -> str:
     """The record of an idempotency key (a hash of tenant + client key) of a write on the
     session: in the session's slot, so the script that writes the turn writes it too."""
     return f"ctx:{{{session_id}}}:i:{key}"
+
+
+def records_key(session_id: str) -> str:
+    """The set of the session's idempotency records (delete.lua deletes them with it)."""
+    return f"ctx:{{{session_id}}}:k"
+
+
+def idempotency_keys(session_id: str, idempotency: Idempotency) -> list[str]:
+    """An idempotency key's record, and the set of the session's records that lists it."""
+    return [idempotency_key(session_id, idempotency.key), records_key(session_id)]
 
 
 def tenant_keys(tenant: str) -> list[str]:
@@ -172,14 +184,56 @@ def _unavailable(exc: BaseException) -> bool:
     return isinstance(exc, rexc.RedisClusterException) and isinstance(exc.__cause__, _UNAVAILABLE)
 
 
+# Redis refusing a command it would run another time: memory full under `noeviction` (OOM),
+# a failed RDB save with stop-writes-on-bgsave-error (MISCONF), another client's script past
+# the busy threshold (BUSY), an ACL user without the right (NOPERM), a demoted master
+# (READONLY), too few replicas for min-replicas-to-write (NOREPLICAS), a replica cut off from
+# its master (MASTERDOWN). A command of a script gets the same refusal; Redis before 7 wraps
+# it ("Error running script (...): @user_script:12: -OOM command not allowed ...") and words
+# an ACL refusal inside a script without its code.
+_REFUSALS = frozenset(
+    ("OOM", "MISCONF", "BUSY", "NOPERM", "READONLY", "NOREPLICAS", "MASTERDOWN", "LOADING")
+)
+_IN_SCRIPT = re.compile(r": -([A-Z]+) ")
+_REFUSAL_CLASSES = {
+    rexc.OutOfMemoryError: "OOM",
+    rexc.NoPermissionError: "NOPERM",
+    rexc.ReadOnlyError: "READONLY",
+}
+
+
+def _refusal(exc: BaseException) -> str | None:
+    """The code of a command Redis refused (see `_REFUSALS`), or None."""
+    for cls, code in _REFUSAL_CLASSES.items():
+        if isinstance(exc, cls):
+            return code
+    if not isinstance(exc, rexc.ResponseError):
+        return None
+    text = str(exc)
+    first = text.split(" ", 1)[0]
+    if first in _REFUSALS:
+        return first
+    if text.startswith("Error running script"):
+        found = _IN_SCRIPT.search(text)
+        if found is not None and found.group(1) in _REFUSALS:
+            return found.group(1)
+        if "The user executing the script can't run this command" in text:
+            return "NOPERM"
+    return None
+
+
 @contextlib.asynccontextmanager
 async def redis_errors() -> AsyncIterator[None]:
-    """Redis unreachable or failing over -> `store_unavailable` (503), never a 500."""
+    """Redis unreachable, failing over or refusing the command -> `store_unavailable`
+    (503, naming the refusal), never a 500."""
     try:
         yield
     except Exception as exc:
         if _unavailable(exc):
             raise StoreUnavailable(f"session store unavailable: {type(exc).__name__}") from exc
+        code = _refusal(exc)
+        if code is not None:
+            raise StoreUnavailable(f"session store refused the command: {code}") from exc
         raise
 
 
@@ -319,7 +373,7 @@ class SessionStore:
         args += [orjson.dumps(m) for m in messages]
         keys = [*_data_keys(session_id), session_keys(session_id)[3]]
         if idempotency is not None:
-            keys.append(idempotency_key(session_id, idempotency.key))
+            keys += idempotency_keys(session_id, idempotency)
         async with redis_errors():
             (created,) = await self._pipelined((self._create, keys, args), durable=True)
         return bool(created)
@@ -330,7 +384,7 @@ class SessionStore:
         """Claim an idempotency key for a create of `session_id` (derived from the key):
         None (claimed: `lock` marks the attempt running), or the first attempt's answer."""
         keys = [*session_keys(session_id)[0:1], session_keys(session_id)[3]]
-        keys.append(idempotency_key(session_id, idempotency.key))
+        keys += idempotency_keys(session_id, idempotency)
         args = [idempotency.body, lock, lock_ttl_ms, idempotency.ttl_s * 1000]
         async with redis_errors():
             (res,) = await self._pipelined((self._claim, keys, args), durable=True)
@@ -338,6 +392,10 @@ class SessionStore:
             raise IdempotencyKeyReused(
                 "the session this Idempotency-Key created still exists, but the key's "
                 "record has expired: use a new key"
+            )
+        if res[0] == -6:
+            raise IdempotencyKeyReused(
+                "the session this Idempotency-Key created has been deleted: use a new key"
             )
         return _replay_or_raise(session_id, res)
 
@@ -378,7 +436,7 @@ class SessionStore:
         keys = session_keys(session_id)
         if idempotency is not None:
             args += [idempotency.body, idempotency.ttl_s * 1000]
-            keys = [*keys, idempotency_key(session_id, idempotency.key)]
+            keys = [*keys, *idempotency_keys(session_id, idempotency)]
         async with redis_errors():
             if usage:
                 res, counts = await self._pipelined(
@@ -435,7 +493,7 @@ class SessionStore:
         args += [orjson.dumps(m) for m in messages]
         keys = session_keys(session_id)
         if idempotency is not None:
-            keys = [*keys, idempotency_key(session_id, idempotency.key)]
+            keys = [*keys, *idempotency_keys(session_id, idempotency)]
         async with redis_errors():
             (res,) = await self._pipelined((self._append, keys, args), durable=True)
         if res[0] == 0:
@@ -452,9 +510,14 @@ class SessionStore:
         moved_from = prev if worker and prev and prev != info.sidecar else None
         return info, moved_from
 
-    async def release(self, session_id: str, lock: str) -> bool:
+    async def release(self, session_id: str, lock: str, *, record: str | None = None) -> bool:
+        """Release a lock we hold; with `record` (a claim's idempotency key), its record is
+        deleted too if the attempt under this lock recorded nothing (it binds nothing)."""
+        keys = session_keys(session_id)[3:4]
+        if record is not None:
+            keys += [idempotency_key(session_id, record), records_key(session_id)]
         async with redis_errors():
-            return bool(await self._release(keys=session_keys(session_id)[3:4], args=[lock]))
+            return bool(await self._release(keys=keys, args=[lock]))
 
     async def renew(self, session_id: str, lock: str, ttl_ms: int) -> bool:
         """Extend a turn lock we hold; False: it is gone (expired, or the session deleted)."""
@@ -479,7 +542,7 @@ class SessionStore:
         is `session_busy`; a version other than `expected_version`, a conflict."""
         keys = session_keys(session_id)[:4]
         if idempotency is not None:
-            keys.append(idempotency_key(session_id, idempotency.key))
+            keys += idempotency_keys(session_id, idempotency)
         args: list[Any] = [
             tenant,
             "add" if add is not None else "delete",
@@ -530,11 +593,12 @@ class SessionStore:
         return parse_info(session_id, _as_dict(res[1]))
 
     async def delete(self, session_id: str, tenant: str) -> SessionInfo:
-        """Delete; returns the record as it was (its sidecar holds the session's KV)."""
+        """Delete, with the session's idempotency records (but a marker of the key that
+        created it: see delete.lua); returns the record as it was (its sidecar holds the
+        session's KV)."""
+        keys = [*session_keys(session_id), records_key(session_id)]
         async with redis_errors():
-            (res,) = await self._pipelined(
-                (self._delete, session_keys(session_id), [tenant]), durable=True
-            )
+            (res,) = await self._pipelined((self._delete, keys, [tenant]), durable=True)
         if res[0] == 0:
             raise SessionNotFound()
         return parse_info(session_id, _as_dict(res[1]))

@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -38,7 +39,7 @@ from ctxcache.redis_server import FSYNC_POLICIES
 from ctxcache.supervisor import Child, Interrupted, Supervisor, http_ready
 from ctxcache.vllm_engine import available as vllm_available
 from ctxcache.vllm_engine import default_engine
-from gateway.cli import add_api_key_argument, api_keys
+from gateway.cli import add_api_key_argument, api_keys, api_keys_file
 
 log = logging.getLogger("ctxcache.serve")
 
@@ -102,10 +103,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from ctxcache.logs import setup_logging
 
-    keys = api_keys(args.api_key or [])  # a bad or repeated key stops here, before anything runs
+    # a bad or repeated key, an unusable keys file stop here, before anything runs
+    keys = api_keys(args.api_key or [])
     args.gateway_env = (
         {"CTX_GATEWAY_API_KEYS": json.dumps({k: p.spec() for k, p in keys.items()})} if keys else {}
     )
+    if args.api_keys_file is not None:
+        path = api_keys_file(args.api_keys_file, args.api_key)
+        args.gateway_env = {"CTX_GATEWAY_API_KEYS_FILE": str(path)}
     setup_logging("serve")
     data = args.data_dir.resolve()
     data.mkdir(parents=True, exist_ok=True)
@@ -118,6 +123,8 @@ def main(args: argparse.Namespace) -> int:
             local = local_kv_dir(data, region_bytes(args))
         # leaving it stops every child, then the region goes
         with Supervisor(status_path=data / STATUS_FILE) as sup:
+            if args.api_keys_file is not None:
+                forward_hangup(sup, "gateway")
             try:
                 return _run(args, sup, data, local)
             except Interrupted:
@@ -130,6 +137,17 @@ def main(args: argparse.Namespace) -> int:
                 log.info("stopping every component")
     finally:
         remove_local_kv_dir(data)
+
+
+def forward_hangup(sup: Supervisor, name: str) -> None:
+    """SIGHUP to serve reaches its child `name` (the gateway: it reads its keys file again)."""
+
+    def on_hangup(signum: int, frame: object) -> None:
+        for child in sup.children:
+            if child.name == name and child.proc is not None and child.proc.poll() is None:
+                child.proc.send_signal(signal.SIGHUP)
+
+    signal.signal(signal.SIGHUP, on_hangup)
 
 
 def _run(args: argparse.Namespace, sup: Supervisor, data: Path, local: Path | None) -> int:

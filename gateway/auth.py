@@ -1,4 +1,9 @@
-"""API keys -> tenants. `Authorization: Bearer <key>`, compared in constant time."""
+"""API keys -> tenants. `Authorization: Bearer <key>`, compared in constant time.
+
+The keys come from settings (`--api-key`, `CTX_GATEWAY_API_KEYS`) or a keys file that
+`reload` reads again (`ctxcache gateway` calls it on SIGHUP): a reload swaps every key at
+once, and a file that cannot be used keeps the keys the ring has.
+"""
 
 from __future__ import annotations
 
@@ -7,20 +12,21 @@ import hmac
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated
 
 from fastapi import Depends, Request
 
 from ctxcache import tracing
 from ctxcache.errors import InvalidAPIKey
-from gateway.limits import KeyPolicy, key_id
+from gateway.limits import KeyPolicy, key_digest, key_id, load_keys_file
 
 log = logging.getLogger(__name__)
 
 OPEN_TENANT = "default"
 
 
-_KNOWN_MAX = 1024  # Authorization values remembered as valid
+_KNOWN_MAX = 1024  # keys remembered as valid
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,22 +48,48 @@ OPEN_KEY = ApiKey(OPEN_TENANT, "")
 
 class KeyRing:
     def __init__(self, keys: Mapping[str, str | KeyPolicy]) -> None:
-        # Compare fixed-size digests: the time taken does not depend on where a guess
-        # differs, nor on the length of the real keys.
-        self._keys = [
-            (hashlib.sha256(k.encode()).digest(), _api_key(k, p)) for k, p in keys.items()
-        ]
-        # Authorization values already found valid -> key: a request with a known
-        # value skips the hashing (the gateway's hot path). Only valid values are kept
-        # (a guess is never remembered), at most _KNOWN_MAX of them.
-        self._known: dict[str, ApiKey] = {}
-        self.limited = any(k.limited for _, k in self._keys)  # any key with a rate limit
+        self._set(keys)
         if not self._keys:
             log.warning(
                 "NO API KEYS CONFIGURED: the gateway is OPEN, every caller is tenant "
-                "%r. Set CTX_GATEWAY_API_KEYS or --api-key for any shared deployment.",
+                "%r. Set CTX_GATEWAY_API_KEYS_FILE (or --api-key) for any shared deployment.",
                 OPEN_TENANT,
             )
+
+    def _set(self, keys: Mapping[str, str | KeyPolicy]) -> None:
+        # Compare fixed-size digests: the time taken does not depend on where a guess
+        # differs, nor on the length of the real keys. A key may be configured as its
+        # digest (`sha256:<hex>`): then the ring never holds the key itself.
+        entries = [(key_digest(k), _api_key(k, p)) for k, p in keys.items()]
+        # Keys already found valid -> key: a request with a known key skips the hashing
+        # (the gateway's hot path). Keyed by the key as `bearer_key` reads it, so the
+        # spellings of one Authorization value share an entry; only valid keys are kept
+        # (a guess is never remembered), at most _KNOWN_MAX of them.
+        self._known: dict[str, ApiKey] = {}
+        self._keys = entries
+        self.limited = any(k.limited for _, k in entries)  # any key with a rate limit
+
+    def replace(self, keys: Mapping[str, str | KeyPolicy]) -> None:
+        """Every key at once (a key left out is refused from now on). Called on the event
+        loop, between requests: none sees half of a change."""
+        self._set(keys)
+
+    def reload(self, path: Path) -> bool:
+        """The keys of the keys file instead of the ring's; a file that is missing,
+        unreadable or malformed changes nothing (logged, without any key)."""
+        try:
+            keys = load_keys_file(path)
+        except ValueError as exc:  # its message names the file and the fault, never a key
+            log.error("API keys NOT reloaded, the gateway keeps its keys: %s", exc)
+            return False
+        self.replace(keys)
+        log.info(
+            "API keys reloaded from %s: %d key(s) of %d tenant(s)",
+            path,
+            len(keys),
+            len({p.tenant for p in keys.values()}),
+        )
+        return True
 
     @property
     def open(self) -> bool:
@@ -83,21 +115,31 @@ class KeyRing:
     def _key_for(self, authorization: str | None) -> ApiKey:
         if not self._keys:  # (open)
             return OPEN_KEY
-        if authorization is not None and (known := self._known.get(authorization)):
-            return known
-        scheme, _, key = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not key:
+        key = bearer_key(authorization)
+        if key is None:
             raise InvalidAPIKey()
-        digest = hashlib.sha256(key.strip().encode()).digest()
+        if (known := self._known.get(key)) is not None:
+            return known
+        digest = hashlib.sha256(key.encode()).digest()
         found = None
         for known_digest, api_key in self._keys:  # no early exit: same work for every key
             if hmac.compare_digest(digest, known_digest):
                 found = api_key
         if found is None:
             raise InvalidAPIKey()
-        if authorization is not None and len(self._known) < _KNOWN_MAX:
-            self._known[authorization] = found
+        if len(self._known) < _KNOWN_MAX:
+            self._known[key] = found
         return found
+
+
+def bearer_key(authorization: str | None) -> str | None:
+    """The key an Authorization value presents: `Bearer <key>`, the scheme in any case,
+    spaces around the key ignored; None when it presents none."""
+    scheme, _, key = (authorization or "").partition(" ")
+    key = key.strip()
+    if scheme.lower() != "bearer" or not key:
+        return None
+    return key
 
 
 def _api_key(key: str, policy: str | KeyPolicy) -> ApiKey:

@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import logging
+import signal
+from pathlib import Path
+from typing import Any
 
-from gateway.limits import KeyPolicy, parse_key_spec, parse_key_specs
+from gateway.limits import GRAMMAR, KeyPolicy, load_keys_file, parse_key_spec, parse_key_specs
+
+log = logging.getLogger(__name__)
 
 
 def api_key_spec(spec: str) -> str:
@@ -18,14 +25,25 @@ def api_key_spec(spec: str) -> str:
 
 
 def add_api_key_argument(p: argparse.ArgumentParser) -> None:
+    """`--api-key` and `--api-keys-file` (`ctxcache gateway` and `ctxcache serve`)."""
     p.add_argument(
         "--api-key",
         action="append",
         default=None,
         type=api_key_spec,
-        metavar="KEY=TENANT[:rpm=N][,tpm=N]",
+        metavar=GRAMMAR,
         help="an API key, its tenant and optionally its requests (rpm) and tokens (tpm) "
-        "per minute (repeatable); none: open gateway. docs/limits.md",
+        "per minute (repeatable; the key may hold '=' but not ':'); none: open gateway. "
+        "Every user of the machine can read a command line: prefer --api-keys-file. "
+        "docs/limits.md",
+    )
+    p.add_argument(
+        "--api-keys-file",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help='a JSON file {"<key>": "<tenant>[:rpm=N][,tpm=N]", ...} (a key may be given as '
+        '"sha256:<hex>", its SHA-256), read at start and again on SIGHUP',
     )
 
 
@@ -35,6 +53,39 @@ def api_keys(specs: list[str]) -> dict[str, KeyPolicy]:
         return parse_key_specs(specs)
     except ValueError as exc:
         raise SystemExit(f"ctxcache: --api-key: {exc}") from None
+
+
+def api_keys_file(path: Path, specs: list[str] | None) -> Path:
+    """`--api-keys-file`, absolute, once read: a file that cannot be used, or keys given on
+    the command line too, stop the command."""
+    if specs:
+        raise SystemExit("ctxcache: --api-key and --api-keys-file: give the keys one way")
+    try:
+        load_keys_file(path)
+    except ValueError as exc:
+        raise SystemExit(f"ctxcache: --api-keys-file: {exc}") from None
+    return path.resolve()
+
+
+def reload_keys_on_hangup(app: Any, path: Path) -> None:
+    """SIGHUP: the gateway reads its keys file again (`KeyRing.reload`). The handler only
+    schedules the reload on the event loop: it runs between requests, not inside one."""
+
+    def reload() -> None:
+        ring = getattr(app.state, "keys", None)  # set by the app's lifespan
+        if ring is None:
+            log.warning("SIGHUP before the gateway started: its keys file is read as it starts")
+            return
+        ring.reload(path)
+
+    def on_hangup(signum: int, frame: object) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # not serving (yet, or any more)
+            return
+        loop.call_soon_threadsafe(reload)
+
+    signal.signal(signal.SIGHUP, on_hangup)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -79,6 +130,7 @@ def main(args: argparse.Namespace) -> int:
             manager_url="manager_url",
             redis_url="redis_url",
             api_keys="api_keys",
+            api_keys_file="api_keys_file",
             log_level="log_level",
         )
     except ValidationError as exc:
@@ -87,7 +139,10 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit(f"ctxcache gateway: bad settings: {exc}") from None
     setup_logging("gateway", settings.log_level)
     tracing.configure("gateway")  # before the app: its clients look at it once
-    app = tracing.server_middleware(create_app(settings, freeze_heap=True), "gateway")
+    gateway = create_app(settings, freeze_heap=True)
+    if settings.api_keys_file is not None:
+        reload_keys_on_hangup(gateway, settings.api_keys_file)
+    app = tracing.server_middleware(gateway, "gateway")
     serve_app(app, host=settings.host, port=settings.port)
     return 0
 
@@ -104,5 +159,6 @@ def settings_errors(exc: Exception) -> str:
         if loc[:1] == ["api_keys"] and len(loc) > 1:
             loc[1] = "<key>"  # the key itself
         where = ".".join(loc)
-        parts.append(f"{where}: {err['msg']}" if where else str(err["msg"]))
+        message = str(err["msg"]).removeprefix("Value error, ")
+        parts.append(f"{where}: {message}" if where else message)
     return "; ".join(parts)

@@ -1,11 +1,13 @@
 """`Idempotency-Key`: a retried write answers what its first attempt answered (docs/limits.md).
 
 The gateway reads and checks the header, names the key's record (a hash of tenant + key:
-keys are scoped per tenant) and hashes the request it came with (route, session, body),
-and the manager keeps the record in the written session's hash slot, written by the same
-script as the turn or the create it records. A create (its session id is new) gets an id
-derived from the tenant and the key, so a retry finds the session its first attempt made.
-A retry of a streamed request gets the recorded answer as a stream of the same shape.
+keys are scoped per tenant) and hashes the request it came with (route, session, body — its
+JSON as the gateway reads it, not its bytes: a client that serialises the same body again
+with other key order or spacing sends the same request), and the manager keeps the record
+in the written session's hash slot, written by the same script as the turn or the create
+it records. A create (its session id is new) gets an id derived from the tenant and the
+key, so a retry finds the session its first attempt made. A retry of a streamed request
+gets the recorded answer as a stream of the same shape.
 """
 
 from __future__ import annotations
@@ -16,10 +18,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any
 
+import orjson
 from fastapi import Depends, Request
 
 from cache_manager.protocol import Idempotency
 from ctxcache.errors import InvalidRequest
+from ctxcache.responses import JSONResponse
 from gateway.auth import TenantDep
 
 HEADER = "idempotency-key"
@@ -68,7 +72,7 @@ class IdempotencyKey:
         if value is None:
             return None
         h = hashlib.sha256()
-        for part in (route.encode(), scope.encode(), raw):
+        for part in (route.encode(), scope.encode(), canonical(raw)):
             h.update(len(part).to_bytes(8, "little"))
             h.update(part)
         return cls(tenant, value, h.hexdigest(), ttl_s)
@@ -85,6 +89,22 @@ class IdempotencyKey:
 
     def record(self, answer: dict[str, Any] | None = None) -> Idempotency:
         return Idempotency(key=self.name, body=self.request, ttl_s=self.ttl_s, answer=answer)
+
+
+def canonical(raw: bytes) -> bytes:
+    """A body as its request's hash sees it: its JSON as the gateway reads it (orjson),
+    written again with sorted keys and no spaces, so that key order, spacing and a float's
+    spelling (`1e2`, `100.0`) do not make another request. A body that is not JSON (the
+    route refuses it): as it is."""
+    try:
+        return orjson.dumps(orjson.loads(raw), option=orjson.OPT_SORT_KEYS)
+    except (orjson.JSONDecodeError, orjson.JSONEncodeError):
+        return raw
+
+
+def answered(answer: dict[str, Any], *, replayed: bool) -> JSONResponse:
+    """A write's JSON answer; a replay of a recorded one says so (`idempotent-replayed`)."""
+    return JSONResponse(answer, headers=REPLAYED if replayed else None)
 
 
 def _digest(purpose: str, tenant: str, key: str) -> bytes:

@@ -3,15 +3,17 @@
 `RateLimits` is a plain ASGI middleware, the outermost layer of the gateway. For a request
 under `/v1/` whose key has limits (`KeyPolicy.rpm` / `.tpm`) it:
 
-1. reserves the request's tokens — an estimate of the prompt (`estimate_tokens`) plus the
-   answer's maximum — and counts the request, in the key's window in the store (one
+1. reserves the request's tokens — an estimate of the prompt (`gateway.metering`) plus
+   the answer's maximum — and counts the request, in the key's window in the store (one
    script call on the key's slot: every gateway replica shares the budget);
 2. answers `429 rate_limit_exceeded` itself when either does not fit, with `retry-after`,
    `retry-after-ms` and OpenAI's `x-ratelimit-*` headers; otherwise passes the request on
    and adds the `x-ratelimit-*` headers to the answer's head;
-3. settles the reservation to the answer's real `usage.total_tokens` (a JSON answer's,
-   a stream's usage chunk or `response.completed`); a stream without usage keeps the
-   reservation, an error answer without usage gives it back.
+3. settles the reservation to what the request cost (`charged`): what the engine reported
+   doing for it (`gateway.metering`: its usage, the tokens a cut stream relayed), else the
+   answer's real `usage.total_tokens` (a JSON answer's, a stream's usage chunk or
+   `response.completed`); only a request that never reached the engine is given its
+   reservation back. A settlement that comes after its window ended counts in the next.
 
 Keys without limits cost one dictionary lookup (none at all when no key has limits). A
 store that cannot count fails open (served, uncounted) or closed (`503`), as
@@ -32,54 +34,23 @@ from cache_manager.protocol import RateSettle, RateTake, RateWindow
 from ctxcache.errors import CtxError, RateLimited, StoreUnavailable, error_response
 from gateway.auth import ApiKey, KeyRing, authorization
 from gateway.limits import MAX_LIMIT
+from gateway.metering import Estimate, Meter, bind, estimate, unbind
+from gateway.metering import estimate_tokens as estimate_tokens  # (the API it had)
 from gateway.metrics import GatewayMetrics
 
 log = logging.getLogger(__name__)
 
-# the routes that generate, and the default of their answer's maximum (None: the setting)
-GENERATING: dict[str, int | None] = {
-    "/v1/completions": None,
-    "/v1/chat/completions": None,
-    "/v1/responses": None,
-    "/v1/context": 0,  # a create only prefills unless it asks for max_tokens
+# the routes that generate: the default of their answer's maximum (None: the setting), and
+# the fields the engine may take it from (vLLM's chat honours `max_completion_tokens` over
+# `max_tokens`, ctxcache's worker and session turns the other way round: both count)
+GENERATING: dict[str, tuple[int | None, tuple[str, ...]]] = {
+    "/v1/completions": (None, ("max_tokens",)),
+    "/v1/chat/completions": (None, ("max_tokens", "max_completion_tokens")),
+    "/v1/responses": (None, ("max_output_tokens",)),
+    "/v1/context": (0, ("max_tokens",)),  # a create only prefills unless it asks for more
 }
-_MAX_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
-_PROMPT_FIELDS = ("prompt", "messages", "input", "instructions")
-_HUGE = 10**15  # more than any budget: a larger maximum is reserved as this
 WARN_EVERY_S = 10.0  # a store outage is logged at most this often
 _CAPTURE_MAX = 8 * 2**20  # a JSON answer larger than this is not parsed for its usage
-
-
-def estimate_tokens(doc: Any, *, default_max_tokens: int) -> int:
-    """The tokens a body may use: its prompt's estimate plus `n` times its answer's maximum.
-
-    Before tokenization the prompt is estimated as hosted APIs do, from its size: a quarter
-    of the UTF-8 bytes of the JSON of its `prompt`, `messages`, `input` and `instructions`
-    (rounded up); token ids count one each. The answer's maximum is `max_tokens`
-    (`max_completion_tokens`, `max_output_tokens`), else `default_max_tokens`.
-    """
-    if not isinstance(doc, dict):
-        return 0
-    prompt = 0
-    for name in _PROMPT_FIELDS:
-        value = doc.get(name)
-        if value is None:
-            continue
-        if isinstance(value, list) and value and all(type(v) is int for v in value):
-            prompt += len(value)  # token ids
-        elif isinstance(value, str):
-            prompt += -(-len(value.encode()) // 4)
-        else:
-            prompt += -(-len(orjson.dumps(value)) // 4)
-    most = default_max_tokens
-    for name in _MAX_FIELDS:
-        value = doc.get(name)
-        if type(value) in (int, float) and value >= 0:  # (an integer past 64 bits is a float)
-            most = math.ceil(min(value, _HUGE))
-            break
-    n = doc.get("n")
-    n = n if type(n) is int and 1 <= n <= 128 else 1
-    return prompt + n * most
 
 
 def _parse(raw: bytes) -> Any:
@@ -185,12 +156,14 @@ class _Usage:
         self.size = 0
         self.pending = b""
         self.total: int | None = None
+        self.replayed = False
 
     def start(self, message: Message) -> None:
         self.status = message["status"]
         headers = [(name.lower(), value) for name, value in message.get("headers", ())]
         if any(name == b"idempotent-replayed" for name, _ in headers):
             self.total = 0  # an Idempotency-Key replay: nothing ran, nothing to charge
+            self.replayed = True
             return
         for name, value in headers:
             if name == b"content-type":
@@ -282,21 +255,62 @@ class RateLimits:
             return
         await self._limited(scope, receive, send, key)
 
+    def _store_error(self, exc: CtxError) -> CtxError | None:
+        """A check the store could not answer: the error to answer (None: serve uncounted).
+
+        The manager service refusing the gateway itself (401: the manager token does not
+        match; 404: a manager too old to have the limits route; any 4xx) is a
+        misconfiguration, not an outage — served uncounted, every limited key would be free
+        until someone read a warning. Such requests are refused whatever
+        `rate_limit_on_store_error` says, logged at error level and counted as
+        `misconfigured`. A store that cannot count (down, failing over, refusing writes:
+        `store_unavailable`) serves or refuses as the setting says."""
+        misconfigured = exc.status < 500
+        outcome = "misconfigured" if misconfigured else "open" if self.fail_open else "closed"
+        self.metrics.rate_limit_store_errors.labels(outcome).inc()
+        if time.monotonic() - self._warned_at > WARN_EVERY_S:  # (an outage: not each)
+            self._warned_at = time.monotonic()
+            if misconfigured:
+                log.error(
+                    "rate limits cannot be counted, requests of limited keys refused: the "
+                    "manager answered %d (%s); check CTX_GATEWAY_MANAGER_TOKEN, and that the "
+                    "manager is not older than the gateway",
+                    exc.status,
+                    exc.message,
+                )
+            else:
+                log.warning(
+                    "rate limits not counted, requests %s: %s",
+                    "served (fail open)" if self.fail_open else "refused (fail closed)",
+                    exc,
+                )
+        if misconfigured:
+            return StoreUnavailable(
+                f"rate limits cannot be counted: the manager refused the gateway "
+                f"(misconfigured: {exc.status} {exc.message})"
+            )
+        if self.fail_open:
+            return None
+        return StoreUnavailable("rate limits cannot be counted: " + exc.message)
+
     async def _limited(self, scope: Scope, receive: Receive, send: Send, key: ApiKey) -> None:
         tenants = self.metrics.tenants
         tenants.request(key.tenant)
-        reserved = 0
+        reserved, meter = 0, None
         generating = scope["method"] == "POST" and scope["path"] in GENERATING
         if generating and (key.tpm is not None or self.tenant_metrics):
             body = _Body(receive)
             raw = await body.read(self.max_body_bytes)
             receive = body.replay
+            guess = Estimate(0, 0)
             if raw is not None:
-                doc = _parse(raw)
-                default = GENERATING[scope["path"]]
-                reserved = estimate_tokens(
-                    doc, default_max_tokens=self.default_max_tokens if default is None else default
+                default, fields = GENERATING[scope["path"]]
+                guess = estimate(
+                    _parse(raw),
+                    default_max_tokens=self.default_max_tokens if default is None else default,
+                    max_fields=fields,
                 )
+            reserved, meter = guess.total, Meter(guess.prompt)
         window: RateWindow | None = None
         if key.limited:
             if key.tpm is not None and reserved > key.tpm:
@@ -315,20 +329,9 @@ class RateLimits:
                     ),
                 )
             except CtxError as exc:
-                self.metrics.rate_limit_store_errors.labels(
-                    "open" if self.fail_open else "closed"
-                ).inc()
-                if time.monotonic() - self._warned_at > WARN_EVERY_S:  # (an outage: not each)
-                    self._warned_at = time.monotonic()
-                    log.warning(
-                        "rate limits not counted, requests %s: %s",
-                        "served (fail open)" if self.fail_open else "refused (fail closed)",
-                        exc,
-                    )
-                if not self.fail_open:
-                    await error_response(
-                        StoreUnavailable("rate limits cannot be counted: " + exc.message)
-                    )(scope, receive, send)
+                refused = self._store_error(exc)
+                if refused is not None:
+                    await error_response(refused)(scope, receive, send)
                     return
             if window is not None and not window.allowed:
                 limit = (
@@ -343,29 +346,46 @@ class RateLimits:
         usage = _Usage() if generating else None
         extra = rate_headers(key, window) if window is not None else []
         send = _wrap_send(send, extra, usage)
+        token = bind(meter)  # the app reports its calls to the engine there
         try:
             await self.app(scope, receive, send)
         finally:
+            unbind(token)
             if usage is not None:
-                await self._settle(key, window, reserved, usage)
+                await self._settle(key, window, reserved, charged(usage, meter, reserved))
 
     async def _settle(
-        self, key: ApiKey, window: RateWindow | None, reserved: int, usage: _Usage
+        self, key: ApiKey, window: RateWindow | None, reserved: int, used: int
     ) -> None:
-        used = usage.total
-        if used is None:
-            used = 0 if usage.status >= 400 or usage.status == 0 else reserved
         used = min(used, MAX_LIMIT)  # (a worker's absurd usage must not break the settle)
         self.metrics.tenants.tokens(key.tenant, used)
         if window is None or key.tpm is None or used == reserved:
             return
         try:
             await self.state.manager.rate_settle(
-                key.id, RateSettle(window_end_ms=window.window_end_ms, delta=used - reserved)
+                key.id,
+                RateSettle(
+                    window_end_ms=window.window_end_ms,
+                    delta=used - reserved,
+                    window_ms=self.window_ms,  # (a late difference opens the next window)
+                ),
             )
         except CtxError as exc:  # the reservation stays: the key's budget is off by the delta
             self.metrics.rate_limit_store_errors.labels("settle").inc()
             log.warning("rate limit reservation not settled: %s", exc)
+
+
+def charged(usage: _Usage, meter: Meter | None, reserved: int) -> int:
+    """What a request costs (docs/limits.md, "What counts"): what the engine reported doing
+    for it (`gateway.metering`), else the usage its answer shows, else its reservation if
+    it was answered, nothing if it failed or its client left before any engine call."""
+    if usage.replayed:
+        return 0
+    if meter is not None and (used := meter.charge(reserved, usage.total)) is not None:
+        return used
+    if usage.total is not None:
+        return usage.total
+    return 0 if usage.status >= 400 or usage.status == 0 else reserved
 
 
 def _wrap_send(send: Send, extra: list[tuple[bytes, bytes]], usage: _Usage | None) -> Send:

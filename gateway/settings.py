@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field, field_validator
-from pydantic_settings import BaseSettings
+from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode
 
 from ctxcache.settings import service_config
-from gateway.limits import KeyPolicy, coerce_policy
+from gateway.limits import KeyPolicy, check_keys, load_keys_file, parse_keys_json
 
 
 class WorkerEndpoint(BaseModel):
@@ -43,10 +44,16 @@ class GatewaySettings(BaseSettings):
         "redis://127.0.0.1:6379/0",
         description="store of the in-process manager (CTX_MANAGER_REDIS_URL's grammar)",
     )
-    api_keys: dict[str, KeyPolicy] = Field(
+    # NoDecode: the JSON is parsed here, where a key given twice is an error
+    api_keys: Annotated[dict[str, KeyPolicy], NoDecode] = Field(
         default_factory=dict,
         description='JSON {"<key>": "<tenant>[:rpm=N][,tpm=N]"} (or {"tenant", "rpm", "tpm"} '
-        "objects); empty: open",
+        "objects); empty: open. Prefer API_KEYS_FILE",
+    )
+    api_keys_file: Path | None = Field(
+        None,
+        description='a file of API_KEYS\' JSON (a key may be given as "sha256:<hex>", its '
+        "digest), read at start and on SIGHUP (docs/limits.md); not with API_KEYS",
     )
     rate_limit_window_s: float = Field(
         60.0,
@@ -115,17 +122,30 @@ class GatewaySettings(BaseSettings):
     @field_validator("api_keys", mode="before")
     @classmethod
     def _api_keys(cls, value: object) -> object:
-        if isinstance(value, dict):
-            return {k: coerce_policy(v) for k, v in value.items()}
+        if isinstance(value, str | bytes):  # the environment's JSON
+            return parse_keys_json(value)
+        if isinstance(value, Mapping):
+            return check_keys(value.items())
         return value
 
-    @field_validator("api_keys")
+    @field_validator("api_keys_file", mode="before")
     @classmethod
-    def _nonempty_keys(cls, value: dict[str, KeyPolicy]) -> dict[str, KeyPolicy]:
-        for key in value:
-            if not key.strip() or key != key.strip() or not key.isprintable():
-                raise ValueError("an API key is empty, has spaces around it or control chars")
-        return value
+    def _empty_is_unset(cls, value: object) -> object:
+        return None if value == "" else value
+
+    @model_validator(mode="after")
+    def _keys_from_file(self) -> GatewaySettings:
+        """The keys file is read here, so settings that name one never make an open
+        gateway; `KeyRing.reload` reads it again on SIGHUP."""
+        if self.api_keys_file is None:
+            return self
+        if self.api_keys:
+            raise ValueError(
+                "API keys are given both in a keys file (API_KEYS_FILE, --api-keys-file) and "
+                "as API_KEYS / --api-key: give them one way"
+            )
+        self.api_keys = load_keys_file(self.api_keys_file)
+        return self
 
     @field_validator("workers", mode="before")
     @classmethod

@@ -39,6 +39,7 @@ from ctxcache.errors import (
 from ctxcache.lmcache_keys import session_key
 from ctxcache.logs import bind_session
 from ctxcache.tasks import BackgroundTasks
+from gateway import metering
 from gateway.locks import LockKeeper
 from gateway.metrics import GatewayMetrics
 from gateway.pool import ModelNotFound, Worker, WorkerPool
@@ -84,6 +85,7 @@ class Turn:
     started: float = field(default_factory=time.perf_counter)  # for the end-to-end time
     idempotency: Idempotency | None = None  # the request's key, recorded with the append
     priority: int = 0  # vLLM's scheduling priority (lower first); 0: none sent
+    engine_call: metering.EngineCall | None = None  # its stream's, for the rate limiter
 
     @property
     def append(self) -> bool:
@@ -403,7 +405,11 @@ class TurnService:
             # built-in worker honours 0, and gives the same answer this way).
             fields["max_tokens"] = 1
         body = orjson.dumps(fields)
-        with tracing.span("ctxcache.generate", self._span_attributes(turn), client=True):
+        call = metering.call(len(turn.prompt))
+        with (
+            tracing.span("ctxcache.generate", self._span_attributes(turn), client=True),
+            call,
+        ):
             out = await self._with_failover(turn, lambda w: post_json(w, "/v1/completions", body))
         if not prefill_only:  # (a context only prefilled has no first token to wait for)
             # from the turn's start: loading the session and tokenizing count, as a client
@@ -414,6 +420,7 @@ class TurnService:
         if prefill_only:
             usage = {**usage, "completion_tokens": 0, "total_tokens": usage["prompt_tokens"]}
             choice = {"text": "", "token_ids": [], "finish_reason": "length"}
+        call.done(usage)  # charged whatever happens next (a commit that fails, say)
         self.metrics.tokens(usage)
         return Generation(
             text=choice.get("text") or "",
@@ -517,10 +524,16 @@ class TurnService:
         """Start the worker's stream before answering: an error the worker answers (a bad
         sampling field, say) still reaches the client as an error, not a broken 200."""
         body = orjson.dumps(self._worker_body(turn, stream=True))
-        with tracing.span("ctxcache.generate", self._span_attributes(turn), client=True):
+        call = metering.call(len(turn.prompt))
+        with (
+            tracing.span("ctxcache.generate", self._span_attributes(turn), client=True),
+            call,
+        ):
             upstream: SSEStream = await self._with_failover(
                 turn, lambda w: open_stream(w, "/v1/completions", body)
             )
+        call.streaming()  # from here on: its prompt + the tokens relayed, until its usage
+        turn.engine_call = call
         return upstream
 
     async def stream(
@@ -537,6 +550,7 @@ class TurnService:
         dropped: the lock is released and nothing is appended.
         """
         assert turn.worker is not None
+        call = turn.engine_call or metering.EngineCall()
         committed = False
         fail = getattr(shaper, "failed", None)  # a shaper that can end a stream with an error
         try:
@@ -554,6 +568,7 @@ class TurnService:
                     event = orjson.loads(data)
                     if event.get("usage") and not event.get("choices"):
                         usage = event["usage"]
+                        call.done(normalize_usage(usage))  # (paid even if the commit fails)
                         continue
                     for choice in event.get("choices") or []:
                         if first:
@@ -561,6 +576,7 @@ class TurnService:
                             first = False
                         text.append(choice.get("text") or "")
                         ids.extend(choice.get("token_ids") or [])
+                        call.relayed(len(choice.get("token_ids") or ()))
                         finish = choice.get("finish_reason") or finish
                         yield shaper.content(choice)
                 gen = Generation("".join(text), ids, finish, normalize_usage(usage))

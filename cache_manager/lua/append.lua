@@ -1,6 +1,7 @@
 -- Append a turn with compare-and-set on the version, slide the TTL, release our lock.
 -- KEYS: 1 ctx:{id}  2 ctx:{id}:t  3 ctx:{id}:m  4 ctx:{id}:lock  5 ctx:{id}:r
---       6 ctx:{id}:i:<key> (with an idempotency key)
+--       6 ctx:{id}:i:<key>  7 ctx:{id}:k (with an idempotency key: its record, and the
+--       set of the session's records)
 -- ARGV: 1 tenant  2 expected version  3 lock token ('' = none held)  4 packed new token ids
 --       5 number of new tokens  6 worker id ('' = keep)  7 sidecar url ('' = keep)
 --       8 model, set if the session has none ('' = keep)  9 response id ('' = none)
@@ -57,6 +58,10 @@ if ARGV[11] ~= '' then
   redis.call('HSET', KEYS[6], 'body', ARGV[11], 'answer', ARGV[12],
     'context_tokens', redis.call('HGET', KEYS[1], 'context_tokens'), 'expires_at', exp)
   redis.call('PEXPIRE', KEYS[6], ARGV[13])
+  redis.call('SADD', KEYS[7], KEYS[6])
+  if redis.call('PTTL', KEYS[7]) < tonumber(ARGV[13]) then
+    redis.call('PEXPIRE', KEYS[7], ARGV[13])
+  end
 end
 if holder then
   redis.call('DEL', KEYS[4])

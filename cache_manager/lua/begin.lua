@@ -1,6 +1,7 @@
 -- Load a session for a turn, optionally taking its turn lock and sliding its TTL.
 -- KEYS: 1 ctx:{id}  2 ctx:{id}:t  3 ctx:{id}:m  4 ctx:{id}:lock  5 ctx:{id}:r
---       6 ctx:{id}:i:<key> (with an idempotency key)
+--       6 ctx:{id}:i:<key>  7 ctx:{id}:k (with an idempotency key: its record, and the set
+--       of the session's records, which delete.lua deletes with the session)
 -- ARGV: 1 tenant  2 lock token ('' = take no lock)  3 lock ttl ms
 --       4 '1' return token ids  5 '1' return messages  6 '1' slide the TTL now
 --       7 a version whose messages the caller holds: none are returned at that version
@@ -45,6 +46,10 @@ if ARGV[2] ~= '' then
   if idem then
     redis.call('HSET', KEYS[6], 'body', ARGV[8], 'lock', ARGV[2])
     redis.call('PEXPIRE', KEYS[6], ARGV[9])
+    redis.call('SADD', KEYS[7], KEYS[6])
+    if redis.call('PTTL', KEYS[7]) < tonumber(ARGV[9]) then
+      redis.call('PEXPIRE', KEYS[7], ARGV[9])
+    end
   end
 end
 if ARGV[6] == '1' then

@@ -9,20 +9,42 @@
 --               the window's end ms}
 --           A refused request writes nothing: it counts against neither budget.
 --   settle: 2 the window's end ms (as take answered it)  3 tokens to add (may be < 0)
---           -> {1} | {0}: that window has ended, its counts are gone; nothing is written
+--           4 window ms (to open a window for a late charge; 0: none)
+--           -> {1}: counted in its window
+--              {2}: its window has ended, a charge (> 0) counted in the current window
+--                   (opened now, with no request counted, if none is open)
+--              {0}: nothing written (a refund to a window that ended: its counts are gone)
+--           A request may run far longer than a window: what it used beyond its
+--           reservation is still charged, in the window in which it is known.
 local key = KEYS[1]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
 if ARGV[1] == 'settle' then
+  local delta = tonumber(ARGV[3])
   local w = tonumber(redis.call('HGET', key, 'w') or '0')
-  if w ~= tonumber(ARGV[2]) or w <= now then
+  if w == tonumber(ARGV[2]) and w > now then
+    if redis.call('HINCRBY', key, 't', delta) < 0 then
+      redis.call('HSET', key, 't', 0)
+    end
+    return {1}
+  end
+  if delta <= 0 then
     return {0}
   end
-  if redis.call('HINCRBY', key, 't', tonumber(ARGV[3])) < 0 then
-    redis.call('HSET', key, 't', 0)
+  if w > now then -- another window is open: the late charge counts there
+    redis.call('HINCRBY', key, 't', delta)
+    return {2}
   end
-  return {1}
+  local window = tonumber(ARGV[4] or '0')
+  if window <= 0 then
+    return {0}
+  end
+  w = now + window
+  redis.call('DEL', key)
+  redis.call('HSET', key, 'r', 0, 't', delta, 'w', w)
+  redis.call('PEXPIREAT', key, w)
+  return {2}
 end
 
 local window = tonumber(ARGV[2])

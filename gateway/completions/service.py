@@ -15,6 +15,7 @@ import time
 from collections.abc import AsyncGenerator
 from typing import Any
 
+import orjson
 from fastapi import Response
 from pydantic import BaseModel
 
@@ -22,7 +23,8 @@ from cache_manager.protocol import Replay
 from ctxcache.errors import InvalidRequest
 from ctxcache.logs import bind_session
 from ctxcache.responses import JSONResponse
-from gateway.completions.streams import SSEResponse, relayed
+from gateway import metering
+from gateway.completions.streams import SSEResponse, UsageTap, relayed
 from gateway.idempotency import REPLAYED, IdempotencyKey, check_header, with_session
 from gateway.pool import WorkerPool
 from gateway.protocol import ChatBody, CompletionBody
@@ -173,20 +175,33 @@ class CompletionService:
         self, tenant: str, kind: str, raw: bytes, body: dict[str, Any]
     ) -> Response:
         """No session: the request goes as it is (plus the tenant's `cache_salt`) to the
-        least-loaded healthy worker."""
+        least-loaded healthy worker. A stream whose tokens are counted also asks the worker
+        for its usage (`with_usage`)."""
         path = PATHS[kind]
+        stream, counted = body.get("stream"), metering.counted()
+        drop_usage = False
+        if stream and counted:
+            raw, drop_usage = with_usage(body, raw)
         raw = self.turns.salt.salted(tenant, body, raw)
         t0 = time.perf_counter()
-        if body.get("stream"):
-            upstream, _ = await self.turns.failover(
-                body["model"], lambda w: open_stream(w, path, raw)
-            )
+        call = metering.call()
+        if stream:
+            with call:
+                upstream, _ = await self.turns.failover(
+                    body["model"], lambda w: open_stream(w, path, raw)
+                )
+            call.streaming()
             self.turns.metrics.relayed_streams.inc()
-            return relayed(self.pool, upstream, self.turns.metrics, t0)
-        (status, payload), _ = await self.turns.failover(
-            body["model"], lambda w: post_raw(w, path, raw)
-        )
-        if status < 400:  # not streamed: the first token came with the whole answer
+            tap = UsageTap(call, drop=drop_usage) if counted else None
+            return relayed(self.pool, upstream, self.turns.metrics, t0, tap)
+        with call:
+            (status, payload), _ = await self.turns.failover(
+                body["model"], lambda w: post_raw(w, path, raw)
+            )
+        if status >= 400:
+            call.refused()  # the worker's error answer: the engine ran nothing
+        else:  # not streamed: the first token came with the whole answer
+            call.answered()  # (its usage is in it: the rate limiter reads it there)
             seconds = time.perf_counter() - t0
             self.turns.metrics.first_token("plain", seconds)
             self.turns.metrics.completed("plain", seconds)
@@ -213,6 +228,26 @@ async def replay_stream(
     if (body.get("stream_options") or {}).get("include_usage"):
         yield shaper.usage(answer["usage"], replay.session)
     yield DONE
+
+
+def with_usage(doc: dict[str, Any], raw: bytes) -> tuple[bytes, bool]:
+    """A streamed body (`doc`, its JSON `raw`) that asks the engine for its usage chunk
+    (`stream_options.include_usage`), and whether the client did not ask for it (the relay
+    then takes that chunk out). `doc` is changed to match. The bytes are kept when the
+    client asked already, or sent `stream_options` the engine refuses anyway."""
+    options = doc.get("stream_options")
+    if isinstance(options, dict) and options.get("include_usage") not in (None, False):
+        return raw, False  # (the client's own: the engine says what it makes of it)
+    if "stream_options" not in doc:  # the usual case: added to the bytes as they are
+        doc["stream_options"] = {"include_usage": True}
+        end = raw.rindex(b"}")  # the object's own: only whitespace may follow it
+        return raw[:end] + b',"stream_options":{"include_usage":true}' + raw[end:], True
+    if options is not None and not isinstance(options, dict):
+        return raw, False
+    options = {**(options or {}), "include_usage": True}
+    options.pop("continuous_usage_stats", None)  # (usage in every chunk: not what it asked)
+    doc["stream_options"] = options
+    return orjson.dumps(doc), True
 
 
 def routable(doc: dict[str, Any]) -> bool:

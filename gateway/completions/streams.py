@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
+from typing import Any
 
 import orjson
 from fastapi import Response
@@ -26,6 +27,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from ctxcache.disconnect import ClientLeft, until_the_client_leaves
 from ctxcache.errors import BackendUnavailable, CtxError
+from gateway.metering import EngineCall
 from gateway.metrics import GatewayMetrics
 from gateway.pool import WorkerPool
 from gateway.upstream import SSEStream, WorkerDown
@@ -37,6 +39,7 @@ SSE_HEADERS = [
 ]
 _START: Message = {"type": "http.response.start", "status": 200, "headers": SSE_HEADERS}
 _END: Message = {"type": "http.response.body", "body": b"", "more_body": False}
+_MAX_EVENT = 2**16  # an event longer than this is not a worker's: the tap lets go
 log = logging.getLogger(__name__)
 
 
@@ -105,22 +108,126 @@ def broke_off(exc: CtxError | WorkerDown) -> bytes:
 
 
 def relayed(
-    pool: WorkerPool, upstream: SSEStream, metrics: GatewayMetrics, t0: float
+    pool: WorkerPool,
+    upstream: SSEStream,
+    metrics: GatewayMetrics,
+    t0: float,
+    tap: UsageTap | None = None,
 ) -> SSEResponse:
     """A stream without a session: the worker's bytes, passed on as they arrive, nothing
-    parsed or re-serialised (timed from `t0`, the request's start, as `plain`)."""
+    re-serialised (timed from `t0`, the request's start, as `plain`). A request whose
+    tokens are counted reads them on the way (`tap`)."""
 
     async def events() -> AsyncGenerator[bytes, None]:
         first = True
         try:
             async with pool.lease(upstream.worker):
                 async for chunk in upstream.raw():
+                    if tap is not None and not (chunk := tap.feed(chunk)):
+                        continue
                     if first:  # (the first bytes: the role chunk or the first token)
                         metrics.first_token("plain", time.perf_counter() - t0)
                         first = False
                     yield chunk
+            if tap is not None and (rest := tap.end()):
+                yield rest
             metrics.completed("plain", time.perf_counter() - t0)
         finally:
             await upstream.aclose()
 
     return SSEResponse(events(), upstream.aclose)
+
+
+class UsageTap:
+    """A relayed stream's events, read as they pass, for the rate limiter: each event with
+    choices counts one token relayed on `call`; the engine's usage chunk (asked for on
+    every counted stream) gives `call` its usage. If the client did not ask for usage
+    (`drop`), that chunk is taken out and the client gets the bytes the worker sends a
+    request without `include_usage`: the rest as they came, in whole events (a partial one
+    waits for its end). vLLM then moves `system_fingerprint` from each choice's last chunk
+    to the usage chunk; so those last chunks wait for it, and get it back where vLLM
+    writes it (the end of the chunk). Events framed otherwise than vLLM's and ctxcache's
+    workers frame them (`\r\n\r\n`, or none within 64 KiB) pass untouched, usage chunk
+    included, and the usage is read from the answer as the client gets it."""
+
+    def __init__(self, call: EngineCall, *, drop: bool) -> None:
+        self.call, self.drop = call, drop
+        self.rest = b""
+        self.held: list[bytes] = []  # (dropping) from a choice's last chunk to the usage
+        self.off = False
+
+    def feed(self, chunk: bytes) -> bytes:
+        """What to pass on of `chunk`."""
+        if self.off:
+            return chunk
+        data = self.rest + chunk
+        end = data.rfind(b"\n\n") + 2
+        if end < 2:  # no event ends here
+            if b"\r\n\r\n" in data or len(data) > _MAX_EVENT:  # not a framing read here
+                self.off, self.rest = True, b""
+                self.call.answered()
+                held, self.held = self.held, []
+                return b"".join(e + b"\n\n" for e in held) + data if self.drop else chunk
+            self.rest = data
+            return b"" if self.drop else chunk
+        events = data[:end].split(b"\n\n")[:-1]
+        self.rest = data[end:]
+        if not self.drop:
+            for event in events:
+                self._read(event)
+            return chunk
+        return b"".join(out for event in events for out in self._pass(event))
+
+    def end(self) -> bytes:
+        """What is left to pass on once the worker's stream ended."""
+        rest, self.rest = self.rest, b""
+        if not self.drop:
+            if rest:
+                self._read(rest)  # (its bytes have passed already)
+            return b""
+        usage = self._read(rest) if rest else None  # (a last event without its blank line)
+        fingerprint = usage.get("system_fingerprint") if usage is not None else None
+        held, self.held = self.held, []
+        out = b"".join(_fingerprinted(e, fingerprint) + b"\n\n" for e in held)
+        return out + (rest if usage is None else b"")
+
+    def _pass(self, event: bytes) -> list[bytes]:
+        """Dropping: what to pass on, now, of `event` and the events held."""
+        usage = self._read(event)
+        if usage is not None:  # the usage chunk: not passed on, its fingerprint is
+            fingerprint, held, self.held = usage.get("system_fingerprint"), self.held, []
+            return [_fingerprinted(e, fingerprint) + b"\n\n" for e in held]
+        if self.held or b'"finish_reason":"' in event:
+            self.held.append(event)
+            return []
+        return [event + b"\n\n"]
+
+    def _read(self, event: bytes) -> dict[str, Any] | None:
+        """Count one event; if it is the usage chunk, the chunk."""
+        if not event.startswith(b"data:"):
+            return None
+        data = event[5:].strip()
+        if data == b"[DONE]":
+            return None
+        if b'"total_tokens"' in data:
+            try:
+                doc = orjson.loads(data)
+            except orjson.JSONDecodeError:
+                doc = None
+            usage = doc.get("usage") if isinstance(doc, dict) else None
+            if isinstance(usage, dict) and not doc.get("choices"):  # type: ignore[union-attr]
+                self.call.done(usage)
+                return doc  # type: ignore[no-any-return]
+        self.call.relayed()
+        return None
+
+
+def _fingerprinted(event: bytes, fingerprint: object) -> bytes:
+    """A choice's last chunk with the fingerprint vLLM writes there when it sends no usage
+    chunk (its last field, as vLLM 0.x orders them), if it has none."""
+    if not isinstance(fingerprint, str) or b'"system_fingerprint"' in event:
+        return event
+    if b'"finish_reason":"' not in event:
+        return event
+    end = event.rindex(b"}")
+    return event[:end] + b',"system_fingerprint":' + orjson.dumps(fingerprint) + event[end:]

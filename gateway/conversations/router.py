@@ -28,7 +28,7 @@ async def create(
     request: Request, tenant: TenantDep, svc: ServiceDep, key: IdempotencyDep
 ) -> JSONResponse:
     raw, _, req = await read_json(request, ConversationCreate)
-    return JSONResponse(await svc.create(tenant, req, key(raw)))
+    return await svc.create(tenant, req, key(raw))
 
 
 @router.get("/{conversation_id}")
@@ -65,7 +65,7 @@ async def add_items(
     key: IdempotencyDep,
 ) -> JSONResponse:
     raw, _, req = await read_json(request, ItemsCreate)
-    return JSONResponse(await svc.add_items(tenant, conversation_id, req.items, key(raw)))
+    return await svc.add_items(tenant, conversation_id, req.items, key(raw))
 
 
 @router.get("/{conversation_id}/items/{item_id}")

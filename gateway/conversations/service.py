@@ -19,7 +19,8 @@ from cache_manager.protocol import (
 )
 from cache_manager.store import new_session_id
 from ctxcache.errors import ConversationNotFound, NotFound, SessionNotFound, VersionConflict
-from gateway.idempotency import IdempotencyKey
+from ctxcache.responses import JSONResponse
+from gateway.idempotency import IdempotencyKey, answered
 from gateway.metrics import GatewayMetrics
 from gateway.responses.protocol import (
     ConversationCreate,
@@ -57,10 +58,11 @@ class ConversationService:
 
     async def create(
         self, tenant: str, req: ConversationCreate, key: IdempotencyKey | None = None
-    ) -> dict[str, Any]:
+    ) -> JSONResponse:
         """A conversation lives `max_ttl` (sliding with each response); its items are not
         tokenized until its first response names the model. With an idempotency key its
-        id is derived from the key, and a retry answers the conversation made first."""
+        id is derived from the key, and a retry answers the conversation made first (with
+        `idempotent-replayed`)."""
         session_id, lock = new_session_id(), None
         if key is not None:
             session_id = key.session_id()
@@ -69,7 +71,7 @@ class ConversationService:
             )
             if claim.replay is not None:
                 self.metrics.replayed(tenant)
-                return claim.replay.answer
+                return answered(claim.replay.answer, replayed=True)
             lock = claim.lock
         answer = {
             "id": conversation_id(session_id),
@@ -80,13 +82,14 @@ class ConversationService:
             info = await self._create(tenant, req, session_id, key, lock, answer)
         except BaseException:
             if lock is not None:
+                assert key is not None
                 self.turns.background.spawn(
-                    self.manager.release(session_id, tenant, lock),
+                    self.manager.release(session_id, tenant, lock, record=key.name),
                     what="idempotency claim release",
                     session_id=session_id,
                 )
             raise
-        return conversation_object(info)
+        return answered(conversation_object(info), replayed=False)
 
     async def _create(
         self,
@@ -184,9 +187,10 @@ class ConversationService:
 
     async def add_items(
         self, tenant: str, conv: str, new: list[InputMessage], key: IdempotencyKey | None = None
-    ) -> dict[str, Any]:
+    ) -> JSONResponse:
         """Add items after the conversation's last (an item's id names its place). The
-        session's token ids are dropped: its next response renders the conversation."""
+        session's token ids are dropped: its next response renders the conversation. With
+        an idempotency key, a retry answers the items added first (`idempotent-replayed`)."""
         messages = [m.as_message() for m in new]
         for _ in range(3):  # (another edit between the read and the write: read again)
             state = await self._messages(tenant, conv)
@@ -214,8 +218,8 @@ class ConversationService:
             self.turns.recent.drop(sid)
             if done.replay is not None:
                 self.metrics.replayed(tenant)
-                return done.replay.answer
-            return answer
+                return answered(done.replay.answer, replayed=True)
+            return answered(answer, replayed=False)
         raise VersionConflict("the conversation keeps changing: retry")
 
     async def delete_item(self, tenant: str, conv: str, item: str) -> dict[str, Any]:

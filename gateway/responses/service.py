@@ -12,6 +12,13 @@ Continuing from a response:
   so the blocks of the shared prefix are found in the sidecar as they are.
 
 `store: false` runs the same turn and writes nothing to Redis.
+
+With an `Idempotency-Key`, a continuation may fork or append (its chain busy, moved on or
+free), and its retry may find the chain otherwise: every attempt of a key that may create a
+session (a new chain, a continuation) first claims the key on the id a fork of it would
+have (derived from the key). The claim runs the key's attempts one at a time and answers a
+session the first attempt created; an answer the first attempt appended to the chain is
+found by the chain's begin. An attempt that fails gives its claim back at once.
 """
 
 from __future__ import annotations
@@ -202,8 +209,9 @@ class ResponseService:
         return JSONResponse(final)
 
     async def _claim(self, tenant: str, session_id: str, key: IdempotencyKey) -> Replay | str:
-        """Claim the key for the session a new chain or a fork creates: its lock (renewed
-        while the turn runs), or the first attempt's answer."""
+        """Claim the key on the id it derives (the session a new chain or a fork creates):
+        its lock (renewed while the turn runs), or the answer of the first attempt, which
+        created that session."""
         claim = await self.manager.claim(
             session_id, ClaimKey(tenant=tenant, idempotency=key.record())
         )
@@ -215,14 +223,24 @@ class ResponseService:
 
     def _unclaim(self, tenant: str, planned: Planned) -> None:
         """A create that failed frees its key (nothing was written)."""
-        if planned.claim is None or planned.kept:
-            return
-        self.turns.keeper.stop(planned.claim)
+        if planned.claim is not None and planned.key is not None and not planned.kept:
+            self._give_back(tenant, planned.key, planned.claim)
+
+    def _give_back(self, tenant: str, key: IdempotencyKey, claim: str) -> None:
+        """`_release` in the background: the answer does not wait for it (a claim left
+        behind runs out in the lock TTL, no longer renewed)."""
+        self.turns.keeper.stop(claim)
         self.turns.background.spawn(
-            self.manager.release(planned.session_id, tenant, planned.claim),
+            self._release(tenant, key, claim),
             what="idempotency claim release",
-            session_id=planned.session_id,
+            session_id=key.session_id(),
         )
+
+    async def _release(self, tenant: str, key: IdempotencyKey, claim: str) -> None:
+        """Release a claim, and its record if it recorded nothing (it binds nothing)."""
+        self.turns.keeper.stop(claim)
+        with contextlib.suppress(SessionNotFound):  # (ran out meanwhile)
+            await self.manager.release(key.session_id(), tenant, claim, record=key.name)
 
     async def _stream(self, tenant: str, planned: Planned) -> Response:
         turn = planned.turn
@@ -257,7 +275,37 @@ class ResponseService:
         self, tenant: str, req: ResponseCreate, key: IdempotencyKey | None = None
     ) -> Planned | Replay:
         """Load the point the response continues from and plan the turn on it (with an
-        idempotency key whose first attempt wrote: its answer)."""
+        idempotency key whose first attempt wrote: its answer). With a key, a new chain or
+        a continuation claims it first (see the module); the claim is given back if the
+        planning fails or finds the answer in the chain."""
+        claim: str | None = None
+        if key is not None and req.conversation is None:  # (a conversation never forks)
+            claimed = await self._claim(tenant, key.session_id(), key)
+            if isinstance(claimed, Replay):
+                return claimed
+            claim = claimed
+        try:
+            planned = await self._plan_turn(tenant, req, key, claim)
+        except BaseException:
+            if claim is not None and key is not None:
+                self._give_back(tenant, key, claim)
+            raise
+        if claim is not None and key is not None:
+            if isinstance(planned, Replay):
+                # before the answer: a retry right after it finds the key free (the store
+                # failing now: the claim runs out, no longer renewed)
+                with contextlib.suppress(CtxError):
+                    await self._release(tenant, key, claim)
+            elif planned.mode == "append":
+                # the chain's begin marked the key running under the chain's lock: a retry
+                # finds it there (then the answer), so the claim has done its work
+                self._give_back(tenant, key, claim)
+                planned.claim = None
+        return planned
+
+    async def _plan_turn(
+        self, tenant: str, req: ResponseCreate, key: IdempotencyKey | None, claim: str | None
+    ) -> Planned | Replay:
         new = req.messages()
         conv = req.conversation_id
         at: dict[str, int] | None = None  # the point in the session; None: its latest
@@ -303,12 +351,8 @@ class ResponseService:
             target = new_session_id()  # (store: false: only names the response)
         else:
             target = sid
-        claim: str | None = None
         if mode == "create" and key is not None:
-            claimed = await self._claim(tenant, target, key)
-            if isinstance(claimed, Replay):
-                return claimed
-            claim = claimed
+            assert claim is not None and target == key.session_id()  # claimed in `_plan`
         if mode == "none" and not fork:  # nothing to find or keep: no session tag
             turn.session_id, turn.kv_key = None, None
         if mode == "create" and fork:

@@ -114,6 +114,8 @@ class Container:
     ports: dict[str, int] = field(default_factory=dict)  # port name -> number
     probes: list[tuple[str, int | str]] = field(default_factory=list)  # (path, port)
     raw: Doc = field(default_factory=dict)
+    # files mounted from a Secret (k8s) or a compose secret: path inside -> content
+    files: dict[str, str] = field(default_factory=dict)
 
     @property
     def ctxcache_command(self) -> str | None:
@@ -137,6 +139,26 @@ K8S_VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 def expand_k8s_vars(arg: str, env: dict[str, str]) -> str:
     """Kubernetes expands `$(VAR)` in command and args from the container's env."""
     return K8S_VAR.sub(lambda m: env.get(m.group(1), m.group(0)), arg)
+
+
+def secret_files(container: Doc, volumes: list[Doc], secrets: dict[str, Doc]) -> dict[str, str]:
+    """The files a container sees of the Secrets its volumes mount: path -> content."""
+    files: dict[str, str] = {}
+    by_name = {v["name"]: v for v in volumes}
+    for mount in container.get("volumeMounts", []):
+        secret = by_name.get(mount["name"], {}).get("secret")
+        if secret is None:
+            continue
+        data = secrets.get(secret["secretName"], {})
+        items = secret.get("items") or [{"key": k, "path": k} for k in data]
+        inside = {i["path"]: str(data.get(i["key"], "")) for i in items}
+        if sub := mount.get("subPath"):
+            if sub in inside:
+                files[mount["mountPath"]] = inside[sub]
+        else:
+            for path, content in inside.items():
+                files[f"{mount['mountPath'].rstrip('/')}/{path}"] = content
+    return files
 
 
 def k8s_containers(docs: list[Doc]) -> Iterator[Container]:
@@ -179,6 +201,7 @@ def k8s_containers(docs: list[Doc]) -> Iterator[Container]:
                 },
                 probes=probes,
                 raw=c,
+                files=secret_files(c, spec.get("volumes", []), secrets),
             )
 
 
@@ -189,6 +212,17 @@ def load_compose() -> Doc:
 def interpolate(value: str) -> str:
     """Compose's `${VAR:-default}` with every variable unset: its default."""
     return INTERPOLATION.sub(lambda m: m.group(2) or "", value)
+
+
+def compose_secret_files(compose: Doc, svc: Doc) -> dict[str, str]:
+    """The compose secrets a service mounts (`file:` sources, at /run/secrets/<name>)."""
+    files: dict[str, str] = {}
+    for entry in svc.get("secrets", []):
+        source = entry if isinstance(entry, str) else entry["source"]
+        target = source if isinstance(entry, str) else entry.get("target", source)
+        path = ROOT / interpolate(str(compose["secrets"][source]["file"]))
+        files[target if target.startswith("/") else f"/run/secrets/{target}"] = path.read_text()
+    return files
 
 
 def compose_containers(compose: Doc) -> Iterator[Container]:
@@ -208,6 +242,7 @@ def compose_containers(compose: Doc) -> Iterator[Container]:
             env=env,
             probes=probes,
             raw=svc,
+            files=compose_secret_files(compose, svc),
         )
 
 

@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
 
-KEY = "sk-local"  # docker-compose.yml's default CTXCACHE_API_KEY
+KEY = "sk-local"  # the key of docker-compose.yml's default keys file
 BUILD_TIMEOUT_S = 3600.0
 UP_TIMEOUT_S = 900.0
 # a system prompt of about 2,600 tokens of the tiny model: ten 256-token chunks
@@ -164,7 +164,7 @@ def stack() -> Iterator[ComposeStack]:
         **os.environ,
         "COMPOSE_PROJECT_NAME": os.environ.get("COMPOSE_PROJECT_NAME", "ctxcache-e2e"),
         "CTXCACHE_PORT": str(port),
-        "CTXCACHE_API_KEY": KEY,
+        "CTXCACHE_API_KEYS_FILE": str(ROOT / "deploy" / "api-keys.dev.json"),
     }
     image = env.get("CTXCACHE_IMAGE", "ctxcache:0.1.0")
     stack = ComposeStack(project=env["COMPOSE_PROJECT_NAME"], port=port, env=env, image=image)

@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import tempfile
 import tomllib
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -74,10 +76,14 @@ def settings_errors(container: Container, monkeypatch: pytest.MonkeyPatch) -> li
     command = container.ctxcache_command
     if command not in SETTINGS:
         return []
-    with monkeypatch.context() as m:
+    with monkeypatch.context() as m, tempfile.TemporaryDirectory() as mounted:
         for name in [n for n in os.environ if n.startswith("CTX_")]:
             m.delenv(name)
         for name, value in container.env.items():
+            if value in container.files:  # a mounted file (the keys file): its content here
+                local = Path(mounted) / name
+                local.write_text(container.files[value])
+                value = str(local)
             m.setenv(name, value)
         try:
             extra: dict[str, Any] = {"model": "x"} if command == "worker" else {}

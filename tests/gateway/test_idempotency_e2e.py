@@ -288,7 +288,8 @@ def test_a_retried_context_create_returns_the_same_session(stack: Stack) -> None
 def test_a_retried_context_create_after_deleting_it_is_409_not_a_new_session(
     stack: Stack,
 ) -> None:
-    """The key's record outlives the session: a retry does not quietly make it again."""
+    """The key's record goes with the session but for a marker: a retry does not quietly
+    make it again."""
     with stack.client() as http:
         key = new_key()
         body = {"model": "tiny", "prompt": "Gone soon."}
@@ -296,7 +297,9 @@ def test_a_retried_context_create_after_deleting_it_is_409_not_a_new_session(
         sid = first.json()["session_id"]
         assert http.delete(f"/v1/context/{sid}").status_code == 200
         again = http.post("/v1/context", json=body, headers={"Idempotency-Key": key})
-        assert again.status_code == 200 and again.json() == first.json()  # what it answered
+        assert again.status_code == 409, again.text
+        assert again.json()["error"]["code"] == "idempotency_key_reused"
+        assert "deleted" in again.json()["error"]["message"]
         assert http.get(f"/v1/context/{sid}").status_code == 404  # and nothing made again
 
 
