@@ -35,9 +35,9 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/pytest -m "not slow" $(PYTEST_ARGS)
 
-# The tests marked slow (minutes each): `ctxcache serve --engine vllm` with its parts
-# killed one by one, the container stack (where Docker answers). CI runs them after
-# `make test`.
+# The tests marked slow (minutes each): `ctxcache serve --engine vllm` restarted and with
+# its parts killed one by one, the benchmarks' vLLM runs, the container stack (where Docker
+# answers). CI runs them after `make test`.
 test-slow: $(STAMP)
 	$(VENV)/bin/pytest -m slow $(PYTEST_ARGS)
 

@@ -172,7 +172,8 @@ class GatewayMetrics:
     def first_token(self, mode: str, seconds: float) -> None:
         """Time to the first token of a completion (a whole answer, not streamed; a stream
         without a session: its first bytes, which `gateway.completions.streams.relayed`
-        passes on unparsed): `mode` is "session" or "plain" (a request without a session)."""
+        passes on as they come, read on the way only for a key with a tpm limit): `mode`
+        is "session" or "plain" (a request without a session)."""
         self._ttft[mode].observe(seconds)
 
     def completed(self, mode: str, seconds: float) -> None:

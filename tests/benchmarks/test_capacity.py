@@ -160,6 +160,7 @@ def test_the_first_users_leave_at_staggered_rounds_so_new_users_arrive_spread_ou
     assert all(firsts[k] == 3 for k in range(7, len(firsts)))  # later users: every round
 
 
+@pytest.mark.slow  # minutes on 2 CPUs: `make test-slow` (CI runs it)
 @pytest.mark.timeout(900)
 def test_quick_capacity_run_on_vllm_writes_the_documented_outputs(
     tiny_model: Path, tmp_path: Path

@@ -33,6 +33,7 @@ def test_kvpath_times_both_paths_against_a_plain_copy(tmp_path: Path) -> None:
     assert shm["counters"]["load_bytes_shm"] > 0  # the shm rows went through shared memory
 
 
+@pytest.mark.slow  # minutes on 2 CPUs: `make test-slow` (CI runs it)
 @pytest.mark.timeout(RUN_TIMEOUT_S + 60)
 def test_kvpath_on_vllm_cold_turns_load_through_shm_and_answer_like_the_full_history(
     tmp_path: Path, tiny_model: Path

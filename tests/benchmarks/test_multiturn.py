@@ -73,6 +73,7 @@ def test_short_replay_writes_the_documented_outputs(tiny_model: Path, tmp_path: 
     check_png(out / "multiturn.png")
 
 
+@pytest.mark.slow  # minutes on 2 CPUs: `make test-slow` (CI runs it)
 @pytest.mark.timeout(900)
 def test_the_vllm_replay_under_kv_pressure_writes_the_documented_outputs(
     tiny_model: Path, tmp_path: Path

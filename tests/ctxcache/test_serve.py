@@ -195,6 +195,7 @@ def test_ctrl_c_during_start_up_stops_cleanly(tmp_path: Path) -> None:
     assert not [p for p in children | descendants(proc.pid) if alive(p)]
 
 
+@pytest.mark.slow  # minutes on 2 CPUs: `make test-slow` (CI runs it)
 @pytest.mark.timeout(900)
 def test_a_vllm_stack_restarted_on_its_data_dir_reloads_a_session_from_the_disk_tier(
     tmp_path: Path,
