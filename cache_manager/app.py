@@ -8,7 +8,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 
+from cache_manager.metrics import ManagerMetrics
 from cache_manager.ratelimits import RateLimitStore
 from cache_manager.redis_url import open_store_redis, redact
 from cache_manager.router import ratelimits, router, stats, tenants
@@ -17,9 +19,12 @@ from cache_manager.settings import ManagerSettings
 from cache_manager.sidecar_link import BackgroundLink, HttpSidecarLink, SidecarLink
 from cache_manager.store import SessionStore
 from ctxcache.errors import InvalidAPIKey, StoreUnavailable, error_response, install_error_handlers
+from ctxcache.metrics import RouteMetricsMiddleware
 from ctxcache.responses import JSONResponse
 
 log = logging.getLogger(__name__)
+
+OPEN_PATHS = ("/health", "/metrics")  # answered without the manager token: they name no one
 
 
 def create_app(settings: ManagerSettings, *, sidecar_link: SidecarLink | None = None) -> FastAPI:
@@ -46,6 +51,7 @@ def create_app(settings: ManagerSettings, *, sidecar_link: SidecarLink | None = 
 
     app = FastAPI(title="ctxcache manager", lifespan=lifespan, default_response_class=JSONResponse)
     app.state.token = settings.token
+    metrics = ManagerMetrics()
     install_error_handlers(app)
     app.include_router(router)
     app.include_router(tenants)
@@ -60,7 +66,7 @@ def create_app(settings: ManagerSettings, *, sidecar_link: SidecarLink | None = 
             request: Request, call_next: Callable[[Request], Awaitable[Response]]
         ) -> Response:
             given = request.headers.get("authorization", "").encode()
-            if request.url.path != "/health" and not hmac.compare_digest(given, expected):
+            if request.url.path not in OPEN_PATHS and not hmac.compare_digest(given, expected):
                 return error_response(InvalidAPIKey("missing or invalid manager token"))
             return await call_next(request)
 
@@ -71,4 +77,15 @@ def create_app(settings: ManagerSettings, *, sidecar_link: SidecarLink | None = 
             raise StoreUnavailable()
         return {"status": "ok"}
 
+    @app.get("/metrics", include_in_schema=False)
+    async def prometheus(request: Request) -> Response:
+        svc: SessionService = request.app.state.service
+        try:
+            up = await svc.store.ping()
+        except StoreUnavailable:
+            up = False
+        return Response(metrics.render(up), media_type=CONTENT_TYPE_LATEST)
+
+    # outermost: requests the token check refuses are counted too
+    app.add_middleware(RouteMetricsMiddleware, observe=metrics.observe)
     return app

@@ -413,8 +413,9 @@ class TurnService:
             out = await self._with_failover(turn, lambda w: post_json(w, "/v1/completions", body))
         if not prefill_only:  # (a context only prefilled has no first token to wait for)
             # from the turn's start: loading the session and tokenizing count, as a client
-            # waiting for its first token sees them
-            self.metrics.first_token("session", time.perf_counter() - turn.started)
+            # waiting for its first token sees them (here with the whole answer: not streamed)
+            seconds = time.perf_counter() - turn.started
+            self.metrics.first_token("session", seconds, streamed=False)
         choice = (out.get("choices") or [{}])[0]
         usage = normalize_usage(out.get("usage"))
         if prefill_only:
@@ -572,7 +573,8 @@ class TurnService:
                         continue
                     for choice in event.get("choices") or []:
                         if first:
-                            self.metrics.first_token("session", time.perf_counter() - turn.started)
+                            seconds = time.perf_counter() - turn.started
+                            self.metrics.first_token("session", seconds, streamed=True)
                             first = False
                         text.append(choice.get("text") or "")
                         ids.extend(choice.get("token_ids") or [])

@@ -7,6 +7,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
+from ctxcache.metrics import process_collectors
+
 PREFIX = "ctxcache_sidecar"
 
 
@@ -14,6 +16,7 @@ class SidecarMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        process_collectors(r)  # RSS, CPU, open fds
         self.requests = Counter(
             f"{PREFIX}_requests", "data-port requests by command", ["command"], registry=r
         )

@@ -13,6 +13,7 @@ COUNTERS: dict[str, str] = {
     "lookups": "session requests looked up in the sidecar",
     "lookup_us": "microseconds the scheduler spent looking requests up in the sidecar",
     "load_tokens_planned": "tokens the scheduler planned to load from the sidecar",
+    "loads": "loads carried out (one per request with KV planned from the sidecar, failed too)",
     "loaded_tokens": "tokens whose KV was written into vLLM's cache from the sidecar",
     "load_ms": "milliseconds the engine waited for loads (GETs and writes into its cache)",
     "async_loads": "loads carried out beside the engine's steps (async_loads)",

@@ -163,6 +163,7 @@ class WorkerSide:
 
     def _carry_out(self, spec: LoadSpec) -> set[int]:
         """Load `spec`; the blocks it could not write (to be recomputed)."""
+        self.counters.add("loads")
         loaded = self._load(spec) if self.enabled else spec.start
         self.counters.add("loaded_tokens", loaded - spec.start)
         if loaded >= spec.end:

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from ctxcache.metrics import process_collectors
+
 if TYPE_CHECKING:
     from worker.engine.request import Request
     from worker.kv.manager import CachedPrefix
@@ -19,6 +21,7 @@ class WorkerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        process_collectors(r)  # RSS, CPU, open fds
         self.prompt_tokens = Counter("ctxcache_worker_prompt_tokens", "prompt tokens", registry=r)
         self.cached_tokens = Counter(
             "ctxcache_worker_cached_tokens",

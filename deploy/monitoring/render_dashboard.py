@@ -181,9 +181,10 @@ def _load(gateway: str, clients: int, seconds: float) -> None:
 def _evaluate(prom: str, start: float, end: float) -> dict[int, list[tuple[str, list[Any]]]]:
     """Panel id -> [(legend, [[t, value], ...])] for every query of every panel."""
     out: dict[int, list[tuple[str, list[Any]]]] = {}
-    for panel in json.loads(DASHBOARD.read_text())["panels"]:
+    dashboard = json.loads(DASHBOARD.read_text())
+    for panel in dashboard["panels"]:
         for target in panel.get("targets", []):
-            expr = target["expr"].replace("$__rate_interval", RATE_INTERVAL)
+            expr = concrete(target["expr"], dashboard)
             r = httpx.get(
                 f"{prom}/api/v1/query_range",
                 params={"query": expr, "start": start, "end": end, "step": 4},
@@ -200,6 +201,18 @@ def _evaluate(prom: str, start: float, end: float) -> dict[int, list[tuple[str, 
     return out
 
 
+def concrete(expr: str, dashboard: dict[str, Any]) -> str:
+    """A panel's query as Grafana sends it with every variable at "All" (the stack here is
+    the only deployment) and $__rate_interval at its value for this scrape interval."""
+    values = {"__rate_interval": RATE_INTERVAL}
+    for var in dashboard["templating"]["list"]:
+        if var["type"] == "query":
+            values[var["name"]] = var["allValue"]
+    for name in sorted(values, key=len, reverse=True):  # ($job before a $jo...)
+        expr = expr.replace(f"${name}", values[name])
+    return expr
+
+
 def _plot(
     series: dict[int, list[tuple[str, list[Any]]]], out: Path, start: float, what: str
 ) -> None:
@@ -207,7 +220,7 @@ def _plot(
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import FuncFormatter, PercentFormatter
+    from matplotlib.ticker import EngFormatter, FuncFormatter, PercentFormatter
 
     dashboard = json.loads(DASHBOARD.read_text())
     panels = dashboard["panels"]
@@ -282,6 +295,8 @@ def _plot(
             ax.yaxis.set_major_formatter(PercentFormatter(1.0))
         elif unit == "s":
             ax.yaxis.set_major_formatter(FuncFormatter(_seconds))
+        elif unit in ("bytes", "Bps"):
+            ax.yaxis.set_major_formatter(EngFormatter(unit="B" if unit == "bytes" else "B/s"))
         ax.grid(color="#2c3235", linewidth=0.5)
         ax.set_xlabel("seconds into the run", color="#9fa1a5", fontsize=7)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -203,7 +203,7 @@ class CompletionService:
         else:  # not streamed: the first token came with the whole answer
             call.answered()  # (its usage is in it: the rate limiter reads it there)
             seconds = time.perf_counter() - t0
-            self.turns.metrics.first_token("plain", seconds)
+            self.turns.metrics.first_token("plain", seconds, streamed=False)
             self.turns.metrics.completed("plain", seconds)
         return Response(payload, status_code=status, media_type="application/json")
 

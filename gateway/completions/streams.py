@@ -126,7 +126,7 @@ def relayed(
                     if tap is not None and not (chunk := tap.feed(chunk)):
                         continue
                     if first:  # (the first bytes: the role chunk or the first token)
-                        metrics.first_token("plain", time.perf_counter() - t0)
+                        metrics.first_token("plain", time.perf_counter() - t0, streamed=True)
                         first = False
                     yield chunk
             if tap is not None and (rest := tap.end()):

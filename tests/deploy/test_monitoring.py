@@ -119,7 +119,11 @@ def test_the_alerts_cover_what_pages_someone() -> None:
         assert r.get("for"), f"{name}: a blip does not page"
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="no promtool on this machine")
+@pytest.mark.skipif(
+    shutil.which("promtool") is None,
+    reason="no promtool on PATH: it comes with Prometheus (Debian and Ubuntu: "
+    "`apt-get install prometheus`; or the promtool of a Prometheus release)",
+)
 def test_promtool_accepts_the_rules(tmp_path: Path) -> None:
     out = subprocess.run(
         ["promtool", "check", "rules", str(ALERTS)], capture_output=True, text=True, check=False
@@ -168,6 +172,8 @@ def test_compose_and_the_overlays_provision_the_same_files() -> None:
         == {
             "ctxcache-gateway",
             "ctxcache-gateway-tenants",
+            "ctxcache-manager",
+            "ctxcache-redis",
             "ctxcache-sidecar",
             "ctxcache-worker",
         }

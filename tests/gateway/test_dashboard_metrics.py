@@ -1,7 +1,8 @@
 """Every ctxcache metric the dashboard or an alert queries exists in what a running stack
 serves (the gateway's `/metrics` and, with its metrics token, `/metrics/tenants`; the
-sidecar's and the built-in workers' `/metrics`); vLLM's are checked against vLLM
-(tests/deploy/test_monitoring.py, tests/vllm_connector/test_vllm_e2e.py)."""
+manager's, the sidecar's and the built-in workers' `/metrics`); vLLM's are checked against
+vLLM (tests/deploy/test_monitoring.py, tests/vllm_connector/test_vllm_e2e.py), Redis'
+(`redis_*`, from redis_exporter) in tests/deploy/test_dashboard.py."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import httpx
 
 from tests.deploy.monitoring import SYNTHETIC, exposed_names, queried_metrics
 from tests.gateway.conftest import Stack, aux_gateway
-from tests.utils import metric
+from tests.utils import ServiceProcess, metric
 
 TOKEN = "a-metrics-token-of-the-test"
 
@@ -19,7 +20,12 @@ def test_every_queried_metric_is_exposed_by_the_running_stack(stack: Stack) -> N
     gateway = aux_gateway(
         stack, "gw-metrics", workers, stack.redis.url, CTX_GATEWAY_METRICS_TOKEN=TOKEN
     )
+    manager = ServiceProcess(
+        ["manager", "--redis-url", stack.redis.url, "--token", "a-manager-token"],
+        log_path=stack.root / "manager-metrics.log",
+    )
     try:
+        manager.start()
         auth = {"authorization": "Bearer key-a"}
         with httpx.Client(base_url=gateway.url, timeout=120, headers=auth) as a:
             # a session, a turn and a plain request, so that labelled series exist
@@ -30,7 +36,7 @@ def test_every_queried_metric_is_exposed_by_the_running_stack(stack: Stack) -> N
             assert r.status_code == 200, r.text
             r = a.post("/v1/completions", json={**body, "prompt": "hi"})
             assert r.status_code == 200, r.text
-        urls = [gateway.url, stack.sidecar_url, *(w.url for w in stack.workers)]
+        urls = [gateway.url, manager.url, stack.sidecar_url, *(w.url for w in stack.workers)]
         texts = {url: httpx.get(f"{url}/metrics", timeout=30).text for url in urls}
         tenants = httpx.get(
             f"{gateway.url}/metrics/tenants", headers={"authorization": f"Bearer {TOKEN}"}
@@ -38,19 +44,26 @@ def test_every_queried_metric_is_exposed_by_the_running_stack(stack: Stack) -> N
         assert tenants.status_code == 200, tenants.text
     finally:
         gateway.stop()
+        manager.stop()
     exposed = set().union(*(exposed_names(t) for t in [*texts.values(), tenants.text]))
     queried = queried_metrics()
-    ours = {n: w for n, w in queried.items() if not n.startswith("vllm:") and n not in SYNTHETIC}
+    external = ("vllm:", "redis_")
+    ours = {n: w for n, w in queried.items() if not n.startswith(external) and n not in SYNTHETIC}
     assert len(ours) >= 20, sorted(ours)  # the dashboard was read at all
     missing = {name: sorted(where) for name, where in ours.items() if name not in exposed}
     assert not missing, missing
+
+    for url, text in texts.items():  # every service's process (its own registry)
+        assert metric(text, "process_resident_memory_bytes") > 0, url
+        assert metric(text, "process_open_fds") > 0, url
 
     public = texts[gateway.url]
     assert "tenant-a" not in public and sid not in public  # /metrics names no tenant, no id
     assert metric(public, 'ctxcache_gateway_turns_total{kind="completion"}') >= 1
     assert metric(public, "ctxcache_gateway_store_up") == 1
     for mode in ("session", "plain"):
-        assert metric(public, f'ctxcache_gateway_ttft_seconds_count{{mode="{mode}"}}') >= 1
+        ttft = f'ctxcache_gateway_ttft_seconds_count{{mode="{mode}",stream="false"}}'
+        assert metric(public, ttft) >= 1
         assert metric(public, f'ctxcache_gateway_completion_seconds_count{{mode="{mode}"}}') >= 1
     turns = 'ctxcache_tenant_turns_total{kind="completion",tenant="tenant-a"}'
     assert metric(tenants.text, turns) >= 1
