@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import os
 import re
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -280,10 +281,15 @@ def test_control_apis_require_their_tokens(secure: SecureStack) -> None:
     # the manager pins KV with the sidecar's token: a session's blocks are pinned
     with secure.client() as a:
         sid = secure.create(a)["session_id"]
-    info = httpx.get(
-        f"{sidecar}/sessions/{session_key(sid)}",
-        headers={"authorization": f"Bearer {SIDECAR_TOKEN}"},
-    ).json()
+    deadline = time.monotonic() + 30
+    while True:  # the worker stores the create's blocks after it answered
+        info = httpx.get(
+            f"{sidecar}/sessions/{session_key(sid)}",
+            headers={"authorization": f"Bearer {SIDECAR_TOKEN}"},
+        ).json()
+        if info["blocks"] > 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     assert info["pinned"] is True and info["blocks"] > 0
 
 
