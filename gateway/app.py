@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import gc
 import logging
-import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp
 
 from cache_manager.app import create_app as create_manager_app
 from cache_manager.client import ManagerClient
 from cache_manager.settings import ManagerSettings
 from ctxcache.body_limit import BodyLimitMiddleware
 from ctxcache.errors import install_error_handlers
+from ctxcache.metrics import RouteMetricsMiddleware
 from ctxcache.responses import JSONResponse
 from ctxcache.schema import ErrorResponse
 from gateway.auth import KeyRing
@@ -150,7 +150,7 @@ def create_app(settings: GatewaySettings, *, freeze_heap: bool = False) -> FastA
     app.include_router(conversations_router)
     app.include_router(system_router)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
-    app.add_middleware(MetricsMiddleware, metrics=metrics)
+    app.add_middleware(RouteMetricsMiddleware, observe=metrics.observe)
     # outermost: every request a key with limits makes is counted (gateway/ratelimit.py)
     app.add_middleware(_rate_limits, app=app, settings=settings)  # type: ignore[arg-type]
     _document_bodies(app)
@@ -170,34 +170,6 @@ def _freeze_startup_heap() -> None:
     gc.collect()
     gc.freeze()
     log.debug("%d startup objects frozen out of garbage collection", gc.get_freeze_count())
-
-
-class MetricsMiddleware:
-    """Counts and times every request by route template (never by raw path or tenant)."""
-
-    def __init__(self, app: ASGIApp, metrics: GatewayMetrics) -> None:
-        self.app = app
-        self.metrics = metrics
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        status = 500
-        t0 = time.perf_counter()
-
-        async def send_status(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_status)
-        finally:
-            route = scope.get("route")
-            label = getattr(route, "path", "other")
-            self.metrics.observe(label, status, time.perf_counter() - t0)
 
 
 ERROR_DOC = {

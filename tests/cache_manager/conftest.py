@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
 
@@ -9,6 +10,7 @@ import pytest
 
 from cache_manager.app import create_app
 from cache_manager.client import ManagerClient
+from cache_manager.protocol import Idempotency
 from cache_manager.settings import ManagerSettings
 from cache_manager.sidecar_link import SidecarLink
 
@@ -58,3 +60,16 @@ def make_manager(redis_url: str, sidecar_link: FakeSidecarLink) -> ManagerFactor
 async def manager(make_manager: ManagerFactory) -> AsyncIterator[ManagerClient]:
     async with make_manager() as client:
         yield client
+
+
+def idem(
+    key: str, body: str = "b", answer: dict[str, object] | None = None, ttl_s: int = 60
+) -> Idempotency:
+    """An Idempotency-Key's record arguments as the gateway sends them: hashes of the key
+    and of the body."""
+    return Idempotency(
+        key=hashlib.sha256(key.encode()).hexdigest()[:32],
+        body=hashlib.sha256(body.encode()).hexdigest(),
+        ttl_s=ttl_s,
+        answer=answer,
+    )

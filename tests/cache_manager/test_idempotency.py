@@ -4,7 +4,6 @@ real Redis: in process, and the same calls against the `ctxcache manager` proces
 from __future__ import annotations
 
 import asyncio
-import hashlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -17,7 +16,6 @@ from cache_manager.protocol import (
     ClaimKey,
     CreateSession,
     EditItems,
-    Idempotency,
 )
 from cache_manager.store import new_session_id
 from ctxcache.errors import (
@@ -27,17 +25,8 @@ from ctxcache.errors import (
     SessionNotFound,
     VersionConflict,
 )
-from tests.cache_manager.conftest import ManagerFactory
+from tests.cache_manager.conftest import ManagerFactory, idem
 from tests.utils import ServiceProcess
-
-
-def idem(key: str, body: str = "b", answer: dict[str, object] | None = None) -> Idempotency:
-    return Idempotency(
-        key=hashlib.sha256(key.encode()).hexdigest()[:32],
-        body=hashlib.sha256(body.encode()).hexdigest(),
-        ttl_s=60,
-        answer=answer,
-    )
 
 
 @pytest.fixture(params=["in-process", "http"])

@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import AsyncIterator
 
 import pytest
@@ -23,20 +22,10 @@ from cache_manager.protocol import (
     ClaimKey,
     CreateSession,
     EditItems,
-    Idempotency,
 )
 from cache_manager.store import new_session_id
 from ctxcache.errors import IdempotencyKeyReused, RequestInProgress, SessionNotFound
-from tests.cache_manager.conftest import ManagerFactory
-
-
-def idem(key: str, body: str = "b", answer: dict[str, object] | None = None) -> Idempotency:
-    return Idempotency(
-        key=hashlib.sha256(key.encode()).hexdigest()[:32],
-        body=hashlib.sha256(body.encode()).hexdigest(),
-        ttl_s=600,
-        answer=answer,
-    )
+from tests.cache_manager.conftest import ManagerFactory, idem
 
 
 @pytest.fixture

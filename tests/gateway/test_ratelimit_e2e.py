@@ -19,14 +19,14 @@ import openai
 import pytest
 
 from ctxcache.redis_server import RedisServer
-from tests.utils import ServiceProcess, metric
+from tests.gateway.replicas import two_gateways
+from tests.utils import metric
 
 WINDOW_S = 10.0  # long enough for a burst of 60 to arrive within one window, even on a busy CI
 PROMPT = [11, 12, 13, 14]  # token ids: the estimate is exact (one token each)
 MAX_TOKENS = 8  # with ignore_eos: usage.total_tokens = 12, exactly the reservation
 TPM = 30 * (len(PROMPT) + MAX_TOKENS)
 METRICS_TOKEN = "tenant-metrics-token-e2e"
-MANAGER_TOKEN = "manager-token-e2e"
 
 
 @dataclass
@@ -42,41 +42,16 @@ class Replicas:
 def replicas(
     tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer, tiny_model: Path
 ) -> Iterator[Replicas]:
-    root = tmp_path_factory.mktemp("ratelimit")
-    procs: list[ServiceProcess] = []
-    try:
-        worker = ServiceProcess(
-            ["worker", "--model", str(tiny_model), "--threads", "1"],
-            log_path=root / "worker.log",
-            startup_timeout=120,
-        ).start()
-        procs.append(worker)
-        manager = ServiceProcess(
-            ["manager", "--redis-url", redis_server.url, "--token", MANAGER_TOKEN],
-            log_path=root / "manager.log",
-        ).start()
-        procs.append(manager)
-        # one replica with the manager in its process, one reaching it as a service (HTTP)
-        stores = [["--redis-url", redis_server.url], ["--manager-url", manager.url]]
-        for i in range(2):
-            argv = ["gateway", *stores[i], "--worker", worker.url]
-            argv += ["--api-key", "k-rpm=acme:rpm=30", "--api-key", f"k-tpm=acme:tpm={TPM}"]
-            argv += ["--api-key", "k-big=beta:tpm=100000", "--api-key", "k-gone=gamma:tpm=100000"]
-            env = {
-                "CTX_GATEWAY_RATE_LIMIT_WINDOW_S": str(WINDOW_S),
-                "CTX_GATEWAY_METRICS_TOKEN": METRICS_TOKEN,
-                "CTX_GATEWAY_HEALTH_INTERVAL_S": "0.5",
-                "CTX_GATEWAY_MANAGER_TOKEN": MANAGER_TOKEN,
-            }
-            procs.append(
-                ServiceProcess(
-                    argv, log_path=root / f"gateway{i}.log", env=env, health_path="/ready"
-                ).start()
-            )
-        yield Replicas([p.url for p in procs[2:]], worker.url)
-    finally:
-        for p in procs:
-            p.stop()
+    keys = ["k-rpm=acme:rpm=30", f"k-tpm=acme:tpm={TPM}"]
+    keys += ["k-big=beta:tpm=100000", "k-gone=gamma:tpm=100000"]
+    env = {
+        "CTX_GATEWAY_RATE_LIMIT_WINDOW_S": str(WINDOW_S),
+        "CTX_GATEWAY_METRICS_TOKEN": METRICS_TOKEN,
+    }
+    with two_gateways(
+        tmp_path_factory.mktemp("ratelimit"), redis_server.url, tiny_model, keys=keys, env=env
+    ) as (worker, gateways):
+        yield Replicas(gateways, worker)
 
 
 def limited_total(replicas: Replicas, limit: str) -> float:

@@ -20,7 +20,8 @@ import openai
 import pytest
 
 from ctxcache.redis_server import RedisServer
-from tests.utils import ServiceProcess, metric
+from tests.gateway.replicas import two_gateways
+from tests.utils import metric
 
 TPM = 1_000_000
 KEY = "k-sdk"
@@ -54,38 +55,15 @@ class Stack:
 def stack(
     tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer, tiny_model: Path
 ) -> Iterator[Stack]:
-    root = tmp_path_factory.mktemp("tpm")
-    procs: list[ServiceProcess] = []
-    try:
-        worker = ServiceProcess(
-            ["worker", "--model", str(tiny_model), "--threads", "1"],
-            log_path=root / "worker.log",
-            startup_timeout=120,
-        ).start()
-        procs.append(worker)
-        manager = ServiceProcess(
-            ["manager", "--redis-url", redis_server.url, "--token", "manager-token-tpm"],
-            log_path=root / "manager.log",
-        ).start()
-        procs.append(manager)
-        stores = [["--redis-url", redis_server.url], ["--manager-url", manager.url]]
-        for i in range(2):
-            argv = ["gateway", *stores[i], "--worker", worker.url]
-            argv += ["--api-key", f"{KEY}=sdk:tpm={TPM}"]
-            env = {
-                "CTX_GATEWAY_RATE_LIMIT_WINDOW_S": "3600",  # one window for the whole test
-                "CTX_GATEWAY_HEALTH_INTERVAL_S": "0.5",
-                "CTX_GATEWAY_MANAGER_TOKEN": "manager-token-tpm",
-            }
-            procs.append(
-                ServiceProcess(
-                    argv, log_path=root / f"gateway{i}.log", env=env, health_path="/ready"
-                ).start()
-            )
-        yield Stack([p.url for p in procs[2:]], worker.url)
-    finally:
-        for p in procs:
-            p.stop()
+    env = {"CTX_GATEWAY_RATE_LIMIT_WINDOW_S": "3600"}  # one window for the whole test
+    with two_gateways(
+        tmp_path_factory.mktemp("tpm"),
+        redis_server.url,
+        tiny_model,
+        keys=[f"{KEY}=sdk:tpm={TPM}"],
+        env=env,
+    ) as (worker, gateways):
+        yield Stack(gateways, worker)
 
 
 @pytest.fixture
