@@ -55,11 +55,20 @@ def serve_app(app: Any, *, host: str, port: int) -> None:
         sys.exit(3)
 
 
+# How long a service keeps an idle client connection open (uvicorn's default is 5 s). A
+# client that sends on a connection just as the server closes it gets a connection reset,
+# which the openai SDK retries but a load balancer answers as a 502: the server must hold
+# an idle connection longer than the client or proxy in front does (AWS ALB and GCP hold
+# 60 s, httpx 5 s). 75 s, nginx's own default.
+KEEP_ALIVE_S = 75
+
+
 def server_config(app: Any, *, host: str, port: int) -> Any:
     """The uvicorn config of every ctxcache service: uvloop, httptools with the writes of
-    one loop turn sent together (`ctxcache.http_protocol`), our logging; the app itself,
-    wrapped in no middleware. Only uvicorn's public options: its version is pinned, and
-    tests/ctxcache/test_server_contract.py checks what we rely on."""
+    one loop turn sent together (`ctxcache.http_protocol`), idle connections kept
+    `KEEP_ALIVE_S`, our logging; the app itself, wrapped in no middleware. Only uvicorn's
+    public options: its version is pinned, and tests/ctxcache/test_server_contract.py checks
+    what we rely on."""
     import uvicorn
 
     from ctxcache.http_protocol import CoalescingHttp
@@ -73,5 +82,6 @@ def server_config(app: Any, *, host: str, port: int) -> Any:
         proxy_headers=False,  # nothing reads the client's address; saves a middleware per request
         loop="uvloop",
         http=CoalescingHttp,
+        timeout_keep_alive=KEEP_ALIVE_S,
         timeout_graceful_shutdown=5,
     )

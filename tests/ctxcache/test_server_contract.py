@@ -40,13 +40,19 @@ def test_the_installed_http_stack_is_the_one_this_file_checked() -> None:
 
 class Streams:
     """An ASGI app: `/forever` streams until the client leaves (and records that it was
-    told); `/cut` starts a chunked answer and returns without ending it."""
+    told); `/cut` starts a chunked answer and returns without ending it; anything else
+    answers `ok`."""
 
     def __init__(self) -> None:
         self.told_disconnect = threading.Event()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
+            return
+        if scope["path"] not in ("/forever", "/cut"):
+            headers = [(b"content-length", b"2")]
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            await send({"type": "http.response.body", "body": b"ok"})
             return
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"first", "more_body": True})
@@ -93,6 +99,25 @@ def test_an_answer_the_app_does_not_end_is_cut_for_the_client(
     _, port = served
     with pytest.raises(httpx.RemoteProtocolError):
         httpx.get(f"http://127.0.0.1:{port}/cut", timeout=5)
+
+
+def test_an_idle_connection_outlives_uvicorns_default_keep_alive(
+    served: tuple[Streams, int],
+) -> None:
+    """A connection left idle longer than uvicorn's default 5 s still answers: a client or
+    proxy that reuses it after its own idle time is not reset (`KEEP_ALIVE_S`)."""
+    _, port = served
+    request = b"GET /ok HTTP/1.1\r\nhost: x\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        for pause in (0.0, 5.5):
+            time.sleep(pause)
+            sock.sendall(request)
+            got = b""
+            while not got.endswith(b"ok"):
+                data = sock.recv(4096)
+                assert data, f"closed after {pause} s idle"
+                got += data
+            assert got.startswith(b"HTTP/1.1 200")
 
 
 async def test_a_starlette_route_to_an_asgi_app_names_its_route(

@@ -218,21 +218,31 @@ def test_a_killed_sidecar_costs_speed_only(vllm_stack: VllmStack) -> None:
         time.sleep(2.0)
 
 
-def vllm_running(stack: VllmStack) -> float:
+def vllm_metric(stack: VllmStack, name: str, labels: str = "") -> float:
+    """The sum of vLLM's `name` series whose labels contain `labels`."""
     text = httpx.get(f"{stack.vllm.url}/metrics", timeout=30).text
-    found = re.findall(r"^vllm:num_requests_running\{[^}]*\} ([0-9.e+]+)$", text, re.M)
-    return sum(float(v) for v in found)
+    found = re.findall(rf"^{re.escape(name)}\{{([^}}]*)\}} ([0-9.e+]+)$", text, re.M)
+    return sum(float(v) for series, v in found if labels in series)
+
+
+def vllm_running(stack: VllmStack) -> float:
+    return vllm_metric(stack, "vllm:num_requests_running")
 
 
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_client_that_leaves_aborts_vllms_request(
     vllm_stack: VllmStack, stream: bool, record_property: Any
 ) -> None:
-    """Mid-answer, the client hangs up: vLLM frees the sequence (its own gauge drops back
-    to 0, seconds before the 1,500 tokens would have ended), the session holds nothing of
-    the dropped turn, and the next turn is served at once."""
+    """Mid-answer, the client hangs up: vLLM frees the sequence (its gauge drops back to 0
+    within seconds, and it generated far fewer than the 1,500 tokens, none of its requests
+    ending by length), the session holds nothing of the dropped turn, and the next turn is
+    served at once. (Read from vLLM's counters, not by catching its running gauge at 1: a
+    step's gauge update comes after its tokens, and on a busy machine a poll can miss it.)"""
     chat = Chat(vllm_stack, seed=7)
     before = chat.info()
+    wait_for(lambda: vllm_running(vllm_stack) == 0)  # nothing left over from other tests
+    generated = vllm_metric(vllm_stack, "vllm:generation_tokens_total")
+    by_length = vllm_metric(vllm_stack, "vllm:request_success_total", 'finished_reason="length"')
     body = {
         "model": "tiny",
         "session_id": chat.sid,
@@ -245,14 +255,11 @@ def test_a_client_that_leaves_aborts_vllms_request(
     if stream:
         with vllm_stack.http.stream("POST", "/v1/chat/completions", json=body) as r:
             assert r.status_code == 200
-            lines = r.iter_lines()
-            next(lines)
-            next(lines)  # tokens are coming
-            # vLLM updates its gauge after it queued the step's tokens: allow it a moment
-            t0 = time.monotonic()
-            while vllm_running(vllm_stack) != 1:
-                assert time.monotonic() - t0 < 10.0
-                time.sleep(0.02)
+            events = (line for line in r.iter_lines() if line.startswith("data: "))
+            for event in events:  # until a token has come: vLLM generates
+                delta = orjson.loads(event[6:])["choices"][0]["delta"]
+                if delta.get("content"):
+                    break
     else:
         with (
             pytest.raises(httpx.ReadTimeout),
@@ -264,6 +271,11 @@ def test_a_client_that_leaves_aborts_vllms_request(
         assert time.monotonic() - t0 < 5.0  # (the whole answer would take far longer)
         time.sleep(0.02)
     record_property("seconds_until_vllm_runs_nothing", round(time.monotonic() - t0, 3))
+    spent = vllm_metric(vllm_stack, "vllm:generation_tokens_total") - generated
+    record_property("tokens_generated_before_the_abort", spent)
+    assert 0 < spent < 1500
+    finished = vllm_metric(vllm_stack, "vllm:request_success_total", 'finished_reason="length"')
+    assert finished == by_length  # aborted, not run to its end
     assert chat.info()["turns"] == before["turns"]
     assert chat.info()["context_tokens"] == before["context_tokens"]
     t0 = time.monotonic()
