@@ -20,15 +20,14 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
-
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # (starlette only for types: the connector imports this without it)
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SpanExporter
     from opentelemetry.trace import Span, Tracer
+    from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_ENDPOINT"
 SESSION_ATTR = "ctxcache.session_id"
@@ -105,6 +104,51 @@ def span(
         return _NOOP
     kind = SpanKind.CLIENT if client else SpanKind.INTERNAL
     return tracer.start_as_current_span(name, kind=kind, attributes=attributes)
+
+
+def span_in(
+    carrier: Mapping[str, str] | None,
+    name: str,
+    attributes: dict[str, Any] | None = None,
+    *,
+    server: bool = False,
+) -> contextlib.AbstractContextManager[Any]:
+    """A span, current inside the block, in the trace that `carrier` (W3C `traceparent`
+    headers: vLLM's `trace_headers`, a request's `trace` field) names; off, or no valid
+    trace in `carrier`: the shared do-nothing context manager. For work that runs outside
+    the caller's context: the connector inside vLLM's engine, the sidecar's socket."""
+    tracer = _state.tracer
+    if tracer is None or not carrier or "traceparent" not in carrier:
+        return _NOOP
+    from opentelemetry import trace
+    from opentelemetry.propagate import extract
+    from opentelemetry.trace import SpanKind
+
+    parent = extract(dict(carrier))
+    if not trace.get_current_span(parent).get_span_context().is_valid:
+        return _NOOP
+    kind = SpanKind.SERVER if server else SpanKind.INTERNAL
+    return tracer.start_as_current_span(name, context=parent, kind=kind, attributes=attributes)
+
+
+def annotate(attributes: dict[str, Any]) -> None:
+    """Set `attributes` on the current span (bytes moved, what was found...); off or
+    outside a span: nothing."""
+    if _state.tracer is None:
+        return
+    from opentelemetry import trace
+
+    current = trace.get_current_span()
+    if current.is_recording():
+        current.set_attributes(attributes)
+
+
+def carrier() -> dict[str, str] | None:
+    """The current span as W3C headers, to hand to work done elsewhere (`span_in`); None
+    when off or outside any span."""
+    if _state.tracer is None:
+        return None
+    return inject({}) or None
 
 
 def set_session(session_id: str) -> None:

@@ -145,9 +145,14 @@ class VllmLaunch:
             "TOKENIZERS_PARALLELISM": "false",
         }
         protocol = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
-        if os.environ.get(tracing.ENDPOINT_ENV, "").strip() and protocol not in os.environ:
+        traced = bool(os.environ.get(tracing.ENDPOINT_ENV, "").strip())
+        if traced and protocol not in os.environ:
             # the endpoint ctxcache's services use is OTLP over HTTP; vLLM's default is gRPC
             env[protocol] = "http/protobuf"
+        if traced and "OTEL_SERVICE_NAME" not in os.environ:
+            # vLLM's spans (and the connector's, in its processes) under a name, not
+            # OpenTelemetry's `unknown_service:python`
+            env["OTEL_SERVICE_NAME"] = "vllm"
         if self.kv_cache_gib:
             env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_gib)
         if self.dev_mode:

@@ -35,6 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from ctxcache import tracing
     from ctxcache.logs import setup_logging
     from ctxcache.settings import from_args, serve_app
     from sidecar.app import create_app
@@ -57,5 +58,7 @@ def main(args: argparse.Namespace) -> int:
         log_level="log_level",
     )
     setup_logging("sidecar", settings.log_level)
-    serve_app(create_app(settings), host=settings.host, port=settings.control_port)
+    tracing.configure("sidecar")  # (on with OTEL_EXPORTER_OTLP_ENDPOINT) control API, local socket
+    app = tracing.server_middleware(create_app(settings), "sidecar")
+    serve_app(app, host=settings.host, port=settings.control_port)
     return 0

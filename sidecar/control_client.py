@@ -6,6 +6,7 @@ from typing import Any
 
 import httpx
 
+from ctxcache import tracing
 from ctxcache.errors import error_from_envelope
 
 
@@ -51,7 +52,10 @@ class SidecarControl:
         await self.aclose()
 
     async def _call(self, method: str, path: str, **kw: Any) -> dict[str, Any]:
-        r = await self._client.request(method, self.base_url + path, headers=self._headers, **kw)
+        # (tracing on, inside a traced request: a client span, its traceparent sent along)
+        with tracing.span(f"sidecar {method} {tracing.route_name(path)}", client=True):
+            headers = tracing.inject(self._headers)
+            r = await self._client.request(method, self.base_url + path, headers=headers, **kw)
         try:
             body = r.json()
         except ValueError:

@@ -17,6 +17,9 @@ Requests, and what they answer:
   `{"ok", "stored": n}`: the allocated slots become blocks (null: the slot is given up)
 - `{"op": "exists", "keys": [...]}` -> `{"ok", "found": [...]}`
 
+Any request may carry `"trace": {"traceparent": ...}` (the engine's span, tracing on): the
+sidecar's span of it (`sidecar local <op>`, with the bytes and blocks) joins that trace.
+
 **Leases.** A lease holds references to its slots, so the store may evict or overwrite
 the blocks meanwhile but the slots are not reused: what the engine copies is the block
 as it was. A lease ends when it is released, when its connection closes (an engine that
@@ -39,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ctxcache import tracing
 from sidecar.arena import SOCKET_NAME, Arena
 from sidecar.blocks import BlockMeta
 from sidecar.metrics import SidecarMetrics
@@ -185,7 +189,12 @@ class LocalServer:
         if handler is None:
             return {"ok": False, "error": f"unknown op {str(op)[:32]!r}"}
         self.metrics.local_requests.labels(op).inc()
-        return handler(cid, req)
+        trace = req.get("trace")
+        if not tracing.enabled() or not isinstance(trace, dict):
+            return handler(cid, req)
+        carrier = {str(k): str(v) for k, v in trace.items()}
+        with tracing.span_in(carrier, f"sidecar local {op}", server=True):
+            return handler(cid, req)
 
     def _hello(self, cid: int, req: dict[str, Any]) -> dict[str, Any]:
         return {
@@ -239,10 +248,20 @@ class LocalServer:
             )
         self.metrics.local_bytes.labels("load").inc(leased)
         lease_id = self._new_lease(cid, slots, []) if slots else 0
+        tracing.annotate(
+            {
+                "ctxcache.kv.keys": len(keys),
+                "ctxcache.kv.blocks_shm": len(slots),
+                "ctxcache.kv.blocks_tcp": blocks.count("tcp"),
+                "ctxcache.kv.bytes_shm": leased,
+            }
+        )
         return {"ok": True, "lease": lease_id, "blocks": blocks}
 
     def _release(self, cid: int, req: dict[str, Any]) -> dict[str, Any]:
-        return {"ok": self._take(cid, req["lease"]) is not None}
+        held = self._take(cid, req["lease"]) is not None
+        tracing.annotate({"ctxcache.kv.lease_held": held})
+        return {"ok": held}
 
     def _alloc(self, cid: int, req: dict[str, Any]) -> dict[str, Any]:
         lengths = req["lengths"]
@@ -257,6 +276,7 @@ class LocalServer:
                 return {"ok": False, "error": "full"}  # the slots taken so far go with `slots`
             slots.append(slot)
         offsets = [self.arena.offset(s) for s in slots]
+        tracing.annotate({"ctxcache.kv.slots": len(slots), "ctxcache.kv.bytes_shm": sum(lengths)})
         return {"ok": True, "lease": self._new_lease(cid, slots, lengths), "offsets": offsets}
 
     def _commit(self, cid: int, req: dict[str, Any]) -> dict[str, Any]:
@@ -280,6 +300,7 @@ class LocalServer:
             if self.store.put(meta, slot):
                 stored += 1
                 self.metrics.local_bytes.labels("store").inc(n)
+        tracing.annotate({"ctxcache.kv.stored_blocks": stored})
         return {"ok": True, "stored": stored}
 
     def _exists(self, cid: int, req: dict[str, Any]) -> dict[str, Any]:

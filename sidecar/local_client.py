@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ctxcache import tracing
 from sidecar.arena import MAGIC, MAP_FLAGS, SOCKET_NAME, read_generation
 from sidecar.client import KVBlock
 from sidecar.protocol import Shape
@@ -269,6 +270,8 @@ class LocalClient:
     def _call(
         self, req: dict[str, Any], *, retry: bool = False, check: bool = True
     ) -> dict[str, Any]:
+        if req["op"] != "hello" and (trace := tracing.carrier()):
+            req = {**req, "trace": trace}  # the sidecar's span joins the caller's trace
         with self._lock:
             for attempt in (1, 2):
                 try:

@@ -12,6 +12,7 @@ copies); this class only routes vLLM's hooks to them (docs/vllm.md).
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from ctxcache import tracing
 from vllm_connector.config import ConnectorConfig
 from vllm_connector.metrics import CtxcachePromMetrics, CtxcacheStats
 from vllm_connector.plan import Planner
@@ -55,6 +57,7 @@ class CtxcacheConnector(KVConnectorBase_V1):
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         _log_like_vllm()
+        _trace_like_vllm(vllm_config)
         transfer = self._kv_transfer_config
         self.config = ConnectorConfig.from_extra(transfer.kv_connector_extra_config)
         block_size = vllm_config.cache_config.block_size
@@ -212,3 +215,20 @@ def _cache_dtype(vllm_config: VllmConfig) -> torch.dtype:
     if cache_dtype not in ("auto", None):
         raise ValueError(f"the ctxcache connector does not support kv cache dtype {cache_dtype!r}")
     return vllm_config.model_config.dtype
+
+
+def _trace_like_vllm(vllm_config: VllmConfig) -> None:
+    """Trace the connector's lookups, loads and stores when vLLM traces its requests
+        (`--otlp-traces-endpoint`, which `ctxcache vllm` sets from OTEL_EXPORTER_OTLP_ENDPOINT):
+        to OTEL_EXPORTER_OTLP_ENDPOINT, else to vLLM's own endpoint when it is OTLP over HTTP
+        (`.../v1/traces`). Their spans join each request's trace (vLLM hands the connector the
+        request's `traceparent`), as `$OTEL_SERVICE_NAME` (`ctxcache vllm` sets `vllm`: they run
+    inside vLLM), else `ctxcache-connector`. Once per process."""
+    endpoint = vllm_config.observability_config.otlp_traces_endpoint
+    if not endpoint or tracing.enabled():
+        return
+    suffix = "/v1/traces"
+    own = endpoint.removesuffix(suffix) if endpoint.endswith(suffix) else ""
+    base = os.environ.get(tracing.ENDPOINT_ENV, "").strip() or own
+    if base:
+        tracing.configure("connector", endpoint=base)

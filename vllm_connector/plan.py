@@ -39,6 +39,7 @@ class LoadSpec:
     end: int
     pieces: list[Piece]
     block_ids: list[int] = field(default_factory=list)
+    trace: dict[str, str] | None = None  # the request's W3C trace headers (tracing on)
 
 
 @dataclass
@@ -49,6 +50,7 @@ class StoreSpec:
     session: str
     pieces: list[Piece]
     block_ids: list[int]
+    trace: dict[str, str] | None = None  # the request's W3C trace headers (tracing on)
 
 
 @dataclass

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from ctxcache import tracing
 from ctxcache.lmcache_keys import tags_from_params
 from vllm_connector.config import ConnectorConfig
 from vllm_connector.plan import LoadSpec, Lookup, Planner, StoreSpec, session_of
@@ -34,6 +35,7 @@ class RequestLike(Protocol):
     cache_salt: str | None
     all_token_ids: Sequence[int]
     num_computed_tokens: int
+    trace_headers: Mapping[str, str] | None  # (vLLM's tracing on) the caller's traceparent
 
     @property
     def num_tokens(self) -> int: ...
@@ -119,7 +121,16 @@ class SchedulerSide:
             t0 = time.perf_counter()
             n = request.num_tokens
             ids = list(request.all_token_ids[:n])
-            lookup = self.planner.lookup(ids, n - 1, view.tags, view.root, self._exists_many)
+            attributes = {tracing.SESSION_ATTR: view.session, "ctxcache.kv.prompt_tokens": n}
+            with tracing.span_in(_trace(request), "ctxcache.kv.lookup", attributes):
+                lookup = self.planner.lookup(ids, n - 1, view.tags, view.root, self._exists_many)
+                tracing.annotate(
+                    {
+                        "ctxcache.kv.found_tokens": lookup.tokens,
+                        "ctxcache.kv.found_blocks": len(lookup.pieces),
+                        "ctxcache.kv.computed_tokens": num_computed,
+                    }
+                )
             self._lookups[rid] = (num_computed, lookup)
             self._found[rid] = lookup.found
             self.counters.add("lookups")
@@ -138,7 +149,9 @@ class SchedulerSide:
         lookup = cached[1]
         start = lookup.tokens - num_external
         pieces = [p for p in lookup.pieces if p.end > start]
-        spec = LoadSpec(request.request_id, start, lookup.tokens, pieces, list(block_ids))
+        spec = LoadSpec(
+            request.request_id, start, lookup.tokens, pieces, list(block_ids), _trace(request)
+        )
         self._loads[request.request_id] = spec
         if self.config.async_loads:
             self._loading[request.request_id] = set(block_ids)
@@ -183,13 +196,22 @@ class SchedulerSide:
         pieces = self.planner.stores(ids, valid, view.tags, view.root, found)
         if not pieces:
             return False
-        self._stores.append(StoreSpec(rid, view.session, pieces, list(block_ids)))
+        self._stores.append(StoreSpec(rid, view.session, pieces, list(block_ids), _trace(request)))
         return True
 
     def close(self) -> None:
         if self._client is not None:
             self._client.close()
             self._client = None
+
+
+def _trace(request: RequestLike) -> dict[str, str] | None:
+    """The request's trace headers, when vLLM traces it (`--otlp-traces-endpoint`) and the
+    connector's tracing is on: its lookup, load and store spans join that trace."""
+    headers = getattr(request, "trace_headers", None)
+    if not headers or not tracing.enabled():
+        return None
+    return {k: v for k, v in headers.items() if k in ("traceparent", "tracestate")} or None
 
 
 def _still_loading(request: RequestLike) -> bool:

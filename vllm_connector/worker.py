@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from ctxcache import tracing
 from ctxcache.lmcache_keys import parse_key
 from sidecar.local_client import TCP, LocalClient, LocalError, Region, Slot
 from sidecar.protocol import FMT_ENGINE_BLOCKS, FMT_KV_2LTD
@@ -162,9 +163,13 @@ class WorkerSide:
             self.counters.add("load_ms", round((time.perf_counter() - t0) * 1e3))
 
     def _carry_out(self, spec: LoadSpec) -> set[int]:
-        """Load `spec`; the blocks it could not write (to be recomputed)."""
+        """Load `spec`; the blocks it could not write (to be recomputed). Traced (the
+        request's trace, `ctxcache.kv.load`): tokens planned and loaded, bytes per path."""
         self.counters.add("loads")
-        loaded = self._load(spec) if self.enabled else spec.start
+        planned = {"ctxcache.kv.planned_tokens": spec.end - spec.start}
+        with tracing.span_in(spec.trace, "ctxcache.kv.load", planned):
+            loaded = self._load(spec) if self.enabled else spec.start
+            tracing.annotate({"ctxcache.kv.loaded_tokens": loaded - spec.start})
         self.counters.add("loaded_tokens", loaded - spec.start)
         if loaded >= spec.end:
             return set()
@@ -242,11 +247,13 @@ class WorkerSide:
         self.copier.write_many(batch)
         self.copier.wait()
         if not self.local.release(lease):
+            tracing.annotate({"ctxcache.kv.lease_race": True})
             self.counters.add("load_races")
             log.warning("request %s: the lease ended before the copy did; recomputing", spec.req_id)
             return spec.start, []
         self.counters.add("load_bytes_shm", moved)
         self.counters.add("load_us_shm", round((time.perf_counter() - t0) * 1e6))
+        tracing.annotate({"ctxcache.kv.bytes_shm": moved, "ctxcache.kv.blocks_shm": len(batch)})
         return done, rest
 
     def _write_piece(
@@ -325,6 +332,7 @@ class WorkerSide:
             moved += kv.numel() * kv.element_size()
         self.counters.add("load_bytes_tcp", moved)
         self.counters.add("load_us_tcp", round((time.perf_counter() - t0) * 1e6))
+        tracing.annotate({"ctxcache.kv.bytes_tcp": moved})
         return done
 
     @staticmethod
@@ -352,8 +360,12 @@ class WorkerSide:
     def save(self, plan: StepPlan) -> None:
         for spec in plan.stores:
             t0 = time.perf_counter()
+            tokens = {"ctxcache.kv.store_tokens": sum(p.length for p in spec.pieces)}
             try:
-                if not self.enabled or not self._save(spec):
+                with tracing.span_in(spec.trace, "ctxcache.kv.store", tokens):
+                    saved = self.enabled and self._save(spec)
+                    tracing.annotate({"ctxcache.kv.stored": saved})
+                if not saved:
                     self.counters.add("store_drops")
             except Exception:
                 self.counters.add("store_drops")
@@ -411,6 +423,7 @@ class WorkerSide:
         self.counters.add("stored_tokens", sum(p.length for p in spec.pieces))
         self.counters.add("store_bytes_shm", sum(s.length for s in slots))
         self.counters.add("store_us_shm", round((time.perf_counter() - t0) * 1e6))
+        tracing.annotate({"ctxcache.kv.bytes_shm": sum(s.length for s in slots)})
         return True
 
     def _save_tcp(self, spec: StoreSpec) -> bool:
@@ -427,6 +440,7 @@ class WorkerSide:
         self.counters.add("stored_tokens", sum(p.length for p in spec.pieces))
         self.counters.add("store_bytes_tcp", kv.numel() * kv.element_size())
         self.counters.add("store_us_tcp", round((time.perf_counter() - t0) * 1e6))
+        tracing.annotate({"ctxcache.kv.bytes_tcp": kv.numel() * kv.element_size()})
         return True
 
     def take_sent(self) -> set[str]:

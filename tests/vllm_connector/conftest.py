@@ -28,6 +28,7 @@ class VllmStack:
     vllm: VllmProcess
     gateway: ServiceProcess
     http: httpx.Client  # to the gateway, closed with the stack
+    manager: ServiceProcess | None = None  # the manager service, when the stack has one
 
     @property
     def url(self) -> str:
@@ -70,10 +71,13 @@ def started_stack(
     connector_config: dict[str, object] | None = None,
     *,
     local: bool = True,
+    manager: bool = False,
 ) -> Iterator[VllmStack]:
     """vLLM with the connector (`connector_config`: its extra settings), a sidecar and a
     gateway, stopped when the block ends. `local`: KV moves through the sidecar's shared
-    memory (as `ctxcache serve` sets it up), else over lm:// only."""
+    memory (as `ctxcache serve` sets it up), else over lm:// only. `manager`: the gateway
+    reaches Redis through a manager service (which pins the sessions' KV), else through
+    the manager in its own process. Every process inherits this one's environment."""
     require_vllm()
     root = tmp_path_factory.mktemp("vllm-stack")
     (root / "sidecar").mkdir()
@@ -92,20 +96,34 @@ def started_stack(
         connector_config=dict(connector_config or {}),
     )
     vllm = VllmProcess(launch, log_path=root / "vllm.log")
+    store = ["--redis-url", redis_server.url]
+    env = {"CTX_GATEWAY_HEALTH_INTERVAL_S": "0.5"}
+    service = None
+    if manager:
+        token = "manager-token-vllm-stack"
+        service = ServiceProcess(
+            ["manager", *store, "--token", token], log_path=root / "manager.log"
+        )
+        store = ["--manager-url", service.url]
+        env["CTX_GATEWAY_MANAGER_TOKEN"] = token
     gateway = ServiceProcess(
-        ["gateway", "--redis-url", redis_server.url, "--worker", f"{vllm.url}={sidecar.url}"],
+        ["gateway", *store, "--worker", f"{vllm.url}={sidecar.url}"],
         log_path=root / "gateway.log",
-        env={"CTX_GATEWAY_HEALTH_INTERVAL_S": "0.5"},
+        env=env,
         health_path="/ready",
     )
-    stack = VllmStack(root, sidecar, vllm, gateway, httpx.Client(base_url=gateway.url, timeout=300))
+    http = httpx.Client(base_url=gateway.url, timeout=300)
+    stack = VllmStack(root, sidecar, vllm, gateway, http, service)
     try:
         vllm.start()
+        if service is not None:
+            service.start()
         gateway.start()
         yield stack
     finally:
         stack.http.close()
-        for proc in (stack.gateway, stack.vllm, stack.sidecar):
-            proc.stop()
+        for proc in (stack.gateway, stack.manager, stack.vllm, stack.sidecar):
+            if proc is not None:
+                proc.stop()
         if local_dir is not None:
             shutil.rmtree(local_dir, ignore_errors=True)

@@ -244,3 +244,55 @@ def test_a_full_region_sends_stores_and_loads_over_tcp_and_counts_them(
     finally:
         side.close()
         holder.close()
+
+
+def test_a_traced_load_and_store_join_the_requests_trace_with_their_bytes(
+    sidecar: Sidecar, local_dir: Path
+) -> None:
+    """The scheduler hands each load and store the request's `traceparent` (vLLM's
+    `trace_headers`): the worker's `ctxcache.kv.load`/`store` spans join that trace with
+    the bytes they moved, and the sidecar's spans of the lease and the allocation are their
+    children (the `trace` field of the local socket's requests). Untraced: no span."""
+    pytest.importorskip("opentelemetry.sdk")  # (the GPU check's machine may lack it)
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from ctxcache import tracing
+
+    memory = InMemorySpanExporter()
+    tracing.configure("test", exporter=memory)
+    side = worker(sidecar, local_dir)
+    try:
+        trace_id, caller = "ab" * 16, "cd" * 8
+        trace = {"traceparent": f"00-{trace_id}-{caller}-01"}
+        ps = pieces("traced")
+        side.save(StepPlan(stores=[StoreSpec("s", "sess", ps, SRC, trace)]))
+        side.load(StepPlan(loads=[LoadSpec("l", 0, TOKENS, ps, DST, trace=trace)]))
+        assert side.take_invalid() == set()
+        side.load(StepPlan(loads=[LoadSpec("u", 0, TOKENS, ps, DST)]))  # untraced
+        spans = memory.get_finished_spans()
+        names = sorted(s.name for s in spans)
+        assert names == sorted(
+            [
+                "ctxcache.kv.store",
+                "sidecar local alloc",
+                "sidecar local commit",
+                "ctxcache.kv.load",
+                "sidecar local lease",
+                "sidecar local release",
+            ]
+        )
+        by_name = {s.name: s for s in spans}
+        assert {f"{s.context.trace_id:032x}" for s in spans} == {trace_id}
+        load_span, store_span = by_name["ctxcache.kv.load"], by_name["ctxcache.kv.store"]
+        assert f"{load_span.parent.span_id:016x}" == caller
+        assert f"{store_span.parent.span_id:016x}" == caller
+        assert by_name["sidecar local lease"].parent.span_id == load_span.context.span_id
+        assert by_name["sidecar local alloc"].parent.span_id == store_span.context.span_id
+        moved = load_span.attributes["ctxcache.kv.bytes_shm"]
+        lease = by_name["sidecar local lease"]
+        assert moved > 0 and lease.attributes["ctxcache.kv.bytes_shm"] == moved
+        assert load_span.attributes["ctxcache.kv.loaded_tokens"] == TOKENS
+        assert store_span.attributes["ctxcache.kv.bytes_shm"] > 0
+    finally:
+        side.close()
+        tracing.shutdown()
