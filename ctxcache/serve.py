@@ -29,6 +29,7 @@ import argparse
 import json
 import logging
 import os
+import secrets
 import shutil
 import signal
 import sys
@@ -68,6 +69,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="the bundled Redis's appendfsync: always (nothing acknowledged is ever lost), "
         "everysec (faster writes; a machine crash, or a Redis crash while the disk is slow, "
         "loses up to about 2 s of acknowledged turns)",
+    )
+    p.add_argument(
+        "--manager-service",
+        action="store_true",
+        help="run the context cache manager as its own process, reached over HTTP, as "
+        "compose and Kubernetes do (default: inside the gateway's process)",
     )
     p.add_argument("--model", default=None, help="local HF model dir (default: tiny preset)")
     add_api_key_argument(p)
@@ -163,6 +170,21 @@ def _run(args: argparse.Namespace, sup: Supervisor, data: Path, local: Path | No
         redis_url = redis.url
 
     ports = _internal_ports(data, reserved={args.port})
+    store = ["--redis-url", redis_url]
+    gateway_env = {**args.gateway_env, "CTX_GATEWAY_COMPONENTS_FILE": str(data / STATUS_FILE)}
+    if args.manager_service:
+        manager_url = f"http://127.0.0.1:{ports['manager']}"
+        token = secrets.token_urlsafe(24)  # this stack's own: the gateway and the manager
+        sup.start(
+            Child(
+                "manager",
+                [*cli, "manager", "--port", str(ports["manager"]), "--redis-url", redis_url],
+                ready=http_ready(f"{manager_url}/health"),
+                env={"CTX_MANAGER_TOKEN": token},  # (not on a command line)
+            )
+        )
+        store = ["--manager-url", manager_url]
+        gateway_env["CTX_GATEWAY_MANAGER_TOKEN"] = token
     data_port, control_port = ports["sidecar_data"], ports["sidecar_control"]
     sidecar_control = f"http://127.0.0.1:{control_port}"
     sup.start(
@@ -203,18 +225,14 @@ def _run(args: argparse.Namespace, sup: Supervisor, data: Path, local: Path | No
                 args.host,
                 "--port",
                 str(args.port),
-                "--redis-url",
-                redis_url,
+                *store,
                 "--worker",
                 f"http://127.0.0.1:{worker_port}={sidecar_control}",
             ],
             ready=http_ready(f"http://127.0.0.1:{args.port}/ready"),
             # the keys go to the gateway in its environment, not its command line (which
             # every user of the machine can read)
-            env={
-                **args.gateway_env,
-                "CTX_GATEWAY_COMPONENTS_FILE": str(data / STATUS_FILE),
-            },
+            env=gateway_env,
         )
     )
 
@@ -366,7 +384,7 @@ def _internal_ports(data: Path, reserved: set[int]) -> dict[str, int]:
     from ctxcache.net import free_port, port_is_free
 
     path = data / "ports.json"
-    names = ("sidecar_data", "sidecar_control", "engine")
+    names = ("sidecar_data", "sidecar_control", "engine", "manager")
     try:
         old = {k: int(v) for k, v in json.loads(path.read_text()).items()}
     except (OSError, ValueError, TypeError, AttributeError):

@@ -4,9 +4,17 @@ scraping a loaded `ctxcache serve` stack, plotted in the dashboard's layout (mat
     .venv/bin/python deploy/monitoring/render_dashboard.py --engine vllm \\
         --out docs/img/dashboard.png
 
-Needs the `prometheus` binary (Debian: apt-get install prometheus). The stack, Prometheus
-(2 s scrapes, the alert rules loaded) and the load all run on this machine, on free ports;
-everything is stopped at the end. docs/operations.md shows the result.
+Needs the `prometheus` binary (Debian: apt-get install prometheus); with
+`prometheus-redis-exporter` (apt-get install prometheus-redis-exporter) the Redis panels
+have data too. The stack (its manager as its own process, as compose and Kubernetes run
+it, and a Redis of its own), Prometheus (2 s scrapes, the alert rules loaded) and the load
+all run on this machine, on free ports; everything is stopped at the end.
+docs/operations.md shows the result.
+
+The load is what an operator's dashboard should show working: conversations (a session
+created with a document, then short turns, now and then streamed), plain requests, a long
+answer not streamed now and then, one client over its rate limit (429s), and, on vLLM,
+its prefix cache dropped every few seconds so that sessions come back from the sidecar.
 """
 
 from __future__ import annotations
@@ -30,6 +38,8 @@ import httpx
 HERE = Path(__file__).resolve().parent
 DASHBOARD = HERE / "grafana" / "dashboards" / "ctxcache.json"
 TOKEN = "render-metrics-token"  # the gateway's metrics token (GET /metrics/tenants)
+KEY, LIMITED = "k-render", "k-limited"  # the load's API keys; the second one is held to 20 rpm
+RESET_EVERY_S = 8.0  # (vLLM) its prefix cache is dropped this often: turns load from the sidecar
 RATE_INTERVAL = "20s"  # what Grafana's $__rate_interval is at a 2 s scrape and this width
 WORDS = "the cat sat on a mat while dogs ran over green hills and people talked of rain".split()  # noqa: SIM905
 
@@ -46,28 +56,54 @@ def main() -> int:
         sys.stderr.write("needs the prometheus binary (apt-get install prometheus)\n")
         return 2
     from ctxcache.net import free_port
+    from ctxcache.redis_server import RedisServer
 
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = Path(tmp_dir)
         port = free_port()
         procs: list[subprocess.Popen[bytes]] = []
+        redis = RedisServer(tmp / "redis", fsync="always")
         try:
+            redis.start()
             log = open(tmp / "serve.log", "wb")  # noqa: SIM115
             procs.append(
                 subprocess.Popen(
                     [
                         *(sys.executable, "-m", "ctxcache.cli", "serve", "--port", str(port)),
                         *("--data-dir", str(tmp / "data"), "--engine", args.engine),
+                        *("--redis-url", redis.url, "--manager-service"),
+                        *("--api-key", f"{KEY}=render", "--api-key", f"{LIMITED}=limited:rpm=20"),
                     ],
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
-                    env={**os.environ, "CTX_GATEWAY_METRICS_TOKEN": TOKEN},
+                    env={
+                        **os.environ,
+                        "CTX_GATEWAY_METRICS_TOKEN": TOKEN,
+                        "VLLM_SERVER_DEV_MODE": "1",  # POST /reset_prefix_cache
+                    },
                 )
             )
             gateway = f"http://127.0.0.1:{port}"
             _wait(f"{gateway}/ready", 900, procs[0], tmp / "serve.log")
             ports = json.loads((tmp / "data" / "ports.json").read_text())
+            exporter = shutil.which("prometheus-redis-exporter") or shutil.which("redis_exporter")
+            if exporter is not None:
+                ports["redis_exporter"] = free_port()
+                procs.append(
+                    subprocess.Popen(
+                        [
+                            exporter,
+                            f"--redis.addr=redis://127.0.0.1:{redis.port}",
+                            f"--web.listen-address=127.0.0.1:{ports['redis_exporter']}",
+                        ],
+                        stdout=subprocess.DEVNULL,
+                        stderr=subprocess.DEVNULL,
+                        start_new_session=True,
+                    )
+                )
+            else:
+                sys.stderr.write("no prometheus-redis-exporter: the Redis panels stay empty\n")
             prom_port = free_port()
             config = tmp / "prometheus.yml"
             config.write_text(_prometheus_config(port, ports))
@@ -89,7 +125,8 @@ def main() -> int:
             _wait(f"{prom}/-/ready", 60, procs[1], None)
             start = time.time()
             sys.stderr.write(f"load: {args.clients} conversations for {args.seconds:.0f} s\n")
-            _load(gateway, args.clients, args.seconds)
+            engine = f"http://127.0.0.1:{ports['engine']}" if args.engine == "vllm" else None
+            _load(gateway, args.clients, args.seconds, engine)
             time.sleep(6)  # the last scrapes
             end = time.time()
             series = _evaluate(prom, start, end)
@@ -101,6 +138,7 @@ def main() -> int:
                         proc.wait(60)
                     except subprocess.TimeoutExpired:
                         proc.kill()
+            redis.stop()
     _plot(series, args.out, start, f"ctxcache serve --engine {args.engine}, {args.clients} clients")
     sys.stderr.write(f"wrote {args.out}\n")
     return 0
@@ -109,9 +147,12 @@ def main() -> int:
 def _prometheus_config(gateway: int, ports: dict[str, int]) -> str:
     jobs = {
         "ctxcache-gateway": gateway,
+        "ctxcache-manager": ports["manager"],
         "ctxcache-sidecar": ports["sidecar_control"],
         "ctxcache-worker": ports["engine"],
     }
+    if "redis_exporter" in ports:
+        jobs["ctxcache-redis"] = ports["redis_exporter"]
     scrape = "".join(
         f"  - job_name: {job}\n    static_configs:\n      - targets: ['127.0.0.1:{port}']\n"
         for job, port in jobs.items()
@@ -141,17 +182,20 @@ def _wait(url: str, seconds: float, proc: subprocess.Popen[bytes], log: Path | N
         time.sleep(0.5)
 
 
-def _load(gateway: str, clients: int, seconds: float) -> None:
+def _load(gateway: str, clients: int, seconds: float, engine: str | None) -> None:
     """Conversations: a session created with a document, then turns, now and then a plain
-    request or a stream; each client a new session every 8 turns."""
+    request, a stream or (client 0) a long answer not streamed; each client a new session
+    every 8 turns. Beside them, a client over its rate limit and (vLLM: `engine`) the
+    prefix cache dropped every `RESET_EVERY_S`."""
     stop = time.monotonic() + seconds
+    auth = {"authorization": f"Bearer {KEY}"}
 
     def text(rng: random.Random, n: int) -> str:
         return " ".join(rng.choice(WORDS) for _ in range(n))
 
     def client(i: int) -> None:
         rng = random.Random(i)
-        with httpx.Client(base_url=gateway, timeout=120) as c:
+        with httpx.Client(base_url=gateway, timeout=120, headers=auth) as c:
             while time.monotonic() < stop:
                 r = c.post("/v1/context", json={"model": "tiny", "prompt": text(rng, 400)})
                 sid = r.json().get("session_id")
@@ -167,11 +211,32 @@ def _load(gateway: str, clients: int, seconds: float) -> None:
                         with c.stream("POST", "/v1/completions", json=body) as s:
                             for _ in s.iter_bytes():
                                 pass
+                    elif roll < 0.4 and i == 0:  # a long answer, not streamed
+                        body.update(prompt=" " + text(rng, 12), session_id=sid)
+                        body.update(max_tokens=160, ignore_eos=True)
+                        c.post("/v1/completions", json=body)
                     else:
                         body.update(prompt=" " + text(rng, 12), session_id=sid)
                         c.post("/v1/completions", json=body)
 
+    def limited() -> None:  # 20 rpm allowed, ~60 asked: two in three answered 429
+        limited_auth = {"authorization": f"Bearer {LIMITED}"}
+        with httpx.Client(base_url=gateway, timeout=120, headers=limited_auth) as c:
+            while time.monotonic() < stop:
+                body = {"model": "tiny", "prompt": "hello there", "max_tokens": 4}
+                c.post("/v1/completions", json=body)
+                time.sleep(1.0)
+
+    def drop_prefix_cache() -> None:
+        assert engine is not None
+        while time.monotonic() < stop:
+            time.sleep(RESET_EVERY_S)
+            httpx.post(f"{engine}/reset_prefix_cache", timeout=60)
+
     threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    threads.append(threading.Thread(target=limited))
+    if engine is not None:
+        threads.append(threading.Thread(target=drop_prefix_cache))
     for t in threads:
         t.start()
     for t in threads:

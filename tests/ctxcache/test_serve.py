@@ -166,6 +166,35 @@ def test_serve_with_redis_url_keeps_sessions_in_that_redis(
         stop_serve(proc, bundled_redis=False)
 
 
+def test_serve_with_a_manager_service_runs_the_sessions_through_it(tmp_path: Path) -> None:
+    """`--manager-service`: the manager runs as its own process (as in compose and
+    Kubernetes), the gateway reaches it over HTTP with a token of this stack's own, and a
+    session's create and turn go through it (its own request counters)."""
+    data, port, log = tmp_path / "data", free_port(), tmp_path / "serve.log"
+    proc = start_serve(data, port, log, "builtin", "--manager-service")
+    try:
+        manager = f"http://127.0.0.1:{json.loads((data / 'ports.json').read_text())['manager']}"
+        r = httpx.post(
+            f"http://127.0.0.1:{port}/v1/context",
+            json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]},
+        )
+        assert r.status_code == 200, r.text
+        sid = r.json()["session_id"]
+        turn = [{"role": "user", "content": "more"}]
+        body = {"model": "tiny", "messages": turn, "max_tokens": 2, "session_id": sid}
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        metrics = httpx.get(f"{manager}/metrics").text
+        assert 'route="/sessions",status="200"' in metrics
+        assert 'route="/sessions/{session_id}/append",status="200"' in metrics
+        assert httpx.get(f"{manager}/sessions/{sid}").status_code == 401  # the token's
+        names = {Path(f"/proc/{p}/cmdline").read_bytes() for p in descendants(proc.pid)}
+        assert sum(b"manager" in n for n in names) >= 1
+        assert not any(b"--token" in n for n in names)  # never on a command line
+    finally:
+        stop_serve(proc)
+
+
 def test_ctrl_c_during_start_up_stops_cleanly(tmp_path: Path) -> None:
     log = tmp_path / "serve.log"
     with open(log, "ab") as out:
@@ -263,7 +292,7 @@ def test_internal_ports_are_distinct_and_never_the_gateways(
     real_free_port = ctxcache.net.free_port
     monkeypatch.setattr(ctxcache.net, "free_port", lambda: next(offers, None) or real_free_port())
     ports = _internal_ports(tmp_path, reserved={gateway})
-    assert len(set(ports.values())) == 3 and gateway not in ports.values()
+    assert len(set(ports.values())) == len(ports) and gateway not in ports.values()
 
 
 def test_internal_ports_survive_a_restart_unless_a_kept_port_would_collide(
@@ -278,7 +307,7 @@ def test_internal_ports_survive_a_restart_unless_a_kept_port_would_collide(
     clash = {"sidecar_data": gateway, "sidecar_control": first["engine"], "engine": first["engine"]}
     (tmp_path / "ports.json").write_text(json.dumps(clash))
     mended = _internal_ports(tmp_path, reserved={gateway})
-    assert len(set(mended.values())) == 3 and gateway not in mended.values()
+    assert len(set(mended.values())) == len(mended) and gateway not in mended.values()
     assert mended["sidecar_control"] == first["engine"]
 
 
