@@ -8,8 +8,12 @@ reordering at all, so a load or a store runs at the speed of a plain copy instea
 ~1 GB/s of indexing every element (`layout.gather`/`scatter`). Two engines can read each
 other's payloads exactly when their `tag`s (a hash of dtype, shape and block layout) agree.
 
-On CPU the copies are slices of the runs of consecutive block ids (memcpy), or one
-`index_select`/`index_copy_` per layer where the runs are short. On CUDA the only kernels
+On CPU each whole block of each layer is one `copy_` between two row views: the cache's
+made once (`unbind` of each layer's blocks), the payload's with one `unbind` per piece, so
+a block costs a dispatch and its copy (torch's vectorized copy, over its threads), not the
+~10 us of slicing two tensors per block, nor `index_copy_`'s element loop (~0.5x a copy),
+nor a `memmove` (glibc's `rep movsb` ran at half torch's speed from memory on this CPU).
+On CUDA the only kernels
 are those row copies inside the device; host <-> device moves are one DMA copy each between
 the (pinned, see `register_host`) host payload and a device staging tensor, all on a side
 stream so the engine's stream keeps running; `wait()` joins them. A block only partly
@@ -27,10 +31,9 @@ import math
 import os
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
-from vllm_connector.layout import BlockLayout, TokenSlots, block_runs, gather, scatter
+from vllm_connector.layout import BlockLayout, TokenSlots, gather, scatter
 
 log = logging.getLogger(__name__)
 
@@ -51,13 +54,6 @@ def layout_tag(dtype: torch.dtype, layouts: Sequence[BlockLayout]) -> int:
         digest.update(offsets.contiguous().numpy().astype("<i8").tobytes())
         previous = offsets
     return int.from_bytes(digest.digest()[:4], "little") & 0x7FFFFFFF or 1
-
-
-# On CPU, blocks whose ids run consecutively for at least this many bytes on average are
-# copied as slices (memcpy); shorter runs go through one index_select (reads: a memcpy per
-# row, as fast from 512 KiB rows up) or index_copy_ (writes: an element loop, ~0.5x a copy).
-_READ_RUN_BYTES = 1 << 20
-_WRITE_RUN_BYTES = 128 << 10
 
 
 class BlockCopier:
@@ -84,13 +80,13 @@ class BlockCopier:
         self.block_bytes = len(caches) * self.row_bytes
         self.tag = layout_tag(self.dtype, layouts)
         self._rows = [lay.blocks_view(c) for c, lay in zip(caches, layouts, strict=True)]
-        # (CPU) the same rows as numpy byte arrays: a fancy-indexed row assignment there is
-        # one memcpy per row, where torch's index_copy_ loops over elements (~0.5x a copy)
-        self._np_rows = (
-            [rows.view(torch.uint8).numpy() for rows in self._rows]
+        # (CPU) every block of every layer as a row view, made once: `[layer][block]`
+        self._row_views = (
+            [rows.view(torch.uint8).unbind(0) for rows in self._rows]
             if self.device.type == "cpu"
             else []
         )
+        self._blocks = self._rows[0].shape[0]
         self._token_of = _token_maps(layouts)
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._pending: list[torch.Tensor] = []  # what in-flight CUDA copies read or write
@@ -102,10 +98,10 @@ class BlockCopier:
     def read(self, block_ids: Sequence[int], out: torch.Tensor) -> None:
         """Engine -> payload: blocks `block_ids` of every layer into `out` (host, uint8).
         On CUDA the copy is only issued: `out` is complete after `wait()`."""
-        payload = self._payload(out, len(block_ids))
         if self._stream is None:
-            self._get_rows(block_ids, payload)
+            self._host_read_many([(block_ids, out)])
             return
+        payload = self._payload(out, len(block_ids))
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
             staged = torch.empty(payload.shape, dtype=self.dtype, device=self.device)
@@ -119,6 +115,9 @@ class BlockCopier:
         `[lo, hi)` is merged element-wise, so its other tokens keep their values.
         On CUDA the copy is only issued: it is in the cache after `wait()`, and `src` must
         not change before then."""
+        if self._stream is None:
+            self._host_write_many([(block_ids, src, lo, hi)])
+            return
         payload = self._payload(src, len(block_ids))
         n = self.tokens
         if not 0 <= lo <= hi <= len(block_ids) * n:
@@ -126,9 +125,6 @@ class BlockCopier:
         if lo == hi:
             return
         first, end = lo // n, -(-hi // n)  # the payload rows [first, end) that are touched
-        if self._stream is None:
-            self._write_rows(payload[:, first:end], first, block_ids, lo, hi)
-            return
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
             staged = torch.empty(
@@ -146,7 +142,10 @@ class BlockCopier:
         """`write` of several pieces `(block_ids, src, lo, hi)`, e.g. every block of a load.
         On CUDA their whole blocks go in with one index kernel per layer (not one per piece
         and layer), each piece's payload in one DMA copy, and no host sync on the way."""
-        if self._stream is None or len(items) < 2:
+        if self._stream is None:
+            self._host_write_many(items)
+            return
+        if len(items) < 2:
             for ids, src, lo, hi in items:
                 self.write(ids, src, lo, hi)
             return
@@ -187,7 +186,10 @@ class BlockCopier:
     def read_many(self, items: Sequence[tuple[Sequence[int], torch.Tensor]]) -> None:
         """`read` of several pieces `(block_ids, out)`: on CUDA one index kernel per layer
         for all of them, then each piece's DMA copy out."""
-        if self._stream is None or len(items) < 2:
+        if self._stream is None:
+            self._host_read_many(items)
+            return
+        if len(items) < 2:
             for ids, out in items:
                 self.read(ids, out)
             return
@@ -232,49 +234,69 @@ class BlockCopier:
     # -- row copies ---------------------------------------------------------------------
     def _payload(self, buf: torch.Tensor, blocks: int) -> torch.Tensor:
         """`buf` (flat uint8, at least the payload's bytes) as `[L, blocks, elems]`."""
+        return self._payload_bytes(buf, blocks).view(self.dtype).view(len(self.caches), blocks, -1)
+
+    def _payload_bytes(self, buf: torch.Tensor, blocks: int) -> torch.Tensor:
+        """`buf` (flat uint8, at least the payload's bytes) as its first payload's bytes."""
         need = blocks * self.block_bytes
         if buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous():
             raise ValueError(f"a payload is a flat uint8 tensor, got {buf.dtype} {buf.shape}")
         if buf.numel() < need:
             raise ValueError(f"{blocks} blocks need {need} bytes, the buffer has {buf.numel()}")
-        return buf[:need].view(self.dtype).view(len(self.caches), blocks, self.elems)
+        return buf[:need]
 
-    def _slices(self, ids: Sequence[int], least: int) -> list[tuple[int, int, int]] | None:
-        """`ids` as runs of consecutive ids if they hold `least` bytes on average, to copy
-        as slices (CPU only: on CUDA one index kernel per layer is fast and issues less)."""
-        runs = block_runs(ids)
-        if self._stream is not None or len(ids) * self.row_bytes < len(runs) * least:
-            return None
-        return runs
+    def _host_write_many(
+        self, items: Sequence[tuple[Sequence[int], torch.Tensor, int, int]]
+    ) -> None:
+        """(CPU) `write_many`: a row copy per whole block and layer, then the partial blocks
+        merged through their token masks."""
+        n, layers = self.tokens, len(self._rows)
+        edges: list[tuple[torch.Tensor, int, int, int]] = []
+        for ids, src, lo, hi in items:
+            payload = self._payload_bytes(src, len(ids))
+            if not 0 <= lo <= hi <= len(ids) * n:
+                raise ValueError(f"tokens [{lo}, {hi}) are not inside {len(ids)} blocks")
+            rows = payload.view(layers * len(ids), self.row_bytes).unbind(0)
+            for i in range(lo // n, -(-hi // n)):
+                block = self._block(ids[i])
+                if not (lo <= i * n and (i + 1) * n <= hi):  # only partly inside [lo, hi)
+                    row = self._payload(src, len(ids))[:, i]
+                    edges.append((row, block, max(lo - i * n, 0), min(hi - i * n, n)))
+                    continue
+                for layer, views in enumerate(self._row_views):
+                    views[block].copy_(rows[layer * len(ids) + i])
+        for row, block, a, b in edges:
+            self._merge_row(row, block, a, b)
+
+    def _host_read_many(self, items: Sequence[tuple[Sequence[int], torch.Tensor]]) -> None:
+        """(CPU) `read_many`: a row copy per block and layer."""
+        layers = len(self._rows)
+        for ids, out in items:
+            payload = self._payload_bytes(out, len(ids))
+            rows = payload.view(layers * len(ids), self.row_bytes).unbind(0)
+            for i, b in enumerate(ids):
+                block = self._block(b)
+                for layer, views in enumerate(self._row_views):
+                    rows[layer * len(ids) + i].copy_(views[block])
+
+    def _block(self, block: int) -> int:
+        """A kernel block id checked against the cache (a negative one would index from
+        the end)."""
+        if not 0 <= block < self._blocks:
+            raise ValueError(f"block {block} is not in a cache of {self._blocks} blocks")
+        return block
 
     def _get_rows(self, ids: Sequence[int], out: torch.Tensor) -> None:
-        """Blocks `ids` of every layer into `out` (`[L, len(ids), elems]`, caches' device)."""
-        runs = self._slices(ids, _READ_RUN_BYTES)
-        if runs is None:
-            index = torch.tensor(list(ids), dtype=torch.long, device=self.device)
-            for layer, rows in enumerate(self._rows):
-                torch.index_select(rows, 0, index, out=out[layer])
-            return
+        """(CUDA) Blocks `ids` of every layer into `out` (`[L, len(ids), elems]`)."""
+        index = self._device_index(ids)
         for layer, rows in enumerate(self._rows):
-            for first, block, count in runs:
-                out[layer, first : first + count].copy_(rows[block : block + count])
+            torch.index_select(rows, 0, index, out=out[layer])
 
     def _put_rows(self, ids: Sequence[int], src: torch.Tensor) -> None:
-        """`src` (`[L, len(ids), elems]`, caches' device) into blocks `ids` of every layer."""
-        runs = self._slices(ids, _WRITE_RUN_BYTES)
-        if runs is None and self._np_rows:
-            index = np.asarray(ids, dtype=np.int64)
-            for layer, rows in enumerate(self._np_rows):
-                rows[index] = src[layer].view(torch.uint8).numpy()
-            return
-        if runs is None:
-            index = self._device_index(ids)
-            for layer, rows in enumerate(self._rows):
-                rows.index_copy_(0, index, src[layer])
-            return
+        """(CUDA) `src` (`[L, len(ids), elems]`) into blocks `ids` of every layer."""
+        index = self._device_index(ids)
         for layer, rows in enumerate(self._rows):
-            for first, block, count in runs:
-                rows[block : block + count].copy_(src[layer, first : first + count])
+            rows.index_copy_(0, index, src[layer])
 
     def _write_rows(
         self, rows: torch.Tensor, first: int, block_ids: Sequence[int], lo: int, hi: int

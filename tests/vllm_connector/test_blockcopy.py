@@ -25,7 +25,6 @@ from tests.vllm_connector.test_layout import (
     flash_writer,
     writer_for,
 )
-from vllm_connector import blockcopy
 from vllm_connector import layout as layout_module
 from vllm_connector.blockcopy import (
     BlockCopier,
@@ -246,22 +245,11 @@ def test_batched_reads_and_writes_equal_one_piece_at_a_time(
     check_batched(make, dtype, learned(isa, dtype, make), "cpu", False)
 
 
-@pytest.fixture(params=["slices", "index"])
-def row_copies(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Both ways of copying block rows on CPU: slices of runs of consecutive ids, and one
-    index_select / index_copy_ per layer."""
-    least = 0 if request.param == "slices" else 1 << 62
-    monkeypatch.setattr(blockcopy, "_READ_RUN_BYTES", least)
-    monkeypatch.setattr(blockcopy, "_WRITE_RUN_BYTES", least)
-
-
-@pytest.mark.usefixtures("row_copies")
 @pytest.mark.parametrize(("isa", "dtype", "make"), CASES)
 def test_read_then_write_reproduces_the_blocks(isa: str, dtype: torch.dtype, make: Make) -> None:
     check_round_trip(make, dtype, learned(isa, dtype, make), "cpu", pin=False)
 
 
-@pytest.mark.usefixtures("row_copies")
 @pytest.mark.parametrize(("isa", "dtype", "make"), CASES)
 def test_a_partial_write_changes_only_its_tokens(isa: str, dtype: torch.dtype, make: Make) -> None:
     check_partial_writes(make, dtype, learned(isa, dtype, make), "cpu", pin=False)
@@ -318,6 +306,16 @@ def test_payload_sizes_and_bad_buffers() -> None:
         copier.read([0], torch.empty(copier.block_bytes // 2, dtype=torch.float16))
     with pytest.raises(ValueError, match="inside"):
         copier.write([0], torch.empty(copier.block_bytes, dtype=torch.uint8), 0, TOKENS + 1)
+    # a block id outside the cache is refused before any byte moves (a memmove has no bounds)
+    blocks = caches[0].shape[0]
+    payload = torch.zeros(copier.block_bytes, dtype=torch.uint8)
+    for bad in (blocks, -1):
+        before = [c.clone() for c in caches]
+        with pytest.raises(ValueError, match="not in a cache"):
+            copier.write([bad], payload, 0, TOKENS)
+        with pytest.raises(ValueError, match="not in a cache"):
+            copier.read([bad], payload)
+        assert all(torch.equal(a, b) for a, b in zip(before, caches, strict=True))
 
 
 def test_kernel_blocks_follow_token_slots() -> None:
@@ -397,7 +395,6 @@ class TestOnCuda:
             assert unregister_host(buf)
 
 
-@pytest.mark.usefixtures("row_copies")
 def test_random_block_order_round_trips() -> None:
     """Any order of block ids, read and written back, restores the cache."""
     make = flash_cache
