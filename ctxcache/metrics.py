@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+if TYPE_CHECKING:  # (starlette only for types: the sidecar imports this where it is absent)
+    from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 
 def process_collectors(registry: CollectorRegistry) -> None:
