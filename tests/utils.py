@@ -259,3 +259,14 @@ def local_dir_fixture(tmp_path: Path) -> Iterator[Path]:
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def run_cli(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """`ctxcache ARGV...` run to its end (60 s at most), with `env` added to this one's."""
+    return subprocess.run(
+        [sys.executable, "-m", "ctxcache.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **(env or {})},
+    )

@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 import redis
 
 from ctxcache.net import free_port
@@ -153,3 +154,13 @@ _REFUSALS = {
     "noperm-write": _noperm_write,
     "readonly": _readonly,
 }
+
+
+@pytest.fixture(name="srv")
+def srv_fixture(tmp_path: Path) -> Iterator[RedisServer]:
+    """A Redis of the test's own (`server`), stopped after it: the one the test refuses."""
+    s = server(tmp_path / "redis").start()
+    try:
+        yield s
+    finally:
+        s.stop()

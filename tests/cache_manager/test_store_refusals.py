@@ -5,8 +5,7 @@ routes as well as the rate limits. On a real redis-server of the test's own."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from pathlib import Path
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -18,16 +17,7 @@ from cache_manager.settings import ManagerSettings
 from ctxcache.errors import StoreUnavailable
 from ctxcache.redis_server import RedisServer
 from tests.cache_manager.conftest import FakeSidecarLink
-from tests.cache_manager.refusals import KINDS, refusing, server, url_of
-
-
-@pytest.fixture
-def srv(tmp_path: Path) -> Iterator[RedisServer]:
-    s = server(tmp_path / "redis").start()
-    try:
-        yield s
-    finally:
-        s.stop()
+from tests.cache_manager.refusals import KINDS, refusing, srv_fixture, url_of  # noqa: F401 (the srv fixture)
 
 
 @pytest.fixture

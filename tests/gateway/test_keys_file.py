@@ -9,8 +9,6 @@ import hashlib
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -22,7 +20,7 @@ from pydantic import ValidationError
 from gateway.auth import KeyRing
 from gateway.limits import KeyPolicy, load_keys_file
 from gateway.settings import GatewaySettings
-from tests.utils import ServiceProcess
+from tests.utils import ServiceProcess, run_cli
 
 SECRET = "sk-file-SECRET-0001"  # in every bad file: no message may repeat it
 
@@ -145,16 +143,6 @@ def test_a_ring_reload_keeps_its_keys_when_the_file_is_bad(tmp_path: Path) -> No
     assert ring.tenant_for("Bearer sk-b") == "beta" and ring.limited
 
 
-def cli(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "ctxcache.cli", *argv],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, **(env or {})},
-    )
-
-
 def test_gateway_and_serve_refuse_to_start_on_a_bad_file(tmp_path: Path) -> None:
     cases = bad_files(tmp_path)
     for name in ("missing", "truncated", "a key twice", "no key"):
@@ -164,13 +152,13 @@ def test_gateway_and_serve_refuse_to_start_on_a_bad_file(tmp_path: Path) -> None
             (["gateway"], {"CTX_GATEWAY_API_KEYS_FILE": str(path)}),
             (["serve", "--api-keys-file", str(path), "--data-dir", str(tmp_path / "d")], {}),
         ):
-            done = cli(*argv, "--port", "1", env=env)
+            done = run_cli(*argv, "--port", "1", env=env)
             assert done.returncode == 1 and reason in done.stderr, (name, argv, done.stderr)
             assert "SECRET" not in done.stderr + done.stdout
     good = write(tmp_path / "keys.json", json.dumps({SECRET: "acme"}))
-    done = cli("serve", "--api-keys-file", str(good), "--api-key", f"{SECRET}=acme")
+    done = run_cli("serve", "--api-keys-file", str(good), "--api-key", f"{SECRET}=acme")
     assert done.returncode == 1 and "give the keys one way" in done.stderr
-    done = cli(
+    done = run_cli(
         "gateway", "--api-keys-file", str(good), env={"CTX_GATEWAY_API_KEYS": '{"sk-b": "b"}'}
     )
     assert done.returncode == 1 and "give them one way" in done.stderr

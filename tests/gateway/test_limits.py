@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import re
-import subprocess
-import sys
 
 import pytest
 from pydantic import ValidationError
@@ -18,6 +16,7 @@ from gateway.auth import KeyRing
 from gateway.limits import KeyPolicy, key_id, parse_key_spec, parse_key_specs
 from gateway.ratelimit import duration, estimate_tokens, rate_headers, refusal, too_large
 from gateway.settings import GatewaySettings
+from tests.utils import run_cli
 
 
 @pytest.mark.parametrize(
@@ -225,18 +224,6 @@ def test_messages_are_estimated_from_their_json() -> None:
     size = len(b'[{"role":"user","content":"' + b"x" * 100 + b'"}]')
     got = estimate_tokens({"messages": messages, "max_tokens": 0}, default_max_tokens=0)
     assert got == -(-size // 4)
-
-
-def run_cli(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    import os
-
-    return subprocess.run(
-        [sys.executable, "-m", "ctxcache.cli", *argv],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, **(env or {})},
-    )
 
 
 @pytest.mark.parametrize("command", ["gateway", "serve"])

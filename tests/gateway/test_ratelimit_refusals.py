@@ -16,9 +16,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from pathlib import Path
 
 import httpx
 import pytest
@@ -33,7 +32,7 @@ from ctxcache.redis_server import RedisServer
 from ctxcache.settings import server_config
 from gateway.app import create_app
 from gateway.settings import GatewaySettings
-from tests.cache_manager.refusals import KINDS, refusing, server, url_of
+from tests.cache_manager.refusals import KINDS, refusing, srv_fixture, url_of  # noqa: F401 (the srv fixture)
 from tests.utils import metric
 
 KEYS = {"k-limited": "acme:rpm=1000", "k-free": "free"}
@@ -57,15 +56,6 @@ async def _gateway(**settings: object) -> AsyncIterator[httpx.AsyncClient]:
 def gateway() -> Gateway:
     """`async with gateway(**settings) as http`: a gateway in this process."""
     return _gateway
-
-
-@pytest.fixture
-def srv(tmp_path: Path) -> Iterator[RedisServer]:
-    s = server(tmp_path / "redis").start()
-    try:
-        yield s
-    finally:
-        s.stop()
 
 
 async def errors(http: httpx.AsyncClient, outcome: str) -> float:

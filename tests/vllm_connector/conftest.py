@@ -3,6 +3,7 @@ one server for the module, a real sidecar, the run's Redis."""
 
 from __future__ import annotations
 
+import random
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -17,6 +18,15 @@ from ctxcache.net import free_port
 from ctxcache.redis_server import RedisServer
 from ctxcache.vllm_engine import VllmLaunch
 from tests.utils import ServiceProcess, SidecarProcess, VllmProcess, require_vllm, shm_dir
+
+WORDS = "the cat sat on a mat while dogs ran over green hills and people talked of rain".split()  # noqa: SIM905
+
+
+def document(seed: int, words: int = 700) -> str:
+    """A system prompt of `words` random words (about 1,250 tokens of the tiny model at 700)."""
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
 
 VLLM_TIMEOUT = 900  # per test: the module's vLLM takes ~1 minute to start on 2 cores
 

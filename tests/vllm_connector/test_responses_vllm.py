@@ -12,12 +12,11 @@ import openai
 import pytest
 
 from ctxcache.redis_server import RedisServer
-from tests.vllm_connector.conftest import VLLM_TIMEOUT, VllmStack, started_stack
+from tests.vllm_connector.conftest import VLLM_TIMEOUT, VllmStack, document, started_stack
 from tests.vllm_connector.test_vllm_e2e import (
     BLOCK,
     Chat,
     cached,
-    document,
     vllm_counter,
     wait_for,
 )

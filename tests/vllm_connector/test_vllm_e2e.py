@@ -6,7 +6,6 @@ session, which never touches the sidecar (the connector leaves session-less requ
 
 from __future__ import annotations
 
-import random
 import re
 import time
 from typing import Any
@@ -20,17 +19,11 @@ from sidecar.client import KVClient
 from sidecar.protocol import DTYPE_BFLOAT16, FMT_KV_2LTD
 from tests.deploy.monitoring import exposed_names, queried_metrics
 from tests.utils import relayed_streams
-from tests.vllm_connector.conftest import VLLM_TIMEOUT, VllmStack
+from tests.vllm_connector.conftest import VLLM_TIMEOUT, VllmStack, document
 
 pytestmark = pytest.mark.timeout(VLLM_TIMEOUT)
 
 BLOCK = 128  # vLLM's CPU block size: what a cold session may recompute at most
-WORDS = "the cat sat on a mat while dogs ran over green hills and people talked of rain".split()  # noqa: SIM905
-
-
-def document(seed: int, words: int = 700) -> str:
-    rng = random.Random(seed)
-    return " ".join(rng.choice(WORDS) for _ in range(words))
 
 
 class Chat:
@@ -83,9 +76,8 @@ def cached(usage: dict[str, Any]) -> int:
 
 
 def vllm_counter(stack: VllmStack, name: str) -> float:
-    text = httpx.get(f"{stack.vllm.url}/metrics", timeout=30).text
-    found = re.findall(rf"^vllm:ctxcache_{name}_total\{{[^}}]*\}} ([0-9.e+]+)$", text, re.M)
-    return sum(float(v) for v in found)
+    """The connector's counter `name` (`vllm:ctxcache_<name>_total`)."""
+    return vllm_metric(stack, f"vllm:ctxcache_{name}_total")
 
 
 def wait_for(predicate: Any, timeout: float = 30.0) -> None:

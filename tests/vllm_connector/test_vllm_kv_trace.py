@@ -7,7 +7,6 @@ its control API's pin of the session (slow: starts its own vLLM)."""
 
 from __future__ import annotations
 
-import random
 import secrets
 import time
 from collections.abc import Iterator
@@ -18,11 +17,9 @@ import pytest
 from benchmarks.otlp_sink import OtlpSink, ReceivedSpan
 from ctxcache import tracing
 from ctxcache.redis_server import RedisServer
-from tests.vllm_connector.conftest import VLLM_TIMEOUT, VllmStack, started_stack
+from tests.vllm_connector.conftest import VLLM_TIMEOUT, VllmStack, document, started_stack
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(VLLM_TIMEOUT)]
-
-WORDS = "the cat sat on a mat while dogs ran over green hills and people talked of rain".split()  # noqa: SIM905
 
 
 @pytest.fixture
@@ -40,11 +37,8 @@ def traced(
 
 def test_a_cold_turns_trace_shows_the_kv_path(traced: tuple[OtlpSink, VllmStack]) -> None:
     sink, stack = traced
-    rng = random.Random(11)
-    document = " ".join(rng.choice(WORDS) for _ in range(700))
-    r = stack.http.post(
-        "/v1/context", json={"model": "tiny", "messages": [{"role": "system", "content": document}]}
-    )
+    system = {"role": "system", "content": document(11)}
+    r = stack.http.post("/v1/context", json={"model": "tiny", "messages": [system]})
     assert r.status_code == 200, r.text
     sid = r.json()["session_id"]
     deadline = time.monotonic() + 30
