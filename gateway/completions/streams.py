@@ -8,7 +8,8 @@ generator closed, and so the worker's connection: the worker stops generating fo
 A stream that breaks off mid-answer (the worker's connection drops, `WorkerDown`, or a
 `CtxError` such as a commit the store refused) cannot change the status already sent. It
 ends with one last event, OpenAI's error envelope (`data: {"error": {...}}`, which the
-openai SDK raises as an `APIError`; a worker that dropped is `backend_unavailable`), then
+openai SDK raises as an `APIError`; a worker that dropped is `backend_unavailable`, any
+other failure `internal_error`, logged with its traceback), then
 without its last chunk (no `[DONE]`): the server closes the client's connection, so any
 client sees a cut answer, never a complete-looking one. A stream whose format ends badly
 by itself (a Responses stream's `response.failed` and `error` events) raises nothing here.
@@ -16,6 +17,7 @@ by itself (a Responses stream's `response.failed` and `error` events) raises not
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
@@ -92,6 +94,14 @@ class SSEResponse(Response):
                     {"type": "http.response.body", "body": broke_off(exc), "more_body": True}
                 )
             return
+        except Exception as exc:  # a fault of ours mid-answer: an error event all the same
+            log.exception("a stream failed mid-answer")
+            if started:
+                with contextlib.suppress(Exception):  # (a client already gone)
+                    await send(
+                        {"type": "http.response.body", "body": broke_off(exc), "more_body": True}
+                    )
+            return
         finally:
             if started:
                 await self.events.aclose()
@@ -100,10 +110,13 @@ class SSEResponse(Response):
         await send(_END)
 
 
-def broke_off(exc: CtxError | WorkerDown) -> bytes:
-    """The last event of a stream that broke off: the error's OpenAI envelope."""
+def broke_off(exc: Exception) -> bytes:
+    """The last event of a stream that broke off: the error's OpenAI envelope (an error
+    that is not a client's to see: `internal_error`, its details only in the log)."""
     if isinstance(exc, WorkerDown):
         exc = BackendUnavailable(f"the inference worker failed mid-answer: {exc}")
+    elif not isinstance(exc, CtxError):
+        exc = CtxError("the answer failed mid-stream (internal error)")
     return b"data: " + orjson.dumps(exc.envelope()) + b"\n\n"
 
 

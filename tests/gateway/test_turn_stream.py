@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncGenerator
 
 from starlette.types import Message
@@ -71,3 +72,27 @@ async def test_a_client_leaving_mid_stream_ends_the_stream_and_its_turn() -> Non
     await asyncio.wait_for(stream(scope, client.receive, client.send), 5)
     assert released == ["by the stream"]
     assert all(m.get("more_body", True) for m in client.sent)  # no end: nobody to answer
+
+
+async def test_a_stream_that_fails_unexpectedly_ends_with_an_error_event() -> None:
+    """Not only a worker that drops or a refused commit: any failure after the status was
+    sent ends the stream with OpenAI's error envelope (the SDK raises it), never a silent
+    cut, and the generator's own `finally` still runs."""
+    released: list[str] = []
+
+    async def failing() -> AsyncGenerator[bytes, None]:
+        try:
+            yield b'data: {"choices": []}\n\n'
+            raise KeyError("a bug of ours")
+        finally:
+            released.append("by the stream")
+
+    client = Client(leave_after=100)
+    scope = {"type": "http", "asgi": {"spec_version": "2.3"}}
+    await asyncio.wait_for(SSEResponse(failing())(scope, client.receive, client.send), 5)
+    bodies = [m.get("body", b"") for m in client.sent if m["type"] == "http.response.body"]
+    assert bodies[0] == b'data: {"choices": []}\n\n'
+    last = json.loads(bodies[-1].removeprefix(b"data: "))
+    assert last["error"]["code"] == "internal_error"
+    assert "a bug of ours" not in bodies[-1].decode()  # details stay in the log
+    assert released == ["by the stream"]
