@@ -33,7 +33,7 @@ from collections.abc import Sequence
 
 import torch
 
-from vllm_connector.layout import BlockLayout, TokenSlots, gather, scatter
+from vllm_connector.layout import BlockLayout, TokenSlots, gather, scatter, to_blocks
 
 log = logging.getLogger(__name__)
 
@@ -226,6 +226,29 @@ class BlockCopier:
     def scatter_2ltd(self, slots: TokenSlots, kv: torch.Tensor) -> None:
         """`kv` (`[2, L, H, T, D]`, LMCache's KV_2LTD) into `slots` (`layout.scatter`)."""
         scatter(self.caches, self.layouts, slots, kv)
+
+    def write_2ltd(self, block_ids: Sequence[int], kv: torch.Tensor, lo: int, hi: int) -> bool:
+        """(CPU) Tokens `[lo, hi)` of a piece `kv` in LMCache's KV_2LTD (`[2, L, H, T, D]`, a
+        view of the wire's `[2, L, T, H, D]`, T a whole number of kernel blocks) into its
+        blocks `block_ids`, as `write` does for a payload in the engine's layout: the piece
+        is put into that layout first, every layer in one or two strided copies
+        (`layout.to_blocks`), then written as rows. False, nothing written, where that does
+        not apply (CUDA, a piece that ends inside a block, a layout that is not affine): the
+        caller scatters instead."""
+        wire = kv.transpose(2, 3)
+        blocks = len(block_ids)
+        if (
+            self._stream is not None
+            or not wire.is_contiguous()
+            or wire.shape[2] != blocks * self.tokens
+            or kv.dtype != self.dtype
+        ):
+            return False
+        stage = torch.empty(blocks * self.block_bytes, dtype=torch.uint8)
+        if not to_blocks(self.layouts, wire, self._payload(stage, blocks)):
+            return False
+        self._host_write_many([(block_ids, stage, lo, hi)])
+        return True
 
     def gather_2ltd(self, slots: TokenSlots) -> torch.Tensor:
         """`slots` as `[2, L, H, T, D]` on the caches' device (`layout.gather`)."""

@@ -369,6 +369,37 @@ def _move_blocks(
         store.index_copy_(0, index, stage)
 
 
+def to_blocks(layouts: Sequence[BlockLayout], wire: torch.Tensor, out: torch.Tensor) -> bool:
+    """LMCache's `KV_2LTD` payload `wire` (`[2, L, T, H, D]`, contiguous, T a whole number
+    of kernel blocks) in the engine's block layout, into `out` (`[L, T / N, elems]`, the
+    cache dtype): row `[l, i]` is what kernel block `i` of the piece holds in layer `l`.
+    Layers that share a layout (all of them, as a rule) move together, so a piece costs a
+    copy or two, not one per layer and block. False, `out` unwritten, where a layout is not
+    affine (the caller scatters instead)."""
+    layers, blocks = out.shape[0], out.shape[1]
+    n, heads, dim = layouts[0].tokens, layouts[0].heads, layouts[0].head_dim
+    if tuple(wire.shape) != (2, layers, blocks * n, heads, dim) or not wire.is_contiguous():
+        raise ValueError(f"a KV_2LTD piece of {blocks} blocks, got {tuple(wire.shape)}")
+    if any(None in lay.affine for lay in layouts):
+        return False
+    first = 0
+    while first < layers:  # runs of layers with one layout
+        end = first + 1
+        while end < layers and layouts[end].affine == layouts[first].affine:
+            end += 1
+        rows = (end - first) * blocks
+        # [2, l, T, H, D] -> [l * nb, 2, N, H, D]: one logical block per row of `store`
+        logical = wire[:, first:end].reshape(2, rows, n, heads, dim).transpose(0, 1)
+        store = out[first:end].reshape(rows, -1)
+        parts = layouts[first].affine
+        pieces = [logical] if len(parts) == 1 else [logical[:, 0], logical[:, 1]]
+        for view, piece in zip(parts, pieces, strict=True):
+            assert view is not None
+            _copy(*_views(store, 0, view, piece))
+        first = end
+    return True
+
+
 def gather(
     caches: list[torch.Tensor], layouts: list[BlockLayout], slots: TokenSlots
 ) -> torch.Tensor:

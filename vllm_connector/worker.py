@@ -8,8 +8,10 @@ Two data paths (docs/vllm.md, "KV paths"):
   `vllm_connector.blockcopy`), and a release confirms that nothing raced them. A store
   copies vLLM's blocks into slots the sidecar allocated, then commits them.
 - **tcp** (lm://, a remote sidecar, or whatever the shm path cannot serve): a load's
-  blocks come in one pipelined round trip of GETs (LMCache's `KV_2LTD`), then one scatter
-  per layer each.
+  blocks come in one pipelined round trip of GETs (LMCache's `KV_2LTD`); each piece is put
+  into vLLM's block layout, every layer at once (a strided copy or two), then written as
+  whole-block row copies as the shm path does (`BlockCopier.write_2ltd`; on CUDA, and for
+  a piece that ends inside a block, one scatter per layer).
 By default loads are synchronous (the step's forward attends over them); with `async_loads`
 they run on one background thread while the engine steps on, and a request whose load is
 whole is reported in `take_loaded` (vLLM's `finished_recving`), with its failed blocks.
@@ -46,7 +48,6 @@ from vllm_connector.layout import (
     CacheWriter,
     gather,
     probe_layout,
-    scatter,
     token_slots,
 )
 from vllm_connector.plan import LoadSpec, Piece, StoreSpec
@@ -290,11 +291,23 @@ class WorkerSide:
             kv = src.view(shape.dtype).view(
                 2, shape.num_layers, piece.length, shape.num_kv_heads, shape.head_dim
             )
-            kv = kv.permute(0, 1, 3, 2, 4)[:, :, :, lo - piece.begin : hi - piece.begin]
-            slots = token_slots(spec.block_ids, self.block_size, self.layouts[0].tokens, lo, hi)
-            self.copier.scatter_2ltd(slots, kv)
+            self._write_2ltd(spec, piece, kv.permute(0, 1, 3, 2, 4), lo, hi)
             return True
         return False
+
+    def _write_2ltd(self, spec: LoadSpec, piece: Piece, kv: torch.Tensor, lo: int, hi: int) -> None:
+        """Tokens [lo, hi) of `piece` from its KV_2LTD payload `kv` (`[2, L, H, T, D]`):
+        whole blocks as the engine lays them out, then row copies (`write_2ltd`); the
+        indexed scatter where that does not apply (a piece that ends inside a block, CUDA)."""
+        assert self.copier is not None
+        n = self.copier.tokens
+        if piece.begin % n == 0 and piece.length % n == 0:
+            ids = self._kernel_blocks(spec.block_ids, piece.begin, hi)
+            ids += [-1] * (piece.length // n - len(ids))  # past `hi`: never touched
+            if self.copier.write_2ltd(ids, kv, lo - piece.begin, hi - piece.begin):
+                return
+        slots = token_slots(spec.block_ids, self.block_size, self.layouts[0].tokens, lo, hi)
+        self.copier.scatter_2ltd(slots, kv[:, :, :, lo - piece.begin : hi - piece.begin])
 
     def _kernel_blocks(self, block_ids: list[int], begin: int, end: int) -> list[int]:
         return kernel_blocks(block_ids, self.block_size, self.layouts[0].tokens, begin, end)
@@ -324,10 +337,7 @@ class WorkerSide:
                     "request %s: block %s gone or unreadable; recomputing", spec.req_id, piece.key
                 )
                 return done
-            slots = token_slots(spec.block_ids, self.block_size, self.layouts[0].tokens, lo, hi)
-            scatter(
-                self.caches, self.layouts, slots, kv[:, :, :, lo - piece.begin : hi - piece.begin]
-            )
+            self._write_2ltd(spec, piece, kv, lo, hi)
             done = hi
             moved += kv.numel() * kv.element_size()
         self.counters.add("load_bytes_tcp", moved)

@@ -409,3 +409,51 @@ def test_random_block_order_round_trips() -> None:
         cache.zero_()
     copier.write(ids, payload, 0, BLOCKS * TOKENS)
     assert all(torch.equal(a, b) for a, b in zip(caches, before, strict=True))
+
+
+def wire_piece(blocks: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """A KV_2LTD piece as it comes off the wire (`[2, L, T, H, D]`, contiguous), viewed as
+    the connector holds it: `[2, L, H, T, D]`."""
+    gen = torch.Generator().manual_seed(seed)
+    wire = torch.randn(2, LAYERS, blocks * TOKENS, HEADS, DIM, generator=gen).to(dtype)
+    return wire.transpose(2, 3)
+
+
+@pytest.mark.parametrize(("isa", "dtype", "make"), CASES)
+@pytest.mark.parametrize("lo_hi", [(0, 3 * TOKENS), (5, 2 * TOKENS + 7), (TOKENS, 2 * TOKENS)])
+def test_a_kv_2ltd_piece_written_as_blocks_equals_the_indexed_scatter(
+    isa: str, dtype: torch.dtype, make: Make, lo_hi: tuple[int, int]
+) -> None:
+    """The TCP path's write: the wire's piece put into the engine's block layout, every
+    layer in one or two copies (`to_blocks`), then rows; equal to the element-wise
+    scatter, and nothing outside tokens [lo, hi) changes."""
+    lo, hi = lo_hi
+    layouts, kv = learned(isa, dtype, make), wire_piece(3, dtype, seed=11)
+    ours, theirs = random_caches(make, dtype, seed=12), random_caches(make, dtype, seed=12)
+    ids = [4, 0, 2]
+    assert BlockCopier(ours, layouts).write_2ltd(ids, kv, lo, hi)
+    reference_scatter(theirs, layouts, token_slots(ids, TOKENS, TOKENS, lo, hi), kv[..., lo:hi, :])
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
+
+
+def test_layers_with_two_layouts_move_in_two_runs() -> None:
+    """Layers whose layouts differ (here amx-packed and plain `vec`, same block size) each
+    get their own; a layout that is no strided view is refused, nothing written."""
+    dtype = torch.bfloat16
+    amx, vec = learned("amx", dtype, cpu_cache)[0], learned("vec", dtype, cpu_cache)[0]
+    assert amx.affine != vec.affine and amx.elems == vec.elems
+    layouts = [amx, vec, vec]
+    kv = wire_piece(2, dtype, seed=13)
+    ours, theirs = random_caches(cpu_cache, dtype, 14), random_caches(cpu_cache, dtype, 14)
+    assert BlockCopier(ours, layouts).write_2ltd([3, 1], kv, 0, 2 * TOKENS)
+    reference_scatter(theirs, layouts, token_slots([3, 1], TOKENS, TOKENS, 0, 2 * TOKENS), kv)
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
+
+    perm = torch.randperm(2 * TOKENS * HEADS * DIM, generator=torch.Generator().manual_seed(3))
+    shuffled = probe_layout(cpu_cache(dtype), shuffled_writer(perm), HEADS, DIM)
+    caches = random_caches(cpu_cache, dtype, 15)
+    before = [c.clone() for c in caches]
+    assert not BlockCopier(caches, [shuffled] * LAYERS).write_2ltd([3, 1], kv, 0, 2 * TOKENS)
+    assert all(torch.equal(a, b) for a, b in zip(caches, before, strict=True))
+    # nor a piece that ends inside a block: the caller scatters it
+    assert not BlockCopier(caches, layouts).write_2ltd([3, 1], kv[..., :200, :], 0, 200)
