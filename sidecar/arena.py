@@ -18,6 +18,7 @@ reference) or written to disk is never reused under it, whatever the store evict
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 import mmap
 import os
@@ -59,8 +60,9 @@ class Arena:
         self.path = directory / region_name(self.generation)
         self.size = _round_up(max(size, ALIGN), ALIGN) + HEADER_BYTES
         directory.mkdir(parents=True, exist_ok=True)
-        _remove_stale(directory)  # callers first make sure no live sidecar uses `directory`
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o660)
+        # callers first make sure no live sidecar uses `directory`
+        recycled = _recycle_stale(directory, self.path)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | (0 if recycled else os.O_EXCL), 0o660)
         try:
             os.fchmod(fd, 0o660)  # not narrowed by the umask: the engine may be another uid
             try:
@@ -138,9 +140,14 @@ class Arena:
         with self._lock:
             return max(self._sizes, default=0)
 
-    def close(self) -> None:
-        """Remove the file; the mapping stays until the process ends (slots may still be
+    def close(self, keep: bool = False) -> None:
+        """Remove the file, unless `keep` (engines still map it: removing it would free no
+        memory until they let go, and the next sidecar on this directory reuses the file,
+        `_recycle_stale`). The mapping stays until the process ends (slots may still be
         referenced by threads that are finishing), so this never invalidates a view."""
+        if keep:
+            log.info("leaving the region %s to the next sidecar: engines map it", self.path)
+            return
         self.path.unlink(missing_ok=True)
 
 
@@ -156,13 +163,28 @@ def read_generation(path: Path) -> str | None:
     return head[len(MAGIC) :].decode(errors="replace")
 
 
-def _remove_stale(directory: Path) -> None:
-    """Regions left by a sidecar that died without cleaning up (a kill -9): their memory
-    stays taken on a tmpfs until the file is removed. An engine still mapping one keeps
-    its pages until it lets go; nothing reads it as current (other generation)."""
+def _recycle_stale(directory: Path, path: Path) -> bool:
+    """The region a previous sidecar left (a restart, a kill -9) becomes this one's: renamed
+    to `path`, the same file, so the same memory. An engine keeps mapping the old region
+    until it next talks to us, and a tmpfs frees a removed file's pages only once nobody
+    maps them: a fresh file would need the room twice, and a volume sized for one region
+    (compose's, a Kubernetes `emptyDir` with a `sizeLimit`) would refuse it. Nothing is
+    read from it as ours: the new generation is written into its first page, and a lease
+    of the old generation ends in a failed release (a miss). Any other stale region is
+    removed. True if one was recycled."""
+    stale = []
     for old in directory.glob("kv-*.shm"):
-        log.info("removing a previous sidecar's region %s", old)
-        old.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            stale.append((old.stat().st_size, old))
+    stale.sort(reverse=True)  # the largest is kept: it may need no more room at all
+    for i, (_, old) in enumerate(stale):
+        if i == 0:
+            log.info("reusing a previous sidecar's region %s as %s", old.name, path.name)
+            os.rename(old, path)
+        else:
+            log.info("removing a previous sidecar's region %s", old)
+            old.unlink(missing_ok=True)
+    return bool(stale)
 
 
 def _round_up(n: int, to: int) -> int:

@@ -98,7 +98,8 @@ class LocalServer:
         self._thread.start()
         log.info("local data path on %s (region %s)", self.path, self.arena.path)
 
-    def stop(self) -> None:
+    def stop(self) -> int:
+        """Stop serving; how many engines were connected (each maps the region)."""
         self._stopping = True
         with contextlib.suppress(OSError):
             self._listener.shutdown(socket.SHUT_RDWR)
@@ -110,6 +111,7 @@ class LocalServer:
                 conn.shutdown(socket.SHUT_RDWR)
         self._thread.join(timeout=5)
         self.path.unlink(missing_ok=True)
+        return len(conns)
 
     def expire(self, now: float | None = None) -> int:
         """End the leases past their timeout; returns how many."""

@@ -100,8 +100,7 @@ class Sidecar:
         self._stop.set()
         if self.server is not None:
             self.server.stop()
-        if self.local is not None:
-            self.local.stop()
+        engines = self.local.stop() if self.local is not None else 0
         if self._reaper.is_alive():
             self._reaper.join(timeout=5)
         if self._writer is not None and self._writer.is_alive():
@@ -112,7 +111,7 @@ class Sidecar:
                 log.info("flushed %d memory blocks to the disk tier", n)
         self.store.reap()  # also saves the pins
         if self.arena is not None:
-            self.arena.close()
+            self.arena.close(keep=engines > 0)
 
     def _reap_loop(self) -> None:
         while not self._stop.wait(self.settings.reap_interval):

@@ -231,6 +231,63 @@ def test_a_restarted_sidecar_is_remapped_and_nothing_stale_is_read(local_dir: Pa
         client.close()
 
 
+def test_a_restarted_sidecar_reuses_the_region_an_engine_still_maps(local_dir: Path) -> None:
+    """Mechanism: the region file is kept while engines map it and the next sidecar takes
+    it over (`_recycle_stale`). An engine keeps its old mapping until it next talks to the
+    sidecar, and those pages stay taken whatever happens to the file: a new file beside
+    them needs the room twice, which compose's tmpfs volume and a Kubernetes `emptyDir`
+    sized for one region do not have (the restarted sidecar then could not start). So the
+    new region is the old file: same memory, the new generation in its first page."""
+    first = start(local_dir)
+    client = LocalClient(local_dir)
+    try:
+        put_tcp(first, key(1), payload(1000, 7))
+        lease = client.lease([key(1)])
+        old = client.region
+        assert old is not None
+        inode = old.path.stat().st_ino
+        first.stop()
+        assert old.path.exists()  # an engine maps it: left for the next sidecar
+        second = start(local_dir)
+        try:
+            assert second.arena is not None
+            assert second.arena.path.stat().st_ino == inode
+            assert list(local_dir.glob("kv-*.shm")) == [second.arena.path]
+            # the engine's old mapping is the new region: it reads the new generation there
+            head = bytes(old.map[8 : 8 + len(second.arena.generation)])
+            assert head.decode() == second.arena.generation
+            assert not client.release(lease)  # and nothing leased before is vouched for
+            assert client.lease([key(1)]).blocks == [None]
+            assert client.region is not None
+            assert client.region.generation == second.arena.generation
+        finally:
+            second.stop()
+    finally:
+        client.close()
+
+
+def test_a_region_left_by_a_killed_sidecar_is_reused_and_other_leftovers_removed(
+    local_dir: Path,
+) -> None:
+    """A sidecar killed with -9 never closes its region: the next one takes the largest
+    file left (grown to the size it needs) and removes the others; a sidecar that stops
+    with no engine connected removes its file."""
+    left = []
+    for i, size in enumerate((64 << 10, 256 << 10)):  # two sidecars' regions, never closed
+        arena = Arena(local_dir / f"elsewhere{i}", size)
+        left.append(arena.path.rename(local_dir / arena.path.name))
+    largest = left[1].stat().st_ino
+    arena = Arena(local_dir, 512 << 10)
+    info = arena.path.stat()
+    assert info.st_ino == largest and info.st_blocks * 512 >= arena.size
+    assert list(local_dir.glob("kv-*.shm")) == [arena.path]
+    assert read_generation(arena.path) == arena.generation
+    arena.close()
+    assert list(local_dir.glob("kv-*.shm")) == []
+    start(local_dir).stop()
+    assert list(local_dir.glob("kv-*.shm")) == []
+
+
 def test_a_region_held_by_stores_in_flight_sends_stores_over_tcp_and_counts_it(
     local_dir: Path,
 ) -> None:
