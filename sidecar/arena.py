@@ -61,8 +61,14 @@ class Arena:
         self.size = _round_up(max(size, ALIGN), ALIGN) + HEADER_BYTES
         directory.mkdir(parents=True, exist_ok=True)
         # callers first make sure no live sidecar uses `directory`
-        recycled = _recycle_stale(directory, self.path)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | (0 if recycled else os.O_EXCL), 0o660)
+        fd = -1
+        if _recycle_stale(directory, self.path):
+            try:
+                fd = os.open(self.path, os.O_RDWR)
+            except PermissionError:  # another user's (a sidecar run as root before): a new one
+                self.path.unlink(missing_ok=True)
+        if fd < 0:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o660)
         try:
             os.fchmod(fd, 0o660)  # not narrowed by the umask: the engine may be another uid
             try:
