@@ -207,37 +207,14 @@ def test_an_engine_killed_holding_leases_gives_every_slot_back(
 
 
 def test_a_restarted_sidecar_is_remapped_and_nothing_stale_is_read(local_dir: Path) -> None:
-    """Mechanism: the generation. A lease from before the restart is not vouched for, and
-    the client maps the new region instead of reading the old one's bytes."""
-    first = start(local_dir)
-    client = LocalClient(local_dir)
-    try:
-        put_tcp(first, key(1), payload(1000, 7))
-        lease = client.lease([key(1)])
-        old = client.region
-        assert old is not None
-        first.stop()
-        second = start(local_dir)
-        try:
-            assert not client.release(lease)
-            assert client.lease([key(1)]).blocks == [None]  # the new sidecar has no such block
-            assert client.region is not None and client.region.generation != old.generation
-            assert second.arena is not None
-            assert client.region.generation == second.arena.generation
-            assert not old.path.exists()
-        finally:
-            second.stop()
-    finally:
-        client.close()
-
-
-def test_a_restarted_sidecar_reuses_the_region_an_engine_still_maps(local_dir: Path) -> None:
-    """Mechanism: the region file is kept while engines map it and the next sidecar takes
-    it over (`_recycle_stale`). An engine keeps its old mapping until it next talks to the
-    sidecar, and those pages stay taken whatever happens to the file: a new file beside
-    them needs the room twice, which compose's tmpfs volume and a Kubernetes `emptyDir`
-    sized for one region do not have (the restarted sidecar then could not start). So the
-    new region is the old file: same memory, the new generation in its first page."""
+    """Mechanisms: the generation — a lease from before the restart is not vouched for, and
+    the client maps the new region instead of reading the old one's bytes; and the region
+    file, kept while engines map it and taken over by the next sidecar (`_recycle_stale`).
+    An engine keeps its old mapping until it next talks to the sidecar, and those pages
+    stay taken whatever happens to the file: a new file beside them needs the room twice,
+    which compose's tmpfs volume and a Kubernetes `emptyDir` sized for one region do not
+    have (the restarted sidecar then could not start). So the new region is the old file:
+    same memory, the new generation in its first page."""
     first = start(local_dir)
     client = LocalClient(local_dir)
     try:
@@ -260,6 +237,7 @@ def test_a_restarted_sidecar_reuses_the_region_an_engine_still_maps(local_dir: P
             assert client.lease([key(1)]).blocks == [None]
             assert client.region is not None
             assert client.region.generation == second.arena.generation
+            assert not old.path.exists()  # (renamed)
         finally:
             second.stop()
     finally:
