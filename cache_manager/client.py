@@ -11,6 +11,8 @@ boundary to guard). That hop was a third of a session turn's manager cost (docs/
 from __future__ import annotations
 
 import functools
+import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any, Protocol, TypeVar
@@ -47,7 +49,12 @@ from cache_manager.ratelimits import RateLimitStore
 from cache_manager.service import SessionService
 from cache_manager.store import valid_session_id
 from ctxcache import tracing
-from ctxcache.errors import SessionNotFound, StoreUnavailable, error_from_envelope
+from ctxcache.errors import (
+    ManagerRefused,
+    SessionNotFound,
+    StoreUnavailable,
+    error_from_envelope,
+)
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -80,11 +87,14 @@ class HttpTransport:
 
 
 _JSON = {"content-type": "application/json"}
+log = logging.getLogger(__name__)
+_SAY_EVERY_S = 10.0  # a manager that refuses this gateway is logged at most this often
 
 
 class ManagerClient:
     def __init__(self, transport: Transport) -> None:
         self.transport = transport
+        self._said_at = -_SAY_EVERY_S
 
     @classmethod
     def over_http(
@@ -132,6 +142,8 @@ class ManagerClient:
                 status, payload = await self.transport(method, path, params, content)
         except httpx.HTTPError as exc:
             raise StoreUnavailable(f"manager unreachable: {type(exc).__name__}") from exc
+        if status == 401:  # the manager refuses this gateway, not the client's key
+            raise self._refused()
         if status >= 400:
             try:
                 envelope = orjson.loads(payload)
@@ -139,6 +151,18 @@ class ManagerClient:
                 envelope = None
             raise error_from_envelope(status, envelope)
         return model.model_validate_json(payload) if model is not None else None
+
+    def _refused(self) -> ManagerRefused:
+        """The manager service answered 401: this gateway's manager token is not the
+        manager's. A deployment error, not the client's: `503 store_unavailable`, and an
+        error in the log."""
+        if time.monotonic() - self._said_at > _SAY_EVERY_S:
+            self._said_at = time.monotonic()
+            log.error(
+                "the context manager refuses this gateway (401): CTX_GATEWAY_MANAGER_TOKEN "
+                "is not the manager's CTX_MANAGER_TOKEN; session requests answer 503"
+            )
+        return ManagerRefused()
 
     async def create(self, req: CreateSession) -> SessionInfo:
         return await self._call("POST", "/sessions", SessionInfo, body=req)  # type: ignore[return-value]

@@ -219,6 +219,18 @@ class StoreUnavailable(CtxError):
         super().__init__(message, headers=retry_headers(retry_after_ms / 1000))
 
 
+class ManagerRefused(StoreUnavailable):
+    """The manager service answered 401 to this gateway: its manager token is not the
+    manager's. A deployment error, so a 503 and not the client's `401 invalid_api_key`
+    (which would blame the client's own key). `answered`: the manager's status."""
+
+    default_message = "the context manager refused this gateway (misconfigured)"
+
+    def __init__(self, message: str | None = None, *, answered: int = 401) -> None:
+        super().__init__(message)
+        self.answered = answered
+
+
 class BackendTimeout(CtxError):
     status, code, type = 504, "backend_timeout", "server_error"
     default_message = "the inference worker timed out"

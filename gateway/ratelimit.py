@@ -31,7 +31,7 @@ import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cache_manager.protocol import RateSettle, RateTake, RateWindow
-from ctxcache.errors import CtxError, RateLimited, StoreUnavailable, error_response
+from ctxcache.errors import CtxError, ManagerRefused, RateLimited, StoreUnavailable, error_response
 from gateway.auth import ApiKey, KeyRing, authorization
 from gateway.limits import MAX_LIMIT
 from gateway.metering import Estimate, Meter, bind, estimate, unbind
@@ -265,7 +265,8 @@ class RateLimits:
         `rate_limit_on_store_error` says, logged at error level and counted as
         `misconfigured`. A store that cannot count (down, failing over, refusing writes:
         `store_unavailable`) serves or refuses as the setting says."""
-        misconfigured = exc.status < 500
+        answered = exc.answered if isinstance(exc, ManagerRefused) else exc.status
+        misconfigured = answered < 500
         outcome = "misconfigured" if misconfigured else "open" if self.fail_open else "closed"
         self.metrics.rate_limit_store_errors.labels(outcome).inc()
         if time.monotonic() - self._warned_at > WARN_EVERY_S:  # (an outage: not each)
@@ -275,7 +276,7 @@ class RateLimits:
                     "rate limits cannot be counted, requests of limited keys refused: the "
                     "manager answered %d (%s); check CTX_GATEWAY_MANAGER_TOKEN, and that the "
                     "manager is not older than the gateway",
-                    exc.status,
+                    answered,
                     exc.message,
                 )
             else:
@@ -287,7 +288,7 @@ class RateLimits:
         if misconfigured:
             return StoreUnavailable(
                 f"rate limits cannot be counted: the manager refused the gateway "
-                f"(misconfigured: {exc.status} {exc.message})"
+                f"(misconfigured: {answered} {exc.message})"
             )
         if self.fail_open:
             return None

@@ -8,7 +8,8 @@
 * A manager service that refuses the gateway (401: the manager token does not match; 404: a
   manager too old to have the limits route) is a misconfiguration, not an outage: limited
   keys get `503 store_unavailable` whatever the setting, an error-level log and
-  `outcome="misconfigured"`. A real manager app on uvicorn, the gateway in process.
+  `outcome="misconfigured"`. A real manager app on uvicorn, the gateway in process. Its
+  session calls refused so are `503 store_unavailable` too, never the client's `401`.
 """
 
 from __future__ import annotations
@@ -161,3 +162,26 @@ async def test_a_manager_that_refuses_the_gateway_is_loud(
             # a key without limits does not ask the manager
             free = await http.get("/v1/models", headers={"authorization": "Bearer k-free"})
             assert free.status_code == 200
+
+
+async def test_a_manager_that_refuses_the_gateway_is_a_503_for_sessions_too(
+    gateway: Gateway, redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Not only the limits route: a session call the manager refuses (401: the gateway's
+    manager token is wrong) is the deployment's error, `503 store_unavailable` — never the
+    `401 invalid_api_key` that would tell a client its own key is bad — and an error-level
+    log line that names the setting, not the token."""
+    free = {"authorization": "Bearer k-free"}
+    with Manager(redis_url, "the-token", everything) as manager:
+        async with gateway(manager_url=manager.url, manager_token="not-the-managers") as http:
+            with caplog.at_level(logging.ERROR, logger="cache_manager.client"):
+                listed = await http.get("/v1/context", headers=free)
+                got = await http.get("/v1/context/ctx_" + "a" * 32, headers=free)
+                dropped = await http.delete("/v1/context/ctx_" + "a" * 32, headers=free)
+            for r in (listed, got, dropped):
+                assert r.status_code == 503, r.text
+                assert r.json()["error"]["code"] == "store_unavailable"
+                assert "misconfigured" in r.json()["error"]["message"]
+            said = [rec for rec in caplog.records if rec.name == "cache_manager.client"]
+            assert said and "CTX_GATEWAY_MANAGER_TOKEN" in said[0].getMessage()
+            assert "not-the-managers" not in caplog.text
