@@ -9,7 +9,7 @@ import pytest
 
 from cache_manager.client import ManagerClient
 from cache_manager.protocol import BeginTurn, CreateSession
-from ctxcache.errors import InvalidAPIKey, SessionBusy, SessionNotFound
+from ctxcache.errors import ManagerRefused, SessionBusy, SessionNotFound
 from tests.utils import ServiceProcess
 
 
@@ -37,8 +37,9 @@ async def test_manager_process_speaks_the_envelope(manager_proc: ServiceProcess)
         assert r.status_code == 404 and r.json()["error"]["code"] == "session_not_found"
 
     bad = ManagerClient.over_http(manager_proc.url, token="wrong")
-    with pytest.raises(InvalidAPIKey):
+    with pytest.raises(ManagerRefused) as refused:  # the deployment's error, not a client's
         await bad.list("a")
+    assert refused.value.status == 503 and refused.value.answered == 401
     await bad.aclose()
 
     client = ManagerClient.over_http(manager_proc.url, token="s3cret")
