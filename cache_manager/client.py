@@ -264,8 +264,12 @@ class ManagerClient:
         return stats.live_sessions
 
     async def health(self) -> bool:
+        """Whether the manager and its store answer; raises `ManagerRefused` where the
+        manager refuses this gateway's token (it checks a token shown on `/health`)."""
         try:
             await self._call("GET", "/health", None)
+        except ManagerRefused:
+            raise
         except StoreUnavailable:
             return False
         return True

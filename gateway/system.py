@@ -39,7 +39,9 @@ async def health() -> dict[str, str]:
 async def ready(request: Request) -> dict[str, Any]:
     """Readiness: the session store answers and at least one worker is healthy. Under
     `ctxcache serve`, a 503 names the components not up (an engine restarting: since when,
-    and how long its last start took) and its `retry-after` is when they are expected."""
+    and how long its last start took) and its `retry-after` is when they are expected. A
+    manager service that refuses this gateway's token makes it a 503 that says so
+    (`ManagerRefused`): a misconfigured gateway is never ready."""
     pool = request.app.state.pool
     if not await request.app.state.manager.health():
         why = pool.components.describe()
@@ -54,7 +56,10 @@ async def ready(request: Request) -> dict[str, Any]:
 async def metrics(request: Request) -> Response:
     m = request.app.state.metrics
     manager = request.app.state.manager
-    up = await manager.health()
+    try:
+        up = await manager.health()
+    except CtxError:  # the manager refuses this gateway: for it, no store either
+        up = False
     m.store_up.set(1 if up else 0)
     if up:
         with contextlib.suppress(CtxError):  # store down: the gauges keep their last value

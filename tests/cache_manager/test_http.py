@@ -26,6 +26,8 @@ async def test_manager_process_speaks_the_envelope(manager_proc: ServiceProcess)
     async with httpx.AsyncClient(base_url=manager_proc.url) as http:
         r = await http.get("/health")
         assert r.status_code == 200
+        r = await http.get("/health", headers={"authorization": "Bearer wrong"})
+        assert r.status_code == 401  # open, but not to a wrong token: the gateway learns it
         r = await http.post("/sessions", json={"tenant": "a"})
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         auth = {"authorization": "Bearer s3cret"}

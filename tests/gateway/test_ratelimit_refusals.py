@@ -170,7 +170,9 @@ async def test_a_manager_that_refuses_the_gateway_is_a_503_for_sessions_too(
     """Not only the limits route: a session call the manager refuses (401: the gateway's
     manager token is wrong) is the deployment's error, `503 store_unavailable` — never the
     `401 invalid_api_key` that would tell a client its own key is bad — and an error-level
-    log line that names the setting, not the token."""
+    log line that names the setting, not the token. Its `/ready` is a 503 that says so
+    (the manager's `/health` refuses a wrong token it is shown), so a misconfigured gateway
+    never takes traffic; the manager's `/health` still answers a probe without a token."""
     free = {"authorization": "Bearer k-free"}
     with Manager(redis_url, "the-token", everything) as manager:
         async with gateway(manager_url=manager.url, manager_token="not-the-managers") as http:
@@ -178,10 +180,18 @@ async def test_a_manager_that_refuses_the_gateway_is_a_503_for_sessions_too(
                 listed = await http.get("/v1/context", headers=free)
                 got = await http.get("/v1/context/ctx_" + "a" * 32, headers=free)
                 dropped = await http.delete("/v1/context/ctx_" + "a" * 32, headers=free)
-            for r in (listed, got, dropped):
+                ready = await http.get("/ready")  # (not ready: it says why)
+            for r in (listed, got, dropped, ready):
                 assert r.status_code == 503, r.text
                 assert r.json()["error"]["code"] == "store_unavailable"
                 assert "misconfigured" in r.json()["error"]["message"]
+            scraped = await http.get("/metrics")  # (its metrics still answer)
+            assert scraped.status_code == 200
+            assert metric(scraped.text, "ctxcache_gateway_store_up") == 0
             said = [rec for rec in caplog.records if rec.name == "cache_manager.client"]
             assert said and "CTX_GATEWAY_MANAGER_TOKEN" in said[0].getMessage()
             assert "not-the-managers" not in caplog.text
+        async with gateway(manager_url=manager.url, manager_token="the-token") as http:
+            assert (await http.get("/v1/context", headers=free)).status_code == 200
+        async with httpx.AsyncClient() as probe:  # a probe without a token: still open
+            assert (await probe.get(manager.url + "/health")).status_code == 200
