@@ -19,7 +19,7 @@ from ctxcache.errors import install_error_handlers
 from ctxcache.metrics import RouteMetricsMiddleware
 from ctxcache.responses import JSONResponse
 from ctxcache.schema import ErrorResponse
-from gateway.auth import KeyRing
+from gateway.auth import KeyRing, KeysFileWatch
 from gateway.completions import router as completion_routes
 from gateway.completions.service import CompletionService
 from gateway.components import ComponentCollector, Components
@@ -114,6 +114,12 @@ def create_app(settings: GatewaySettings, *, freeze_heap: bool = False) -> FastA
             stack.push_async_callback(turns.background.drain)
             app.state.components = components
             app.state.keys = KeyRing(settings.api_keys)
+            if settings.api_keys_file is not None and settings.api_keys_file_poll_s > 0:
+                watch = KeysFileWatch(
+                    app.state.keys, settings.api_keys_file, settings.api_keys_file_poll_s
+                )
+                watch.start()
+                stack.push_async_callback(watch.aclose)
             app.state.manager = manager
             app.state.pool = pool
             app.state.metrics = metrics

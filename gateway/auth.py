@@ -1,15 +1,19 @@
 """API keys -> tenants. `Authorization: Bearer <key>`, compared in constant time.
 
 The keys come from settings (`--api-key`, `CTX_GATEWAY_API_KEYS`) or a keys file that
-`reload` reads again (`ctxcache gateway` calls it on SIGHUP): a reload swaps every key at
-once, and a file that cannot be used keeps the keys the ring has.
+`reload` reads again: on SIGHUP (`ctxcache gateway`), and when the file changes
+(`KeysFileWatch`: Kubernetes updates a mounted Secret in place and signals no one). A
+reload swaps every key at once, and a file that cannot be used keeps the keys the ring has.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import hmac
 import logging
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -160,3 +164,46 @@ async def get_tenant(request: Request) -> str:
 
 
 TenantDep = Annotated[str, Depends(get_tenant)]
+
+
+class KeysFileWatch:
+    """Reads the keys file again when it changes: its inode, size or mtime, looked at every
+    `every_s` seconds through the path (so a Kubernetes Secret volume's swap of its
+    `..data` link counts, as does an editor's rename). A file that goes missing or turns
+    bad keeps the keys (`KeyRing.reload` logs it once per change)."""
+
+    def __init__(self, ring: KeyRing, path: Path, every_s: float) -> None:
+        self.ring, self.path, self.every_s = ring, path, every_s
+        self._seen = _stamp(path)
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="keys-file")
+
+    async def aclose(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    def check(self) -> bool:
+        """Reload if the file changed since it was last seen; whether the keys changed."""
+        stamp = _stamp(self.path)
+        if stamp == self._seen:
+            return False
+        self._seen = stamp
+        log.info("the API keys file %s changed: reading it again", self.path)
+        return self.ring.reload(self.path)
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.every_s)
+            self.check()
+
+
+def _stamp(path: Path) -> tuple[int, int, int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns

@@ -53,7 +53,14 @@ class GatewaySettings(BaseSettings):
     api_keys_file: Path | None = Field(
         None,
         description='a file of API_KEYS\' JSON (a key may be given as "sha256:<hex>", its '
-        "digest), read at start and on SIGHUP (docs/limits.md); not with API_KEYS",
+        "digest), read at start, on SIGHUP and when it changes (docs/limits.md); not with "
+        "API_KEYS",
+    )
+    api_keys_file_poll_s: float = Field(
+        10.0,
+        ge=0,
+        description="how often the keys file is checked for a change, which reloads it as "
+        "SIGHUP does (a Kubernetes Secret updated in place); 0: only on SIGHUP",
     )
     rate_limit_window_s: float = Field(
         60.0,

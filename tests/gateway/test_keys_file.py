@@ -1,10 +1,12 @@
 """The keys file (`--api-keys-file`, `CTX_GATEWAY_API_KEYS_FILE`): read at start, where a
-file that cannot be used stops the command with its reason; read again on SIGHUP, where
-it keeps the keys the gateway has; keys given as their SHA-256 digest. No message, no log
-line ever holds a key (issue 39, item 9)."""
+file that cannot be used stops the command with its reason; read again on SIGHUP and when
+it changes (a Kubernetes Secret volume updated in place), where a bad file keeps the keys
+the gateway has; keys given as their SHA-256 digest. No message, no log line ever holds a
+key (issue 39, item 9)."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import os
@@ -180,7 +182,9 @@ def test_sighup_reloads_the_keys_file_and_a_bad_file_keeps_the_keys(
     keys = write(tmp_path / "keys.json", json.dumps({key_a: "tenant-k"}))
     log = tmp_path / "gateway.log"
     gateway = ServiceProcess(
-        ["gateway", "--redis-url", redis_url, "--api-keys-file", str(keys)], log_path=log
+        ["gateway", "--redis-url", redis_url, "--api-keys-file", str(keys)],
+        log_path=log,
+        env={"CTX_GATEWAY_API_KEYS_FILE_POLL_S": "0"},  # SIGHUP alone reloads here
     ).start()
     try:
         assert gateway.proc is not None
@@ -219,3 +223,55 @@ def test_sighup_reloads_the_keys_file_and_a_bad_file_keeps_the_keys(
         assert key_a.encode() not in cmdline and str(keys).encode() in cmdline
     finally:
         gateway.stop()
+
+
+def secret_volume(root: Path, content: str) -> Path:
+    """A Kubernetes Secret volume: `api-keys.json` -> `..data/api-keys.json`, `..data` -> a
+    timestamped directory; an update writes a new directory and swaps `..data` (a rename),
+    so the file's path never changes and no process is told."""
+    root.mkdir(exist_ok=True)
+    update = root / f"..{time.monotonic_ns()}"
+    update.mkdir()
+    (update / "api-keys.json").write_text(content)
+    link = root / "..data_tmp"
+    link.symlink_to(update.name)
+    os.replace(link, root / "..data")
+    keys = root / "api-keys.json"
+    if not keys.is_symlink():
+        keys.symlink_to("..data/api-keys.json")
+    return keys
+
+
+async def test_a_secret_updated_in_place_is_read_again_without_a_signal(
+    tmp_path: Path, redis_url: str
+) -> None:
+    from asgi_lifespan import LifespanManager
+
+    from gateway.app import create_app
+
+    volume = tmp_path / "secret"
+    keys = secret_volume(volume, json.dumps({"sk-old": "acme"}))
+    settings = GatewaySettings(redis_url=redis_url, api_keys_file=keys, api_keys_file_poll_s=0.05)  # type: ignore[call-arg]
+    app = create_app(settings)
+    async with LifespanManager(app) as running:
+        transport = httpx.ASGITransport(app=running.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:
+
+            async def status(key: str) -> int:
+                r = await http.get("/v1/context", headers={"authorization": f"Bearer {key}"})
+                return r.status_code
+
+            async def until(want: tuple[int, int]) -> None:
+                deadline = time.monotonic() + 10
+                while (await status("sk-old"), await status("sk-new")) != want:
+                    assert time.monotonic() < deadline, f"keys not reloaded: want {want}"
+                    await asyncio.sleep(0.05)
+
+            assert (await status("sk-old"), await status("sk-new")) == (200, 401)
+            secret_volume(volume, json.dumps({digest("sk-new"): "acme"}))  # the update
+            await until((401, 200))
+            secret_volume(volume, '{"sk-old": ')  # a bad update keeps the keys
+            await asyncio.sleep(0.3)
+            assert (await status("sk-old"), await status("sk-new")) == (401, 200)
+            secret_volume(volume, json.dumps({"sk-old": "acme"}))  # and a good one after it
+            await until((200, 401))
