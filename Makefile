@@ -36,8 +36,8 @@ test: $(STAMP)
 	$(VENV)/bin/pytest -m "not slow" $(PYTEST_ARGS)
 
 # The tests marked slow (minutes each): `ctxcache serve --engine vllm` restarted and with
-# its parts killed one by one, the benchmarks' vLLM runs, the container stack (where Docker
-# answers). CI runs them after `make test`.
+# its parts killed one by one, vLLM's spans in the gateway's traces, the benchmarks' vLLM
+# runs, the container stack (where Docker answers). CI runs them after `make test`.
 test-slow: $(STAMP)
 	$(VENV)/bin/pytest -m slow $(PYTEST_ARGS)
 

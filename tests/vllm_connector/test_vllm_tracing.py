@@ -22,7 +22,7 @@ from gateway.settings import GatewaySettings
 from tests.utils import VllmProcess, require_vllm
 from tests.vllm_connector.conftest import VLLM_TIMEOUT
 
-pytestmark = pytest.mark.timeout(VLLM_TIMEOUT)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(VLLM_TIMEOUT)]
 
 
 async def test_vllms_request_span_is_a_child_of_the_gateways_generation(
