@@ -87,15 +87,11 @@ class SSEResponse(Response):
             log.info("the client left mid-stream: the stream is dropped")
             self.client_left = True
             return
-        except (CtxError, WorkerDown) as exc:  # the status is sent: the answer is cut
-            log.warning("a stream broke off mid-answer: %s", exc)
-            if started:
-                await send(
-                    {"type": "http.response.body", "body": broke_off(exc), "more_body": True}
-                )
-            return
-        except Exception as exc:  # a fault of ours mid-answer: an error event all the same
-            log.exception("a stream failed mid-answer")
+        except Exception as exc:  # the status is sent: the answer is cut, with an error event
+            if isinstance(exc, (CtxError, WorkerDown)):
+                log.warning("a stream broke off mid-answer: %s", exc)
+            else:  # a fault of ours
+                log.exception("a stream failed mid-answer")
             if started:
                 with contextlib.suppress(Exception):  # (a client already gone)
                     await send(
