@@ -166,6 +166,16 @@ async def get_tenant(request: Request) -> str:
 TenantDep = Annotated[str, Depends(get_tenant)]
 
 
+async def check_given_key(request: Request) -> None:
+    """For a route open without a key (`/v1/models`): a request that presents one (any
+    Authorization header) must present a valid one, or it is `invalid_api_key` as on every
+    other route (OpenAI's SDKs check a key with `client.models.list()`)."""
+    headers = request.scope["headers"]
+    if any(name == b"authorization" for name, _ in headers):
+        ring: KeyRing = request.app.state.keys
+        ring.key_for(authorization(headers))
+
+
 class KeysFileWatch:
     """Reads the keys file again when it changes: its inode, size or mtime, looked at every
     `every_s` seconds through the path (so a Kubernetes Secret volume's swap of its

@@ -7,20 +7,22 @@ import hmac
 import time
 from typing import Any
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import PlainTextResponse
 
 from ctxcache.errors import CtxError, InvalidAPIKey, NotFound, StoreUnavailable
 from ctxcache.responses import JSONResponse
+from gateway.auth import check_given_key
 
 router = APIRouter()
 # per-tenant session gauges for at most this many tenants (one store call each per scrape)
 MAX_TENANT_SERIES = 100
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", dependencies=[Depends(check_given_key)])
 async def models(request: Request) -> JSONResponse:
-    # no auth on the model list, like vLLM: it names models, nothing of any tenant
+    # open without a key, like vLLM: it names models, nothing of any tenant; but a key it
+    # is shown must be valid (SPEC.md)
     now = int(time.time())
     data = [
         {"id": m, "object": "model", "created": now, "owned_by": "ctxcache", "max_model_len": n}
