@@ -17,9 +17,55 @@ PAD, BOS, EOS = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (PAD, BOS, EOS)
 
 # ChatML, as Qwen2 writes it: a message per `<|im_start|>role\n...<|im_end|>\n` block.
+# With tools, Qwen2.5's (Hermes) format, so that vLLM's `hermes` tool parser reads the
+# output: the tools in a system block (merged with a leading system message), an assistant
+# call as `<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>` (the format vLLM's
+# structural tag forces for a required or named `tool_choice`), each tool result in a user
+# block of its own (one block per message keeps the template append-only). Without tools
+# or tool messages the output is plain ChatML, byte for byte.
+TOOLS_PREAMBLE = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+)
+TOOLS_INSTRUCTION = (
+    "\n</tools>\n\nFor each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags:\n"
+    '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+)
+
+
+def _jinja_str(text: str) -> str:
+    """`text` as a single-quoted Jinja string literal."""
+    return "'" + text.replace("\\", "\\\\").replace("\n", "\\n").replace("'", "\\'") + "'"
+
+
 CHAT_TEMPLATE = (
+    "{% if tools %}"
+    "{{ '<|im_start|>system\\n' }}"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\\n\\n' }}{% endif %}"
+    "{{ " + _jinja_str(TOOLS_PREAMBLE) + " }}"
+    "{% for tool in tools %}{{ '\\n' + (tool | tojson) }}{% endfor %}"
+    "{{ " + _jinja_str(TOOLS_INSTRUCTION) + " + '<|im_end|>\\n' }}"
+    "{% endif %}"
     "{% for message in messages %}"
+    "{% if tools and loop.first and message['role'] == 'system' %}"
+    "{% elif message['role'] == 'tool' %}"
+    "{{ '<|im_start|>user\\n<tool_response>\\n' + message['content']"
+    " + '\\n</tool_response><|im_end|>\\n' }}"
+    "{% elif message['role'] == 'assistant' and message['tool_calls'] %}"
+    "{{ '<|im_start|>assistant\\n' + (message['content'] or '') }}"
+    "{% for call in message['tool_calls'] %}"
+    "{% set fn = call['function'] if call['function'] is defined else call %}"
+    "{% if not loop.first %}{{ '\\n' }}{% endif %}"
+    "{{ '<tool_call>\\n{\"name\": \"' + fn['name'] + '\", \"arguments\": ' }}"
+    "{% if fn['arguments'] is string %}{{ fn['arguments'] }}"
+    "{% else %}{{ fn['arguments'] | tojson }}{% endif %}"
+    "{{ '}\\n</tool_call>' }}"
+    "{% endfor %}"
+    "{{ '<|im_end|>\\n' }}"
+    "{% else %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
