@@ -42,6 +42,9 @@ class SessionInfo(StrictModel):
     # the version of a conversation's last items edit: its token ids were re-rendered then,
     # so a point stored before it is continued from its messages alone
     edited: int = 0
+    # the function tools the session's prompt was rendered with (a chat template renders
+    # them into the prefix); None: none (docs/agents.md)
+    tools: list[dict[str, Any]] | None = None
 
 
 class Idempotency(StrictModel):
@@ -149,6 +152,7 @@ class CreateSession(StrictModel):
     sidecar: str | None = None
     origin: Origin = "context"
     kv_key: str | None = Field(None, description="share this KV tag (a fork); None: its own")
+    tools: list[dict[str, Any]] | None = Field(None, description="the tools rendered in it")
     response: StoredResponse | None = None
     idempotency: Idempotency | None = None
     lock: str | None = Field(None, description="the claim's lock (ClaimKey), released")
@@ -179,6 +183,10 @@ class AppendTurn(StrictModel):
     model: str | None = Field(None, description="adopted by a session that has none yet")
     response: StoredResponse | None = None
     idempotency: Idempotency | None = None
+    # a turn whose tools differ from the session's: the whole conversation was rendered
+    # again with them, and `tokens` replace the session's ids (docs/agents.md)
+    tools: list[dict[str, Any]] | None = Field(None, description="the session's tools now")
+    replace: bool = Field(False, description="tokens are the whole history, not appended")
 
 
 class ReleaseLock(StrictModel):

@@ -120,6 +120,8 @@ class SessionService:
             "origin": req.origin,
             "kv_key": req.kv_key or session_key(session_id),
         }
+        if req.tools is not None:
+            fields["tools"] = orjson.dumps(req.tools)
         response = (req.response.id, req.response.record) if req.response else None
         try:
             created = await self.store.create(
@@ -291,6 +293,8 @@ class SessionService:
                 model=req.model,
                 response=(req.response.id, req.response.record) if req.response else None,
                 idempotency=req.idempotency,
+                tools=req.tools,
+                replace=req.replace,
             )
         except StoreUnavailable:
             if req.lock is not None:  # appended or not, the session must not stay busy

@@ -157,6 +157,7 @@ def parse_info(session_id: str, rec: dict[bytes, bytes]) -> SessionInfo:
         kv_key=s("kv_key") or session_key(session_id),
         kv_shared=s("kv_shared") == "1",
         edited=i("edited"),
+        tools=orjson.loads(rec[b"tools"]) if rec.get(b"tools") else None,
     )
 
 
@@ -472,10 +473,13 @@ class SessionStore:
         model: str | None = None,
         response: tuple[str, dict[str, Any]] | None = None,
         idempotency: Idempotency | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        replace: bool = False,
     ) -> tuple[SessionInfo, str | None]:
         """CAS append (with the response the turn made, if any, and the answer of its
         idempotency key); returns the new info and the sidecar the session moved away
-        from."""
+        from. `tools`: the session's tools from now on (None: kept); `replace`: `tokens`
+        are the whole history, rendered again (a turn with other tools)."""
         rid, record = response or ("", None)
         args: list[Any] = [
             tenant,
@@ -489,6 +493,8 @@ class SessionStore:
             rid,
             orjson.dumps(record) if rid else b"",
             *_idempotency_args(idempotency),
+            orjson.dumps(tools) if tools is not None else "",
+            "1" if replace else "",
         ]
         args += [orjson.dumps(m) for m in messages]
         keys = session_keys(session_id)

@@ -149,6 +149,17 @@ class GatewayMetrics:
             "(the worker's request cancelled; per tenant: ctxcache_tenant_cancellations_total)",
             registry=r,
         )
+        self.tool_rerenders = Counter(
+            "ctxcache_gateway_tool_rerenders_total",
+            "session turns whose tools differed from the session's: the whole conversation "
+            "was rendered again with them as a new prefix, its KV recomputed (docs/agents.md)",
+            registry=r,
+        )
+        self.tool_calls = Counter(
+            "ctxcache_gateway_tool_calls_total",
+            "tool calls answered by session turns (parsed by the engine's tool parser)",
+            registry=r,
+        )
         self.turn_lock_renewals = Counter(
             "ctxcache_gateway_turn_lock_renewals_total",
             "turn locks extended because their turn ran longer than a third of the lock TTL",

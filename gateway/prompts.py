@@ -62,12 +62,24 @@ class PromptBuilder:
         )
 
     async def chat(
-        self, worker: Worker, model: str, messages: list[dict[str, Any]], *, generation_prompt: bool
+        self,
+        worker: Worker,
+        model: str,
+        messages: list[dict[str, Any]],
+        *,
+        generation_prompt: bool,
+        tools: list[dict[str, Any]] | None = None,
     ) -> tuple[list[int], int]:
-        return await self.tokenize(
-            worker,
-            {"model": model, "messages": messages, "add_generation_prompt": generation_prompt},
-        )
+        """`messages` rendered by the model's chat template (with `tools`, which templates
+        render into the prefix) and tokenized."""
+        body: dict[str, Any] = {
+            "model": model,
+            "messages": messages,
+            "add_generation_prompt": generation_prompt,
+        }
+        if tools:
+            body["tools"] = tools
+        return await self.tokenize(worker, body)
 
     async def chat_full(
         self,
@@ -75,16 +87,17 @@ class PromptBuilder:
         model: str,
         previous: list[dict[str, Any]],
         new: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
     ) -> Rendered:
         """The whole conversation rendered for generation and the model's window — and,
         for a model whose turns lately needed it (see `delta`), the history rendered alone,
         in parallel."""
+        whole = self.chat(worker, model, previous + new, generation_prompt=True, tools=tools)
         if self._fallbacks.get(model, 0) <= 0:
-            full, window = await self.chat(worker, model, previous + new, generation_prompt=True)
+            full, window = await whole
             return full, window, None
         (full, window), (before, _) = await asyncio.gather(
-            self.chat(worker, model, previous + new, generation_prompt=True),
-            self.chat(worker, model, previous, generation_prompt=False),
+            whole, self.chat(worker, model, previous, generation_prompt=False, tools=tools)
         )
         return full, window, before
 
@@ -95,6 +108,7 @@ class PromptBuilder:
         stored: list[int],
         previous: list[dict[str, Any]],
         rendered: Rendered,
+        tools: list[dict[str, Any]] | None = None,
     ) -> tuple[list[int], int]:
         """The ids to put after `stored` so the prompt is the whole conversation's, given
         `rendered` = `chat_full(previous, new)`.
@@ -112,7 +126,9 @@ class PromptBuilder:
             return full[len(stored) :], window
         self._fallbacks[model] = FALLBACK_TURNS
         if before is None:
-            before, _ = await self.chat(worker, model, previous, generation_prompt=False)
+            before, _ = await self.chat(
+                worker, model, previous, generation_prompt=False, tools=tools
+            )
         # Templates that rewrite earlier turns (not append-only) keep what still matches.
         new_part = full[common_prefix(full, before) :]
         if stored == before:  # the stored ids already end with a closed turn

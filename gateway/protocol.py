@@ -13,6 +13,8 @@ class ChatMessage(OpenAIBaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant message's calls
+    tool_call_id: str | None = Field(None, max_length=256)  # the call a tool message answers
 
 
 class StreamOptions(OpenAIBaseModel):
@@ -34,7 +36,16 @@ class CompletionBody(SessionFields):
     stream_options: StreamOptions | None = None
 
 
-class ChatBody(SessionFields):
+class AgentFields(OpenAIBaseModel):
+    """Tool calling and structured outputs (checked in detail by gateway/tools.py)."""
+
+    tools: list[dict[str, Any]] | None = Field(None, max_length=512)
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = Field(None, strict=True)
+    response_format: dict[str, Any] | None = None
+
+
+class ChatBody(SessionFields, AgentFields):
     model: str = Field(min_length=1, max_length=256)
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=0)
@@ -42,6 +53,8 @@ class ChatBody(SessionFields):
     n: int = Field(1, ge=1, le=128)
     stream: bool = Field(False, strict=True)
     stream_options: StreamOptions | None = None
+    logprobs: bool | None = Field(None, strict=True)
+    top_logprobs: int | None = Field(None, ge=0, le=20)
 
 
 Metadata = dict[str, str]
@@ -54,7 +67,7 @@ def check_metadata(cls: type, v: Metadata | None) -> Metadata | None:
     return v
 
 
-class ContextCreate(OpenAIBaseModel):
+class ContextCreate(AgentFields):
     model: str = Field(min_length=1, max_length=256)
     prompt: str | list[int] | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)

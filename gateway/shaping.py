@@ -8,19 +8,8 @@ from typing import Any, Protocol
 
 import orjson
 
-# Fields of ours that never go to a worker, and chat-only fields a token-id completion
-# cannot honour in a session turn.
+# Fields of ours that never go to a worker.
 SESSION_ONLY = ("session_id", "session_append")
-CHAT_ONLY_UNSUPPORTED = (
-    "tools",
-    "tool_choice",
-    "functions",
-    "function_call",
-    "response_format",
-    "logprobs",
-    "top_logprobs",
-    "parallel_tool_calls",
-)
 
 
 def sampling_fields(body: dict[str, Any]) -> dict[str, Any]:
@@ -66,16 +55,23 @@ def normalize_usage(usage: dict[str, Any] | None) -> dict[str, Any]:
 
 
 def chat_completion(
-    model: str, text: str | None, finish_reason: str | None, usage: dict[str, Any]
+    model: str,
+    text: str | None,
+    finish_reason: str | None,
+    usage: dict[str, Any],
+    message: dict[str, Any] | None = None,
+    logprobs: Any = None,
 ) -> dict[str, Any]:
+    """A `chat.completion` (`text` None: no choice). `message`: the engine's own (with
+    `tool_calls` and whatever else its parsers filled in), passed on as it is."""
     choices = (
         []
         if text is None
         else [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": None,
+                "message": message or {"role": "assistant", "content": text},
+                "logprobs": logprobs,
                 "finish_reason": finish_reason,
             }
         ]
@@ -151,14 +147,16 @@ class ChunkShaper:
         return b""  # the first chunk carries the role
 
     def content(self, choice: dict[str, Any]) -> bytes:
+        """One event of the answer from one choice of the worker's: a completion's text, or
+        (from the engine's chat endpoint) a chat delta passed on as it is."""
         if self.kind == "chat":
-            delta: dict[str, Any] = {"content": choice.get("text", "")}
+            delta: dict[str, Any] = choice.get("delta") or {"content": choice.get("text", "")}
             if not self.started:
                 delta = {"role": "assistant", **delta}
             out_choice: dict[str, Any] = {
                 "index": 0,
                 "delta": delta,
-                "logprobs": None,
+                "logprobs": choice.get("logprobs"),
                 "finish_reason": choice.get("finish_reason"),
             }
             obj = "chat.completion.chunk"

@@ -52,6 +52,18 @@ from gateway.shaping import (
     normalize_usage,
     sampling_fields,
 )
+from gateway.tools import (
+    AGENT_FIELDS,
+    LEGACY_FIELDS,
+    StreamedCalls,
+    Tools,
+    assistant_message,
+    check_agent_fields,
+    check_tool_messages,
+    check_tools,
+    same_tools,
+    uses_chat_engine,
+)
 from gateway.upstream import SSEStream, WorkerDown, open_stream, post_json
 
 log = logging.getLogger(__name__)
@@ -63,6 +75,16 @@ class Generation:
     token_ids: list[int]
     finish_reason: str | None
     usage: dict[str, Any]
+    # from the engine's chat endpoint (a turn with tools, a format, logprobs): the answer's
+    # message as the engine parsed it (content, tool_calls, ...) and its logprobs
+    message: dict[str, Any] | None = None
+    logprobs: Any = None
+
+    def assistant(self) -> dict[str, Any]:
+        """The assistant message the history keeps."""
+        if self.message is None:
+            return {"role": "assistant", "content": self.text}
+        return assistant_message(self.message)
 
 
 @dataclass
@@ -86,6 +108,10 @@ class Turn:
     idempotency: Idempotency | None = None  # the request's key, recorded with the append
     priority: int = 0  # vLLM's scheduling priority (lower first); 0: none sent
     engine_call: metering.EngineCall | None = None  # its stream's, for the rate limiter
+    tools: Tools | None = None  # the tools the prompt is rendered with, sent to the engine
+    chat_engine: bool = False  # run on the engine's chat endpoint (docs/agents.md)
+    new_tools: bool = False  # the session's tools change to `tools` with this turn
+    replace: bool = False  # `new_tokens` are the whole history rendered again (new tools)
 
     @property
     def append(self) -> bool:
@@ -130,6 +156,11 @@ def check_turn_body(kind: str, body: dict[str, Any]) -> None:
         prompt = body["prompt"]
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             raise InvalidRequest("a session turn takes one prompt, not a batch", param="prompt")
+        return
+    for name in LEGACY_FIELDS:
+        if body.get(name) is not None:
+            raise InvalidRequest(f"{name} is deprecated: use tools / tool_choice", param=name)
+    check_tools(body.get("tools"))
 
 
 def _consume_exception(task: asyncio.Task[Any]) -> None:
@@ -156,6 +187,7 @@ class Early:
     task: asyncio.Task[Any]
     version: int | None  # the session version a chat rendering is for; None: any
     history: list[dict[str, Any]] = field(default_factory=list)  # that version's messages
+    tools: Tools | None = None  # the tools a chat rendering is for
 
 
 class TurnService:
@@ -240,17 +272,19 @@ class TurnService:
         except (ModelNotFound, BackendUnavailable):
             return None  # reported in order by `plan`
 
+        tools = body.get("tools")  # (a turn without them renders with the session's: unknown)
+
         async def run() -> Any:
             async with self.pool.lease(worker):
                 try:
-                    return await self._tokenize(worker, kind, model, previous, body)
+                    return await self._tokenize(worker, kind, model, previous, body, tools)
                 except WorkerDown as exc:
                     self.pool.mark_down(worker, str(exc))
                     raise
 
         task = asyncio.get_running_loop().create_task(run())
         task.add_done_callback(_consume_exception)
-        return Early(task, version, previous)
+        return Early(task, version, previous, tools)
 
     async def plan(
         self,
@@ -281,15 +315,28 @@ class TurnService:
                 )
             new_msgs = body["messages"] if kind == "chat" else []
             ready, history = None, state.messages
-            if early is not None and early.version in (None, info.version):
+            # a chat turn renders with its own tools, else with the session's (they are in
+            # its prefix); other tools than the session's: the whole conversation is
+            # rendered again with them, as a new prefix (docs/agents.md)
+            tools = body["tools"] if body.get("tools") is not None else info.tools
+            new_tools = kind == "chat" and not same_tools(tools, info.tools)
+            stored = [] if new_tools else state.tokens
+            if kind == "chat":
+                check_agent_fields(body, tools)
+            usable = early is not None and same_tools(early.tools, tools)
+            if early is not None and usable and early.version in (None, info.version):
                 ready = await _result_or_none(early.task)
                 if early.version is not None:  # begin sent no messages: we hold this version's
                     history = early.history
+            if kind == "chat":
+                check_tool_messages(history, new_msgs)
 
             async def build(worker: Worker) -> tuple[list[int], int]:
-                tokenized = ready or await self._tokenize(worker, kind, model, history, body)
+                tokenized = ready or await self._tokenize(worker, kind, model, history, body, tools)
                 if kind == "chat":
-                    return await self.prompts.delta(worker, model, state.tokens, history, tokenized)
+                    return await self.prompts.delta(
+                        worker, model, stored, history, tokenized, tools
+                    )
                 return tokenized  # type: ignore[no-any-return]
 
             (new_tokens, window), worker = await self.failover(model, build, affinity=info.affinity)
@@ -297,7 +344,7 @@ class TurnService:
                 kind=kind,
                 model=model,
                 tenant=tenant,
-                prompt=state.tokens + new_tokens,
+                prompt=stored + new_tokens,
                 new_tokens=new_tokens,
                 new_messages=new_msgs,
                 history=history,
@@ -307,8 +354,16 @@ class TurnService:
                 worker=worker,
                 sampling=sampling_fields(body),
                 kv_key=info.kv_key or None,
+                tools=tools or None,
+                chat_engine=kind == "chat" and uses_chat_engine(body, tools),
+                new_tools=new_tools,
+                replace=new_tools and bool(state.tokens),
             )
             self.check_window(turn)
+            if turn.replace:
+                self.metrics.tool_rerenders.inc()
+                with bind_session(session_id):
+                    log.info("turn with other tools: the history is rendered again with them")
             return turn
         except BaseException:
             await self.release_now(tenant, state)
@@ -321,11 +376,13 @@ class TurnService:
         model: str,
         history: list[dict[str, Any]],
         body: dict[str, Any],
+        tools: Tools | None = None,
     ) -> Any:
         """What a turn tokenizes: a completion's new prompt, or the whole chat rendered."""
         with tracing.span("ctxcache.tokenize", {"ctxcache.worker": worker.id}, client=True):
             if kind == "chat":
-                return await self.prompts.chat_full(worker, model, history, body["messages"])
+                new = body["messages"]
+                return await self.prompts.chat_full(worker, model, history, new, tools)
             return await self.prompts.text(worker, model, body["prompt"], special=False)
 
     def check_window(self, turn: Turn) -> None:
@@ -351,17 +408,34 @@ class TurnService:
 
     # -- running ----------------------------------------------------------------------
     def _worker_body(self, turn: Turn, *, stream: bool) -> dict[str, Any]:
-        body = {
+        """The engine request. A turn on the chat endpoint gives its prompt as token ids in
+        `kv_transfer_params.prompt_token_ids` (vLLM feeds them to the engine as they are,
+        rendering no messages) and its tools and format, which drive vLLM's tool parser
+        and structured outputs (docs/agents.md); `messages` is then only a placeholder."""
+        body: dict[str, Any] = {
             **turn.sampling,
             "model": turn.model,
-            "prompt": turn.prompt,
             "return_token_ids": True,
             "stream": stream,
         }
+        transfer: dict[str, Any] = {}
+        if turn.chat_engine:
+            body["messages"] = PLACEHOLDER
+            body.pop("return_tokens_as_token_ids", None)
+            if turn.tools:
+                body["tools"] = turn.tools
+            transfer["prompt_token_ids"] = turn.prompt
+        else:
+            body["prompt"] = turn.prompt
+            if turn.kind == "chat":  # (only empty ones are left: `tools: []`, and such)
+                for name in AGENT_FIELDS:
+                    body.pop(name, None)
         if stream:
             body["stream_options"] = {"include_usage": True}
         if turn.kv_tag is not None:
-            body["kv_transfer_params"] = {"lmcache.tag.s": turn.kv_tag}
+            transfer["lmcache.tag.s"] = turn.kv_tag
+        if transfer:
+            body["kv_transfer_params"] = transfer
         if turn.priority:
             body["priority"] = turn.priority
         self.salt.apply(turn.tenant, body)
@@ -406,11 +480,12 @@ class TurnService:
             fields["max_tokens"] = 1
         body = orjson.dumps(fields)
         call = metering.call(len(turn.prompt))
+        path = engine_path(turn)
         with (
             tracing.span("ctxcache.generate", self._span_attributes(turn), client=True),
             call,
         ):
-            out = await self._with_failover(turn, lambda w: post_json(w, "/v1/completions", body))
+            out = await self._with_failover(turn, lambda w: post_json(w, path, body))
         if not prefill_only:  # (a context only prefilled has no first token to wait for)
             # from the turn's start: loading the session and tokenizing count, as a client
             # waiting for its first token sees them (here with the whole answer: not streamed)
@@ -423,11 +498,18 @@ class TurnService:
             choice = {"text": "", "token_ids": [], "finish_reason": "length"}
         call.done(usage)  # charged whatever happens next (a commit that fails, say)
         self.metrics.tokens(usage)
+        check_prompt(turn, usage)
+        message = choice.get("message") if turn.chat_engine else None
+        if message is not None:
+            self.metrics.tool_calls.inc(len(message.get("tool_calls") or ()))
+        text = message.get("content") if message is not None else choice.get("text")
         return Generation(
-            text=choice.get("text") or "",
+            text=text or "",
             token_ids=list(choice.get("token_ids") or []),
             finish_reason=choice.get("finish_reason"),
             usage=usage,
+            message=message,
+            logprobs=choice.get("logprobs"),
         )
 
     async def commit(
@@ -467,7 +549,7 @@ class TurnService:
             return state.info
         messages = list(turn.new_messages)
         if turn.kind == "chat":
-            messages.append({"role": "assistant", "content": gen.text})
+            messages.append(gen.assistant())
         key = turn.idempotency
         try:
             info = await self.manager.append(
@@ -483,6 +565,8 @@ class TurnService:
                     model=None if state.info.model else turn.model,
                     response=response,
                     idempotency=key.model_copy(update={"answer": answer or {}}) if key else None,
+                    tools=(turn.tools or []) if turn.new_tools else None,
+                    replace=turn.replace,
                 ),
             )
         finally:
@@ -530,8 +614,9 @@ class TurnService:
             tracing.span("ctxcache.generate", self._span_attributes(turn), client=True),
             call,
         ):
+            path = engine_path(turn)
             upstream: SSEStream = await self._with_failover(
-                turn, lambda w: open_stream(w, "/v1/completions", body)
+                turn, lambda w: open_stream(w, path, body)
             )
         call.streaming()  # from here on: its prompt + the tokens relayed, until its usage
         turn.engine_call = call
@@ -563,6 +648,9 @@ class TurnService:
                 finish: str | None = None
                 usage: dict[str, Any] | None = None
                 first = True
+                calls = StreamedCalls()
+                role: dict[str, Any] = {}  # a chat delta's other fields (reasoning, ...)
+                logprobs: list[Any] = []
                 async for data in upstream.events():
                     if data == b"[DONE]":  # the body ends right after it: reading it to its
                         continue  # end keeps the worker's connection for the next call
@@ -576,12 +664,27 @@ class TurnService:
                             seconds = time.perf_counter() - turn.started
                             self.metrics.first_token("session", seconds, streamed=True)
                             first = False
-                        text.append(choice.get("text") or "")
+                        if turn.chat_engine:
+                            delta = choice.get("delta") or {}
+                            text.append(delta.get("content") or "")
+                            calls.add(delta.get("tool_calls"))
+                            role.update(delta)
+                            if choice.get("logprobs"):
+                                logprobs.append(choice["logprobs"])
+                        else:
+                            text.append(choice.get("text") or "")
                         ids.extend(choice.get("token_ids") or [])
                         call.relayed(len(choice.get("token_ids") or ()))
                         finish = choice.get("finish_reason") or finish
                         yield shaper.content(choice)
                 gen = Generation("".join(text), ids, finish, normalize_usage(usage))
+                if turn.chat_engine:
+                    tool_calls = calls.list()
+                    content = gen.text if gen.text or not tool_calls else None
+                    gen.message = {**role, "content": content, "tool_calls": tool_calls}
+                    gen.logprobs = logprobs or None
+                    self.metrics.tool_calls.inc(len(tool_calls))
+                check_prompt(turn, gen.usage)
                 self.metrics.tokens(gen.usage)
                 session = await on_done(gen)
                 committed = True
@@ -604,3 +707,26 @@ class TurnService:
             if not committed:
                 await self.release_now(turn.tenant, turn.state)
             await upstream.aclose()
+
+
+# A chat request's messages when its prompt is given as token ids: vLLM does not render them
+# (it feeds `kv_transfer_params.prompt_token_ids` to the engine); a message says so in its log.
+PLACEHOLDER = [{"role": "user", "content": "(ctxcache: the prompt is prompt_token_ids)"}]
+
+
+def engine_path(turn: Turn) -> str:
+    return "/v1/chat/completions" if turn.chat_engine else "/v1/completions"
+
+
+def check_prompt(turn: Turn, usage: dict[str, Any]) -> None:
+    """The engine ran the turn's own prompt. On the chat endpoint an engine that does not
+    take the prompt as token ids would render the placeholder instead: such an answer is
+    never appended."""
+    if turn.chat_engine and usage.get("prompt_tokens") != len(turn.prompt):
+        log.error(
+            "the engine answered a %d-token prompt for a %d-token turn: it does not take "
+            "kv_transfer_params.prompt_token_ids (vLLM >= 0.32 does)",
+            usage.get("prompt_tokens"),
+            len(turn.prompt),
+        )
+        raise BackendUnavailable("the engine did not run the session's prompt")

@@ -16,7 +16,13 @@ from typing import Any, NoReturn
 
 import orjson
 
-from ctxcache.errors import BackendTimeout, BackendUnavailable, CtxError, error_from_envelope
+from ctxcache.errors import (
+    BackendTimeout,
+    BackendUnavailable,
+    CtxError,
+    InvalidRequest,
+    error_from_envelope,
+)
 from gateway.pool import Worker
 from gateway.worker_client import Answer, ConnectionLost, Headers, Misframed
 
@@ -62,9 +68,13 @@ def worker_error(status: int, payload: bytes) -> CtxError:
     except orjson.JSONDecodeError:
         body = None
     err = error_from_envelope(status, body)
-    if type(err) is CtxError:
-        return BackendUnavailable(f"worker answered {status}")
-    return err
+    if type(err) is not CtxError:
+        return err
+    if status in (400, 422) and isinstance(body, dict) and isinstance(body.get("error"), dict):
+        # the engine refused what the client asked (a response_format it cannot compile,
+        # say): the client's error, in the engine's words
+        return InvalidRequest(err.message, param=err.param)
+    return BackendUnavailable(f"worker answered {status}")
 
 
 def _content(body: dict[str, Any] | bytes) -> bytes:

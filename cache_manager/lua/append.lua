@@ -6,7 +6,10 @@
 --       5 number of new tokens  6 worker id ('' = keep)  7 sidecar url ('' = keep)
 --       8 model, set if the session has none ('' = keep)  9 response id ('' = none)
 --       10 response JSON  11 request hash ('' = no idempotency key)  12 the answer (JSON)
---       13 idempotency record ttl ms  14.. new messages (JSON strings)
+--       13 idempotency record ttl ms  14 the session's tools from now on (JSON; '' = keep)
+--       15 '1': the token ids replace the session's (its history rendered again with new
+--       tools; older points of it are continued from their messages) '' = appended
+--       16.. new messages (JSON strings)
 -- With an idempotency key, the answer is recorded with the turn (begin.lua replays it).
 -- Returns {1, record fields...} | {0} not found | {-1} another turn holds the lock
 --         | {-2, current version} version conflict
@@ -30,8 +33,16 @@ end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local exp = now + tonumber(rec[3]) * 1000
-redis.call('APPEND', KEYS[2], ARGV[4])
-for i = 14, #ARGV do
+if ARGV[15] == '1' then
+  redis.call('SET', KEYS[2], ARGV[4])
+  redis.call('HSET', KEYS[1], 'context_tokens', 0, 'edited', tonumber(rec[2]) + 1)
+else
+  redis.call('APPEND', KEYS[2], ARGV[4])
+end
+if ARGV[14] ~= '' then
+  redis.call('HSET', KEYS[1], 'tools', ARGV[14])
+end
+for i = 16, #ARGV do
   redis.call('RPUSH', KEYS[3], ARGV[i])
 end
 if ARGV[9] ~= '' then

@@ -20,7 +20,6 @@ from fastapi import Response
 from pydantic import BaseModel
 
 from cache_manager.protocol import Replay
-from ctxcache.errors import InvalidRequest
 from ctxcache.logs import bind_session
 from ctxcache.responses import JSONResponse
 from gateway import metering
@@ -30,7 +29,6 @@ from gateway.pool import WorkerPool
 from gateway.protocol import ChatBody, CompletionBody
 from gateway.requests import parse_body, parse_json, session_id_of
 from gateway.shaping import (
-    CHAT_ONLY_UNSUPPORTED,
     DONE,
     ChunkShaper,
     chat_completion,
@@ -114,10 +112,6 @@ class CompletionService:
     ) -> Response:
         if session_id is None:
             return await self.passthrough(tenant, kind, raw, body)
-        if kind == "chat":
-            bad = [k for k in CHAT_ONLY_UNSUPPORTED if body.get(k) not in (None, False)]
-            if bad:
-                raise InvalidRequest(f"{bad[0]} is not supported on a session turn", param=bad[0])
         record = key.record() if key is not None else None
         turn = await self.turns.begin(tenant, session_id, kind, body, record)
         if (replay := turn.replay) is not None:
@@ -146,7 +140,9 @@ class CompletionService:
         """The answer without its session (`with_session` adds it); a stream's carries the
         stream's id and time, so a replay of it is the same stream."""
         if turn.kind == "chat":
-            out = chat_completion(turn.model, gen.text, gen.finish_reason, gen.usage)
+            out = chat_completion(
+                turn.model, gen.text, gen.finish_reason, gen.usage, gen.message, gen.logprobs
+            )
         else:
             ids = gen.token_ids if body.get("return_token_ids") else None
             out = text_completion(turn.model, gen.text, gen.finish_reason, gen.usage, ids)
@@ -217,14 +213,16 @@ async def replay_stream(
     shaper = ChunkShaper(kind, answer["model"], bool(body.get("return_token_ids")))
     shaper.id, shaper.created = answer["id"], answer["created"]
     choice = answer["choices"][0]
-    text = choice["message"]["content"] if kind == "chat" else choice["text"]
-    yield shaper.content(
-        {
-            "text": text,
-            "finish_reason": choice.get("finish_reason"),
-            "token_ids": choice.get("token_ids"),
-        }
-    )
+    if kind == "chat":  # the whole message in one delta (tool calls with their index)
+        message = dict(choice["message"])
+        message.pop("role", None)
+        calls = message.get("tool_calls")
+        if calls:
+            message["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
+        event = {"delta": message, "finish_reason": choice.get("finish_reason")}
+    else:
+        event = {"text": choice["text"], "finish_reason": choice.get("finish_reason")}
+    yield shaper.content({**event, "token_ids": choice.get("token_ids")})
     if (body.get("stream_options") or {}).get("include_usage"):
         yield shaper.usage(answer["usage"], replay.session)
     yield DONE

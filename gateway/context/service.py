@@ -30,6 +30,7 @@ from gateway.shaping import (
     session_ref,
     text_completion,
 )
+from gateway.tools import check_agent_fields, check_tool_messages, check_tools, uses_chat_engine
 from gateway.turns import Generation, Turn, TurnService
 
 CREATE_ONLY = ("ttl", "metadata")
@@ -86,6 +87,13 @@ class ContextService:
         if req.stream and req.max_tokens == 0:
             raise InvalidRequest("a streamed create needs max_tokens > 0", param="stream")
         self.check_ttl(req.ttl)
+        if req.messages is None and (req.tools or req.tool_choice or req.response_format):
+            raise InvalidRequest("tools need a chat context (messages)", param="tools")
+        tools = check_tools(body.get("tools"))
+        check_agent_fields(body, tools)
+        if req.messages is not None:
+            messages = [m.model_dump(exclude_none=True) for m in req.messages]
+            check_tool_messages([], messages)
         if key is None:
             turn = await self._plan(tenant, req, body, new_session_id())
             if req.stream:
@@ -140,10 +148,12 @@ class ContextService:
         messages = [m.model_dump(exclude_none=True) for m in req.messages or []]
         kind = _kind(req)
 
+        tools = body.get("tools") or None  # rendered into the prefix, kept with the session
+
         async def build(worker: Worker) -> tuple[list[int], int]:
             if kind == "chat":  # prefill only: the conversation so far, closed
                 return await self.turns.prompts.chat(
-                    worker, req.model, messages, generation_prompt=generate
+                    worker, req.model, messages, generation_prompt=generate, tools=tools
                 )
             assert req.prompt is not None
             return await self.turns.prompts.text(worker, req.model, req.prompt, special=True)
@@ -165,6 +175,8 @@ class ContextService:
             sampling=sampling,
             started=started,
             priority=self.settings.create_priority,  # (docs/vllm.md, "Scheduling")
+            tools=tools,
+            chat_engine=kind == "chat" and generate and uses_chat_engine(body, tools),
         )
         self.turns.check_window(turn)
         await self.turns.check_quota(tenant, len(prompt))
@@ -242,7 +254,7 @@ class ContextService:
         assert turn.worker is not None and turn.session_id is not None
         messages = turn.new_messages
         if req.max_tokens > 0 and turn.kind == "chat":
-            messages = [*messages, {"role": "assistant", "content": gen.text}]
+            messages = [*messages, gen.assistant()]
         info = await self.manager.create(
             CreateSession(
                 session_id=turn.session_id,
@@ -251,6 +263,7 @@ class ContextService:
                 kind=turn.kind,
                 tokens=turn.prompt + gen.token_ids,
                 messages=messages,
+                tools=turn.tools,
                 ttl=self.check_ttl(req.ttl),
                 metadata=req.metadata or {},
                 worker=turn.worker.id,
@@ -292,8 +305,11 @@ class ContextService:
 
 def _answer(turn: Turn, gen: Generation, text: str | None) -> dict[str, Any]:
     """The create's answer object (`text` None: prefill only, `choices: []`)."""
-    shape = chat_completion if turn.kind == "chat" else text_completion
-    return shape(turn.model, text, gen.finish_reason, gen.usage)
+    if turn.kind == "chat":
+        return chat_completion(
+            turn.model, text, gen.finish_reason, gen.usage, gen.message, gen.logprobs
+        )
+    return text_completion(turn.model, text, gen.finish_reason, gen.usage)
 
 
 def _kind(req: ContextCreate) -> str:

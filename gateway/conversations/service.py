@@ -22,6 +22,7 @@ from ctxcache.errors import ConversationNotFound, NotFound, SessionNotFound, Ver
 from ctxcache.responses import JSONResponse
 from gateway.idempotency import IdempotencyKey, answered
 from gateway.metrics import GatewayMetrics
+from gateway.responses.items import items_of, message_item
 from gateway.responses.protocol import (
     ConversationCreate,
     InputMessage,
@@ -29,7 +30,7 @@ from gateway.responses.protocol import (
     item_id,
     parse_conversation_id,
 )
-from gateway.responses.shaping import Page, message_item
+from gateway.responses.shaping import Page
 from gateway.settings import GatewaySettings
 from gateway.turns import TurnService
 
@@ -172,17 +173,21 @@ class ConversationService:
     def _item(sid: str, index: int, message: dict[str, Any]) -> dict[str, Any]:
         return message_item(item_id(sid, index), message["role"], str(message.get("content") or ""))
 
+    @staticmethod
+    def _listed(sid: str, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The items of the conversation's messages (a message with tool calls lists as its
+        text, if any, and a function call item per call; a tool message as its output)."""
+        return [it for i, m in enumerate(messages) for it in items_of(m, item_id(sid, i))]
+
     async def items(self, tenant: str, conv: str, page: Page) -> dict[str, Any]:
         state = await self._messages(tenant, conv)
-        sid = state.info.session_id
-        return page.of([self._item(sid, i, m) for i, m in enumerate(state.messages)])
+        return page.of(self._listed(state.info.session_id, state.messages))
 
     async def item(self, tenant: str, conv: str, item: str) -> dict[str, Any]:
         state = await self._messages(tenant, conv)
-        sid = state.info.session_id
-        for i, m in enumerate(state.messages):
-            if item_id(sid, i) == item:
-                return self._item(sid, i, m)
+        for listed in self._listed(state.info.session_id, state.messages):
+            if listed["id"] == item:
+                return listed
         raise NotFound(f"No item found with id '{item}'.", param="item_id")
 
     async def add_items(

@@ -18,6 +18,7 @@ from pydantic import Field, field_validator
 from cache_manager.store import SESSION_PREFIX, valid_session_id
 from ctxcache.schema import OpenAIBaseModel
 from gateway.protocol import Metadata, check_metadata
+from gateway.responses.items import messages_of
 
 RESPONSE_PREFIX = "resp_"
 CONVERSATION_PREFIX = "conv_"
@@ -83,6 +84,26 @@ class InputMessage(OpenAIBaseModel):
         return {"role": self.role, "content": "".join(p.text for p in self.content)}
 
 
+class FunctionCallItem(OpenAIBaseModel):
+    """A function call the model made (an output item sent back as input)."""
+
+    type: Literal["function_call"]
+    call_id: str = Field(min_length=1, max_length=256)
+    name: str = Field(min_length=1, max_length=64)
+    arguments: str
+
+
+class FunctionCallOutputItem(OpenAIBaseModel):
+    """The result of a function call, for the model to read."""
+
+    type: Literal["function_call_output"]
+    call_id: str = Field(min_length=1, max_length=256)
+    output: str | list[ContentPart]
+
+
+InputItem = InputMessage | FunctionCallItem | FunctionCallOutputItem
+
+
 class ConversationRef(OpenAIBaseModel):
     id: str = Field(max_length=256)
 
@@ -90,7 +111,7 @@ class ConversationRef(OpenAIBaseModel):
 # Booleans are strict: "false" must not turn into a stored response.
 class ResponseCreate(OpenAIBaseModel):
     model: str = Field(min_length=1, max_length=256)
-    input: str | list[InputMessage] = Field(min_length=1)
+    input: str | list[InputItem] = Field(min_length=1)
     instructions: str | None = None
     previous_response_id: str | None = Field(None, max_length=256)
     conversation: str | ConversationRef | None = None
@@ -100,7 +121,10 @@ class ResponseCreate(OpenAIBaseModel):
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     metadata: Metadata | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = Field(None, max_length=512)
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = Field(None, strict=True)
+    text: dict[str, Any] | None = None
     background: bool | None = Field(None, strict=True)
 
     _metadata = field_validator("metadata")(check_metadata)
@@ -112,9 +136,10 @@ class ResponseCreate(OpenAIBaseModel):
         return self.conversation
 
     def messages(self) -> list[dict[str, Any]]:
+        """The input as chat messages (function calls and their outputs included)."""
         if isinstance(self.input, str):
             return [{"role": "user", "content": self.input}]
-        return [m.as_message() for m in self.input]
+        return messages_of([i.model_dump(exclude_none=True) for i in self.input])
 
 
 class ConversationCreate(OpenAIBaseModel):

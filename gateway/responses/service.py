@@ -61,6 +61,7 @@ from gateway.completions.streams import SSEResponse
 from gateway.idempotency import REPLAYED, IdempotencyKey, KeyOf
 from gateway.metrics import GatewayMetrics
 from gateway.requests import parse_json
+from gateway.responses.items import chat_tool_choice, chat_tools, items_of, response_format
 from gateway.responses.protocol import (
     ResponseCreate,
     item_id,
@@ -72,7 +73,6 @@ from gateway.responses.shaping import (
     Page,
     ResponseDraft,
     ResponseEvents,
-    message_item,
     replay_events,
 )
 from gateway.settings import GatewaySettings
@@ -146,19 +146,24 @@ def blank(session_id: str, tenant: str, model: str) -> SessionState:
 
 
 def check_supported(req: ResponseCreate, body: dict[str, Any]) -> None:
-    if req.tools:
-        raise InvalidRequest("tools are not supported by this server", param="tools")
     if req.background:
         raise InvalidRequest("background responses are not supported", param="background")
-    fmt = ((body.get("text") or {}).get("format") or {}).get("type", "text")
-    if fmt != "text":
-        raise InvalidRequest("only text output is supported", param="text.format")
     if req.previous_response_id is not None and req.conversation is not None:
         raise InvalidRequest(
             "Mutually exclusive parameters: Ensure you are only providing one of: "
             "'previous_response_id' or 'conversation'.",
             param="conversation",
         )
+
+
+def agent_fields(req: ResponseCreate) -> dict[str, Any]:
+    """The request's tools, choice and format, as a chat turn takes them."""
+    return {
+        "tools": chat_tools(req.tools),
+        "tool_choice": chat_tool_choice(req.tool_choice),
+        "parallel_tool_calls": req.parallel_tool_calls,
+        "response_format": response_format(req.text),
+    }
 
 
 async def _events(chunks: list[bytes]) -> AsyncGenerator[bytes, None]:
@@ -334,9 +339,15 @@ class ResponseService:
         messages = with_instructions(req.instructions, state.messages, new)
         fields = {"max_tokens": req.max_output_tokens, "temperature": req.temperature}
         fields["top_p"] = req.top_p
+        fields |= agent_fields(req)
         body = {"model": req.model, "messages": messages}
         body.update({k: v for k, v in fields.items() if v is not None})
-        turn = await self.turns.plan(tenant, sid, "chat", body, state)
+        try:
+            turn = await self.turns.plan(tenant, sid, "chat", body, state)
+        except InvalidRequest as exc:  # (a tool message is an input item here)
+            if exc.param and exc.param.startswith("messages"):
+                exc.param = "input"
+            raise
         if req.max_output_tokens is None and turn.window:  # OpenAI's default: up to the window
             turn.sampling["max_tokens"] = max(1, turn.window - len(turn.prompt))
 
@@ -358,10 +369,7 @@ class ResponseService:
         if mode == "create" and fork:
             await self._share(tenant, state.info)
         first = len(state.messages) + len(messages) - len(new)
-        items = [
-            message_item(item_id(target, first + i), m["role"], m["content"])
-            for i, m in enumerate(new)
-        ]
+        items = [it for i, m in enumerate(new) for it in items_of(m, item_id(target, first + i))]
         request = {
             "instructions": req.instructions,
             "max_output_tokens": req.max_output_tokens,
@@ -372,6 +380,10 @@ class ResponseService:
             "temperature": 1.0 if req.temperature is None else req.temperature,
             "top_p": 1.0 if req.top_p is None else req.top_p,
             "service_tier": "default",
+            "tools": req.tools or [],
+            "tool_choice": req.tool_choice or ("auto" if req.tools else "none"),
+            "parallel_tool_calls": req.parallel_tool_calls is not False,
+            "text": req.text or {"format": {"type": "text"}},
         }
         draft = ResponseDraft(
             id=new_response_id(target),
@@ -481,12 +493,12 @@ class ResponseService:
         """The finished response, stored with the turn that made it (one write)."""
         turn = planned.turn
         final = planned.draft.object(
-            text=gen.text, finish_reason=gen.finish_reason, usage=gen.usage
+            text=gen.text, finish_reason=gen.finish_reason, usage=gen.usage, message=gen.assistant()
         )
         if planned.mode == "none":
             return final
         assert turn.worker is not None
-        messages = [*planned.history, *planned.messages, {"role": "assistant", "content": gen.text}]
+        messages = [*planned.history, *planned.messages, gen.assistant()]
         version = turn.state.info.version + 1 if planned.mode == "append" and turn.state else 1
         at = {
             "version": version,
@@ -510,6 +522,7 @@ class ResponseService:
                 kind="chat",
                 tokens=turn.prompt + gen.token_ids,
                 messages=messages,
+                tools=turn.tools,
                 ttl=planned.ttl,
                 worker=turn.worker.id,
                 sidecar=turn.worker.sidecar,

@@ -9,6 +9,7 @@ from typing import Any
 import orjson
 
 from ctxcache.errors import CtxError
+from gateway.responses.items import call_item_id, items_of, message_item, message_of_call
 from gateway.shaping import cached_tokens
 
 
@@ -23,21 +24,6 @@ def response_usage(usage: dict[str, Any]) -> dict[str, Any]:
         "output_tokens": out,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": prompt + out,
-    }
-
-
-def message_item(item_id: str, role: str, text: str, status: str = "completed") -> dict[str, Any]:
-    """A message item as OpenAI lists it (input items, conversation items, output)."""
-    if role == "assistant":
-        part: dict[str, Any] = {"type": "output_text", "text": text, "annotations": []}
-    else:
-        part = {"type": "input_text", "text": text}
-    return {
-        "id": item_id,
-        "type": "message",
-        "role": role,
-        "status": status,
-        "content": [part] if text or role != "assistant" else [],
     }
 
 
@@ -82,15 +68,16 @@ class ResponseDraft:
         text: str | None,
         finish_reason: str | None = None,
         usage: dict[str, Any] | None = None,
+        message: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """The response object: in progress (`text` None) or finished."""
+        """The response object: in progress (`text` None) or finished; `message`: the
+        answer's assistant message, with its tool calls (default: `text` alone)."""
         done = text is not None
         incomplete = done and finish_reason == "length"
         status = "incomplete" if incomplete else "completed" if done else "in_progress"
         item_status = "incomplete" if incomplete else "completed"
-        output = (
-            [message_item(self.output_id, "assistant", text or "", item_status)] if done else []
-        )
+        answer = message or {"role": "assistant", "content": text or ""}
+        output = items_of(answer, self.output_id, item_status) if done else []
         return {
             "id": self.id,
             "object": "response",
@@ -124,6 +111,10 @@ REQUEST_FIELDS = (
     "temperature",
     "top_p",
     "service_tier",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "text",
 )
 
 
@@ -142,27 +133,37 @@ def failed_object(draft: ResponseDraft, text: str, message: str) -> dict[str, An
 
 def draft_of(final: dict[str, Any]) -> ResponseDraft:
     """The draft a finished response was made from (to stream it again)."""
+    first = final["output"][0]["id"]
     return ResponseDraft(
         id=final["id"],
         model=final["model"],
-        output_id=final["output"][0]["id"],
+        output_id=message_of_call(first) if first.startswith("fc_") else first,
         request={k: final.get(k) for k in REQUEST_FIELDS},
         created_at=final["created_at"],
     )
 
 
 def replay_events(final: dict[str, Any]) -> list[bytes]:
-    """A recorded response as the stream that made it: its text in one delta."""
+    """A recorded response as the stream that made it: its text in one delta, each call's
+    arguments in one."""
     events = ResponseEvents(draft_of(final))
-    content = final["output"][0]["content"]
-    text = content[0]["text"] if content else ""
-    return [events.start(), events.content({"text": text}), events.usage(final["usage"], final)]
+    out = [events.start()]
+    for item in final["output"]:
+        if item["type"] == "message" and item["content"]:
+            out.append(events.content({"text": item["content"][0]["text"]}))
+        elif item["type"] == "function_call":
+            k = int(item["id"].rsplit("_", 1)[1])
+            call = {"index": k, "id": item["call_id"], "function": item}
+            out.append(events.content({"delta": {"tool_calls": [call]}}))
+    return [*out, events.usage(final["usage"], final)]
 
 
 class ResponseEvents:
     """The Responses SSE sequence around a worker's stream (`gateway.shaping.Shaper`):
-    created, in_progress, output_item.added, content_part.added, output_text.delta...,
-    output_text.done, content_part.done, output_item.done, completed (with usage)."""
+    created, in_progress; then per output item as it starts (the message's text, each
+    function call): output_item.added (and content_part.added), its deltas
+    (output_text.delta / function_call_arguments.delta); at the end, per item, its .done
+    events and output_item.done; then completed (with usage)."""
 
     end = b""
 
@@ -170,6 +171,8 @@ class ResponseEvents:
         self.draft = draft
         self.seq = 0
         self.text: list[str] = []
+        self.opened: list[str] = []  # item ids, in the order their items were added
+        self.arguments: dict[str, list[str]] = {}  # function call item id -> pieces
 
     def _event(self, kind: str, **fields: Any) -> bytes:
         payload = {"type": kind, "sequence_number": self.seq, **fields}
@@ -177,16 +180,26 @@ class ResponseEvents:
         return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(payload) + b"\n\n"
 
     def _where(self) -> dict[str, Any]:
-        return {"item_id": self.draft.output_id, "output_index": 0, "content_index": 0}
+        index = self.opened.index(self.draft.output_id)
+        return {"item_id": self.draft.output_id, "output_index": index, "content_index": 0}
 
     def start(self) -> bytes:
         started = self.draft.object(text=None)
-        item = message_item(self.draft.output_id, "assistant", "", status="in_progress")
         return b"".join(
             [
                 self._event("response.created", response=started),
                 self._event("response.in_progress", response=started),
-                self._event("response.output_item.added", output_index=0, item=item),
+            ]
+        )
+
+    def _open_message(self) -> bytes:
+        self.opened.append(self.draft.output_id)
+        item = message_item(self.draft.output_id, "assistant", "", status="in_progress")
+        return b"".join(
+            [
+                self._event(
+                    "response.output_item.added", output_index=len(self.opened) - 1, item=item
+                ),
                 self._event(
                     "response.content_part.added",
                     **self._where(),
@@ -196,11 +209,49 @@ class ResponseEvents:
         )
 
     def content(self, choice: dict[str, Any]) -> bytes:
-        delta = choice.get("text") or ""
-        if not delta:
-            return b""
-        self.text.append(delta)
-        return self._event("response.output_text.delta", **self._where(), delta=delta, logprobs=[])
+        delta = choice.get("delta")
+        text = (delta.get("content") if delta is not None else choice.get("text")) or ""
+        out: list[bytes] = []
+        if text:
+            if self.draft.output_id not in self.opened:
+                out.append(self._open_message())
+            self.text.append(text)
+            out.append(
+                self._event("response.output_text.delta", **self._where(), delta=text, logprobs=[])
+            )
+        for call in (delta or {}).get("tool_calls") or ():
+            out.append(self._call_delta(call))
+        return b"".join(out)
+
+    def _call_delta(self, call: dict[str, Any]) -> bytes:
+        item_id = call_item_id(self.draft.output_id, int(call.get("index") or 0))
+        fn = call.get("function") or {}
+        out: list[bytes] = []
+        if item_id not in self.arguments:
+            self.opened.append(item_id)
+            self.arguments[item_id] = []
+            item = {
+                "id": item_id,
+                "type": "function_call",
+                "call_id": call.get("id"),
+                "name": fn.get("name"),
+                "arguments": "",
+                "status": "in_progress",
+            }
+            index = len(self.opened) - 1
+            out.append(self._event("response.output_item.added", output_index=index, item=item))
+        if piece := fn.get("arguments"):
+            self.arguments[item_id].append(piece)
+            index = self.opened.index(item_id)
+            out.append(
+                self._event(
+                    "response.function_call_arguments.delta",
+                    item_id=item_id,
+                    output_index=index,
+                    delta=piece,
+                )
+            )
+        return b"".join(out)
 
     def failed(self, exc: Exception) -> bytes:
         """The end of a stream whose turn failed after it started (a worker that died, a
@@ -218,19 +269,33 @@ class ResponseEvents:
         )
 
     def usage(self, usage: dict[str, Any], final: dict[str, Any]) -> bytes:
-        """The closing events; `final` is the finished response object (as stored)."""
-        text = "".join(self.text)
-        item = final["output"][0]
+        """The closing events of every item; `final` is the finished response object (as
+        stored). An item the stream never added (an answer with no text) is added now."""
+        out: list[bytes] = []
+        for index, item in enumerate(final["output"]):
+            if item["type"] == "message":
+                if item["id"] not in self.opened:
+                    out.append(self._open_message())
+                text = "".join(self.text)
+                where = self._where()
+                part = {"type": "output_text", "text": text, "annotations": []}
+                out += [
+                    self._event("response.output_text.done", **where, text=text, logprobs=[]),
+                    self._event("response.content_part.done", **where, part=part),
+                ]
+            elif item["type"] == "function_call":
+                if item["id"] not in self.arguments:
+                    call = {"index": int(item["id"].rsplit("_", 1)[1]), "id": item["call_id"]}
+                    out.append(self._call_delta({**call, "function": {"name": item["name"]}}))
+                out.append(
+                    self._event(
+                        "response.function_call_arguments.done",
+                        item_id=item["id"],
+                        output_index=index,
+                        arguments=item["arguments"],
+                    )
+                )
+            out.append(self._event("response.output_item.done", output_index=index, item=item))
         last = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
-        return b"".join(
-            [
-                self._event("response.output_text.done", **self._where(), text=text, logprobs=[]),
-                self._event(
-                    "response.content_part.done",
-                    **self._where(),
-                    part={"type": "output_text", "text": text, "annotations": []},
-                ),
-                self._event("response.output_item.done", output_index=0, item=item),
-                self._event(last, response=final),
-            ]
-        )
+        out.append(self._event(last, response=final))
+        return b"".join(out)

@@ -1,0 +1,223 @@
+"""Agent fields of a session turn: tools, tool choice, tool messages (docs/agents.md).
+
+What the model writes is parsed by the engine (vLLM's `--tool-call-parser`), and a forced
+choice is enforced there too (structured outputs): nothing here knows a model family. This
+module checks what a client sends against the session before anything runs, so that a
+refused turn changes nothing, and keeps what the history needs of an answer.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import orjson
+from jsonschema import exceptions as schema_errors
+from jsonschema import validators
+
+from ctxcache.errors import InvalidRequest
+
+# Fields that only the engine's chat endpoint honours (`TurnService` sends a turn that
+# carries any of them there, with the prompt as token ids).
+AGENT_FIELDS = (
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "response_format",
+    "logprobs",
+    "top_logprobs",
+)
+# OpenAI's deprecated form of tools: refused with a pointer to `tools`.
+LEGACY_FIELDS = ("functions", "function_call")
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_CHOICES = ("none", "auto", "required")
+
+Tools = list[dict[str, Any]]
+
+
+def check_tools(tools: Any, param: str = "tools") -> Tools | None:
+    """`tools` as OpenAI defines them: function tools with a name and a JSON schema."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise InvalidRequest("tools must be a list of function tools", param=param)
+    names: set[str] = set()
+    for i, tool in enumerate(tools):
+        where = f"{param}[{i}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            raise InvalidRequest("each tool must be {'type': 'function', ...}", param=where)
+        fn = tool.get("function")
+        if not isinstance(fn, dict):
+            raise InvalidRequest("a function tool needs a 'function' object", param=where)
+        name = fn.get("name")
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise InvalidRequest(
+                "a function's name must be 1-64 letters, digits, '_' or '-'",
+                param=f"{where}.function.name",
+            )
+        if name in names:
+            raise InvalidRequest(f"two tools are named {name!r}", param=f"{where}.function.name")
+        names.add(name)
+        check_schema(fn.get("parameters"), f"{where}.function.parameters")
+    return tools
+
+
+def check_schema(schema: Any, param: str) -> None:
+    """A JSON schema (absent: the function takes no parameters)."""
+    if schema is None:
+        return
+    if not isinstance(schema, dict):
+        raise InvalidRequest("parameters must be a JSON schema object", param=param)
+    try:
+        validators.validator_for(schema).check_schema(schema)
+    except schema_errors.SchemaError as exc:
+        raise InvalidRequest(f"not a valid JSON schema: {exc.message}", param=param) from None
+
+
+def tool_names(tools: Tools | None) -> set[str]:
+    return {t["function"]["name"] for t in tools or ()}
+
+
+def check_tool_choice(choice: Any, tools: Tools | None) -> None:
+    """`none`, `auto`, `required`, or a named function among `tools`."""
+    if choice is None or choice in ("none", "auto"):
+        return
+    if choice == "required":
+        if not tools:
+            raise InvalidRequest("tool_choice 'required' needs tools", param="tool_choice")
+        return
+    if isinstance(choice, str):
+        raise InvalidRequest(
+            f"tool_choice must be one of {', '.join(_CHOICES)} or a named function",
+            param="tool_choice",
+        )
+    name = (choice.get("function") or {}).get("name") if isinstance(choice, dict) else None
+    if not isinstance(choice, dict) or choice.get("type") != "function" or not name:
+        raise InvalidRequest(
+            "a named tool_choice is {'type': 'function', 'function': {'name': ...}}",
+            param="tool_choice",
+        )
+    if name not in tool_names(tools):
+        raise InvalidRequest(
+            f"tool_choice names {name!r}, which is not a tool", param="tool_choice"
+        )
+
+
+def check_response_format(fmt: Any) -> None:
+    """`text`, `json_object`, or `json_schema` with a valid schema."""
+    if fmt is None:
+        return
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind in ("text", "json_object"):
+        return
+    if kind != "json_schema":
+        raise InvalidRequest(
+            "response_format type must be text, json_object or json_schema",
+            param="response_format",
+        )
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+        raise InvalidRequest(
+            "response_format json_schema needs {'name', 'schema'}",
+            param="response_format.json_schema",
+        )
+    check_schema(spec.get("schema"), "response_format.json_schema.schema")
+
+
+def check_agent_fields(body: dict[str, Any], tools: Tools | None) -> None:
+    """Everything a chat turn carries for an agent, against the tools it will run with."""
+    for field in LEGACY_FIELDS:
+        if body.get(field) is not None:
+            raise InvalidRequest(f"{field} is deprecated: use tools / tool_choice", param=field)
+    check_tool_choice(body.get("tool_choice"), tools)
+    check_response_format(body.get("response_format"))
+
+
+def same_tools(a: Tools | None, b: Tools | None) -> bool:
+    """Whether two tool lists render alike (key order does not matter; list order does)."""
+    if not a or not b:
+        return not a and not b
+    opt = orjson.OPT_SORT_KEYS
+    return orjson.dumps(a, option=opt) == orjson.dumps(b, option=opt)
+
+
+def uses_chat_engine(body: dict[str, Any], tools: Tools | None) -> bool:
+    """A turn the engine's chat endpoint must run: tools to parse, a format to enforce,
+    logprobs to return."""
+    return bool(tools) or any(body.get(f) not in (None, False) for f in AGENT_FIELDS)
+
+
+def check_tool_messages(history: list[dict[str, Any]], new: list[dict[str, Any]]) -> None:
+    """Each `tool` message answers a call of the assistant message before it (the session's
+    last answer, or one sent in this turn), by its `tool_call_id`."""
+    calls: set[str] = set()
+    previous = history[-1] if history else None
+    if previous is not None:
+        calls = _call_ids(previous) if previous.get("role") == "assistant" else set()
+    for i, message in enumerate(new):
+        role = message.get("role")
+        if role == "assistant":
+            calls = _call_ids(message)
+            continue
+        if role != "tool":
+            calls = set()
+            continue
+        call_id = message.get("tool_call_id")
+        if not calls:
+            raise InvalidRequest(
+                "a tool message must follow an assistant message with tool_calls",
+                param=f"messages[{i}]",
+            )
+        if call_id not in calls:
+            raise InvalidRequest(
+                f"tool_call_id {call_id!r} matches no call of the assistant message before it",
+                param=f"messages[{i}].tool_call_id",
+            )
+
+
+def _call_ids(message: dict[str, Any]) -> set[str]:
+    return {c.get("id") for c in message.get("tool_calls") or () if isinstance(c, dict)}
+
+
+def assistant_message(message: dict[str, Any]) -> dict[str, Any]:
+    """What the history keeps of an answer: content and tool calls, as the chat template
+    renders them when the conversation is rendered again."""
+    out: dict[str, Any] = {"role": "assistant", "content": message.get("content")}
+    calls = message.get("tool_calls")
+    if calls:
+        out["tool_calls"] = [
+            {
+                "id": c.get("id"),
+                "type": "function",
+                "function": {
+                    "name": (c.get("function") or {}).get("name"),
+                    "arguments": (c.get("function") or {}).get("arguments") or "",
+                },
+            }
+            for c in calls
+        ]
+    return out
+
+
+class StreamedCalls:
+    """Tool calls put together from a stream's deltas (OpenAI's: by `index`; the first delta
+    of a call carries its id, type and name, the rest pieces of its arguments)."""
+
+    def __init__(self) -> None:
+        self.calls: dict[int, dict[str, Any]] = {}
+
+    def add(self, deltas: list[dict[str, Any]] | None) -> None:
+        for delta in deltas or ():
+            call = self.calls.setdefault(
+                int(delta.get("index") or 0),
+                {"id": None, "type": "function", "function": {"name": None, "arguments": ""}},
+            )
+            if delta.get("id"):
+                call["id"] = delta["id"]
+            fn = delta.get("function") or {}
+            if fn.get("name"):
+                call["function"]["name"] = fn["name"]
+            call["function"]["arguments"] += fn.get("arguments") or ""
+
+    def list(self) -> list[dict[str, Any]]:
+        return [self.calls[i] for i in sorted(self.calls)]
