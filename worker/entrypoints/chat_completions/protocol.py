@@ -42,7 +42,27 @@ class ChatTemplateFields(OpenAIBaseModel):
         return [{"role": m.role, "content": m.text()} for m in self.messages]
 
 
-class ChatCompletionRequest(ChatTemplateFields, SamplingFields):
+class ToolFields(OpenAIBaseModel):
+    """OpenAI's tool and output-format fields, read only to be refused: the built-in engine
+    has no tool parser and no guided decoding (vLLM has both)."""
+
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: Any = None
+
+    def unsupported_field(self) -> str | None:
+        """The first of these fields the request really uses, or None."""
+        if self.tools:
+            return "tools"
+        if self.tool_choice not in (None, "none"):
+            return "tool_choice"
+        fmt = self.response_format
+        if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+            return "response_format"
+        return None
+
+
+class ChatCompletionRequest(ChatTemplateFields, ToolFields, SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=0)
 
 

@@ -18,9 +18,28 @@ from worker.entrypoints.chat_completions.protocol import (
     ChatCompletionResponse,
     ChatTemplateFields,
     DeltaMessage,
+    ToolFields,
 )
 from worker.entrypoints.protocol import usage
 from worker.entrypoints.serving import Generation, WorkerState
+
+# what the built-in engine refuses, and where to go instead (vLLM parses tool calls and
+# constrains output; the worker would ignore these fields and answer in plain text)
+REFUSALS = {
+    "tools": "tools are not supported by the built-in engine (ctxcache worker); "
+    "run vLLM with a tool parser: ctxcache serve --engine vllm",
+    "tool_choice": "tool_choice is not supported by the built-in engine (ctxcache worker); "
+    "run vLLM with a tool parser: ctxcache serve --engine vllm",
+    "response_format": "response_format is not supported by the built-in engine "
+    "(ctxcache worker); run vLLM: ctxcache serve --engine vllm",
+}
+
+
+def refuse_tools(body: ToolFields) -> None:
+    """A 400 naming the engine for tools, a tool_choice or a non-text response_format."""
+    field = body.unsupported_field()
+    if field is not None:
+        raise InvalidRequest(REFUSALS[field], param=field)
 
 
 def render_chat(tokenizer: Any, body: ChatTemplateFields) -> list[int]:
@@ -52,6 +71,7 @@ class ChatServing:
     ) -> ChatCompletionResponse | StreamingResponse:
         if body.max_completion_tokens is not None and body.max_tokens is None:
             body.max_tokens = body.max_completion_tokens
+        refuse_tools(body)
         ids = render_chat(self.state.runner.tokenizer, body)
         gen = Generation.start(self.state, ids, body, default_max_tokens=None)
         if body.stream:

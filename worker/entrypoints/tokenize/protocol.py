@@ -5,11 +5,12 @@ from __future__ import annotations
 from pydantic import model_validator
 
 from ctxcache.schema import OpenAIBaseModel
-from worker.entrypoints.chat_completions.protocol import ChatMessage
+from worker.entrypoints.chat_completions.protocol import ChatMessage, ToolFields
 
 
-class TokenizeRequest(OpenAIBaseModel):
-    """Either `prompt` (text) or `messages` (rendered with the chat template)."""
+class TokenizeRequest(ToolFields):
+    """Either `prompt` (text) or `messages` (rendered with the chat template); tools are
+    refused, as by the chat endpoint."""
 
     model: str | None = None
     prompt: str | None = None

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from worker.entrypoints.chat_completions.protocol import ChatTemplateFields
-from worker.entrypoints.chat_completions.serving import render_chat
+from worker.entrypoints.chat_completions.serving import refuse_tools, render_chat
 from worker.entrypoints.serving import WorkerState
 from worker.entrypoints.tokenize.protocol import (
     DetokenizeRequest,
@@ -19,6 +19,7 @@ class TokenizeServing:
 
     def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
         self.state.check_model(body.model)
+        refuse_tools(body)
         tokenizer = self.state.runner.tokenizer
         if body.messages is not None:
             ids = render_chat(
