@@ -38,8 +38,8 @@ from pathlib import Path
 
 from ctxcache.redis_server import FSYNC_POLICIES
 from ctxcache.supervisor import Child, Interrupted, Supervisor, http_ready
+from ctxcache.vllm_engine import add_tool_parser_argument, default_engine
 from ctxcache.vllm_engine import available as vllm_available
-from ctxcache.vllm_engine import default_engine
 from gateway.cli import add_api_key_argument, api_keys, api_keys_file
 
 log = logging.getLogger("ctxcache.serve")
@@ -105,6 +105,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="ARG",
         help="one more argument for vLLM's server (repeatable), e.g. --vllm-arg=--dtype=float32",
     )
+    add_tool_parser_argument(p)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -281,7 +282,8 @@ def engine_args(
     if local is not None:
         argv += ["--sidecar-local-dir", str(local)]
     if engine == "vllm":
-        argv += ["--kv-cache-gib", str(args.kv_cache_gib), "--", *args.vllm_arg]
+        argv += ["--kv-cache-gib", str(args.kv_cache_gib)]
+        argv += ["--tool-call-parser", args.tool_call_parser, "--", *args.vllm_arg]
     return argv
 
 

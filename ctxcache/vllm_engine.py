@@ -88,6 +88,8 @@ class VllmLaunch:
     # CPUs vLLM keeps off its compute threads; None: auto_reserved_cpus()
     reserved_cpus: int | None = None
     enforce_eager: bool = False  # --enforce-eager: compile nothing (no compiler needed)
+    # vLLM's --tool-call-parser (with --enable-auto-tool-choice); None: no tool calling
+    tool_call_parser: str | None = None
     connector_config: dict[str, object] = field(default_factory=dict)
     extra_args: list[str] = field(default_factory=list)
 
@@ -128,6 +130,8 @@ class VllmLaunch:
             args += ["--kv-transfer-config", json.dumps(self.transfer_config())]
         if self.enforce_eager:
             args.append("--enforce-eager")
+        if self.tool_call_parser:
+            args += ["--enable-auto-tool-choice", "--tool-call-parser", self.tool_call_parser]
         otlp = os.environ.get(tracing.ENDPOINT_ENV, "").strip()
         if otlp and "--otlp-traces-endpoint" not in self.extra_args:
             # vLLM's own spans (queue, prefill, decode) join the gateway's trace: the
@@ -174,6 +178,73 @@ def served_name(model: str) -> str:
     return Path(model.rstrip("/")).name or model
 
 
+# ---- tool calling: vLLM's parser of the model's tool-call syntax, per family (docs/vllm.md)
+
+# config.json's `model_type` -> vLLM's --tool-call-parser (the presets are qwen2)
+TOOL_PARSERS = {
+    "qwen2": "hermes",
+    "qwen2_moe": "hermes",
+    "qwen3": "hermes",
+    "qwen3_moe": "hermes",
+    "llama": "llama3_json",  # Llama 3.x (a Llama 2 has no tool format: none)
+    "mistral": "mistral",
+    "mixtral": "mistral",
+    "gpt_oss": "openai",
+}
+# `architectures`, for a config.json without `model_type`
+TOOL_PARSER_ARCHITECTURES = {
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "MixtralForCausalLM": "mixtral",
+    "GptOssForCausalLM": "gpt_oss",
+}
+LLAMA3_VOCAB = 128_000  # Llama 3.x's vocabulary is 128,256 tokens; Llama 2's 32,000
+
+
+def default_tool_parser(model: str) -> str | None:
+    """vLLM's tool parser for the model directory `model`, from its config.json's
+    `model_type` (else `architectures`); None, logged, for a family without a default or a
+    hub id (no local directory): tools are then refused by vLLM."""
+    log = logging.getLogger(__name__)
+    config_path = Path(model) / "config.json"
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError):
+        config = None
+    if not isinstance(config, dict):
+        log.info(
+            "tool calling off: no config.json in %s to pick a tool parser from; "
+            "pass --tool-call-parser NAME (docs/vllm.md, 'Tool calling')",
+            model,
+        )
+        return None
+    family = config.get("model_type")
+    if family not in TOOL_PARSERS:
+        known = [a for a in config.get("architectures") or [] if a in TOOL_PARSER_ARCHITECTURES]
+        family = TOOL_PARSER_ARCHITECTURES[known[0]] if known else family
+    parser = TOOL_PARSERS.get(str(family))
+    if family == "llama" and int(config.get("vocab_size") or 0) < LLAMA3_VOCAB:
+        parser = None  # Llama 2 and older: no tool-call format
+    if parser is None:
+        log.info(
+            "tool calling off: no default tool parser for model type %r; pass "
+            "--tool-call-parser NAME, one of vLLM's parsers (docs/vllm.md, 'Tool calling')",
+            family,
+        )
+    return parser
+
+
+def tool_parser_choice(choice: str, model: str) -> str | None:
+    """`--tool-call-parser`'s value: `auto` (the family's default), `none`, or a name."""
+    if choice == "auto":
+        return default_tool_parser(model)
+    return None if choice == "none" else choice
+
+
 # ---- `ctxcache vllm`: the engine as a service of its own (compose, Kubernetes, serve) -----
 
 
@@ -213,8 +284,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="CPUs vLLM keeps off its compute threads (VLLM_CPU_NUM_OF_RESERVED_CPU; default: "
         "that variable if set, else 1 as vLLM without a connector, 0 on a machine of 1-2 CPUs)",
     )
+    add_tool_parser_argument(p)
     p.add_argument(
         "vllm_args", nargs=argparse.REMAINDER, help="after `--`: more arguments for vLLM"
+    )
+
+
+def add_tool_parser_argument(p: argparse.ArgumentParser) -> None:
+    """`--tool-call-parser`, shared by `ctxcache vllm` and `ctxcache serve`."""
+    p.add_argument(
+        "--tool-call-parser",
+        default="auto",
+        metavar="NAME|auto|none",
+        help="vLLM's tool-call parser, with --enable-auto-tool-choice (default auto: by the "
+        "model's family, e.g. hermes for Qwen; none: no tool calling; docs/vllm.md)",
     )
 
 
@@ -255,6 +338,7 @@ def main(args: argparse.Namespace) -> int:
         reserved_cpus=args.reserved_cpus,
         connector_config={"chunk_size": args.chunk_size, "async_loads": args.async_loads},
         enforce_eager=eager,
+        tool_call_parser=tool_parser_choice(args.tool_call_parser, args.model),
         extra_args=extra,
     )
     argv = launch.argv()
