@@ -93,7 +93,7 @@ class PromptBuilder:
         for a model whose turns lately needed it (see `delta`), the history rendered alone,
         in parallel."""
         whole = self.chat(worker, model, previous + new, generation_prompt=True, tools=tools)
-        if self._fallbacks.get(model, 0) <= 0:
+        if self._fallbacks.get(model, 0) <= 0 or not previous:  # (nothing renders as nothing)
             full, window = await whole
             return full, window, None
         (full, window), (before, _) = await asyncio.gather(
@@ -125,7 +125,9 @@ class PromptBuilder:
             self._fallbacks[model] = max(0, self._fallbacks.get(model, 0) - 1)
             return full[len(stored) :], window
         self._fallbacks[model] = FALLBACK_TURNS
-        if before is None:
+        if before is None and not previous:
+            before = []
+        elif before is None:
             before, _ = await self.chat(
                 worker, model, previous, generation_prompt=False, tools=tools
             )

@@ -323,9 +323,9 @@ class TurnService:
             stored = [] if new_tools else state.tokens
             if kind == "chat":
                 check_agent_fields(body, tools)
-            usable = early is not None and same_tools(early.tools, tools)
-            if early is not None and usable and early.version in (None, info.version):
-                ready = await _result_or_none(early.task)
+            if early is not None and early.version in (None, info.version):
+                if same_tools(early.tools, tools):  # (else it rendered with other tools)
+                    ready = await _result_or_none(early.task)
                 if early.version is not None:  # begin sent no messages: we hold this version's
                     history = early.history
             if kind == "chat":

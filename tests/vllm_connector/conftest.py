@@ -104,6 +104,7 @@ def started_stack(
         kv_cache_gib=1,
         dev_mode=True,
         connector_config=dict(connector_config or {}),
+        tool_call_parser="hermes",  # as `ctxcache serve` picks for the presets (Qwen2)
     )
     vllm = VllmProcess(launch, log_path=root / "vllm.log")
     store = ["--redis-url", redis_server.url]

@@ -1,0 +1,377 @@
+"""Agents on a session, end to end on the real vLLM (the tiny preset, hermes tool parser):
+the openai SDK with tools in a session turn, structured outputs and logprobs, the OpenAI
+Agents SDK over the Responses API, LangChain's `bind_tools`, and the inputs a session
+refuses without changing. A random-weight model calls a tool when the choice forces it
+(named or `required`: vLLM's structured outputs), so the tests force it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+import jsonschema
+import openai
+import pytest
+
+from ctxcache.redis_server import RedisServer
+from tests.vllm_connector.conftest import VLLM_TIMEOUT, VllmStack, document, started_stack
+
+pytestmark = pytest.mark.timeout(VLLM_TIMEOUT)
+BLOCK = 128  # vLLM's CPU block: a turn reuses its history less at most one block
+GREEDY: dict[str, Any] = {"temperature": 0, "max_tokens": 160}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "the weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 12}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+        "strict": True,  # vLLM holds the arguments to the schema only when strict
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "the time in a timezone",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "string", "enum": ["utc", "cet"]}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+        "strict": True,
+    },
+}
+TOOLS = [WEATHER, TIME]
+
+
+def named(name: str) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name}}
+
+
+@pytest.fixture(scope="module")
+def stack(
+    tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer, tiny_model: Path
+) -> Iterator[VllmStack]:
+    with started_stack(tmp_path_factory, redis_server, tiny_model) as s:
+        yield s
+
+
+@pytest.fixture
+def client(stack: VllmStack) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0) as c:
+        yield c
+
+
+def create(stack: VllmStack, seed: int, tools: list[dict[str, Any]] | None = TOOLS) -> str:
+    body: dict[str, Any] = {
+        "model": "tiny",
+        "messages": [{"role": "system", "content": document(seed, 300)}],
+    }
+    if tools is not None:
+        body["tools"] = tools
+    got = stack.http.post("/v1/context", json=body)
+    assert got.status_code == 200, got.text
+    return str(got.json()["session_id"])
+
+
+def context(stack: VllmStack, sid: str) -> dict[str, Any]:
+    got = stack.http.get(f"/v1/context/{sid}")
+    assert got.status_code == 200, got.text
+    return dict(got.json())
+
+
+def reused(usage: Any, history: int) -> None:
+    """The turn reused its whole history but at most one engine block."""
+    cached = usage.prompt_tokens_details.cached_tokens
+    assert cached >= history - BLOCK, (cached, history)
+
+
+def test_tool_calls_in_a_session_with_the_openai_sdk(
+    stack: VllmStack, client: openai.OpenAI
+) -> None:
+    """Named choice, tool result, `required` with parallel calls streamed, several tool
+    results, `auto`: each turn sends only its new messages and reuses the history."""
+    sid = create(stack, 1)
+    extra = {"session_id": sid}
+    history = context(stack, sid)["context_tokens"]
+    r1 = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "what is the weather in paris"}],
+        tools=TOOLS,
+        tool_choice=named("get_weather"),
+        extra_body=extra,
+        **GREEDY,
+    )
+    choice = r1.choices[0]
+    assert choice.finish_reason == "stop", choice  # OpenAI's, for a named choice
+    (call,) = choice.message.tool_calls or []
+    assert call.function.name == "get_weather" and call.id
+    assert isinstance(json.loads(call.function.arguments)["city"], str)
+    reused(r1.usage, history)
+
+    history = context(stack, sid)["context_tokens"]
+    r2 = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}],
+        extra_body=extra,  # the session's tools are used: not sent again
+        **GREEDY,
+    )
+    assert r2.choices[0].message.content is not None
+    reused(r2.usage, history)
+
+    history = context(stack, sid)["context_tokens"]
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "and the time there"}],
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=True,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=extra,
+        **GREEDY,
+    )
+    calls: dict[int, dict[str, str]] = {}
+    finish, usage = None, None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            finish = c.finish_reason or finish
+            for d in c.delta.tool_calls or []:
+                got = calls.setdefault(d.index, {"id": "", "name": "", "arguments": ""})
+                got["id"] = d.id or got["id"]
+                got["name"] = (d.function and d.function.name) or got["name"]
+                got["arguments"] += (d.function and d.function.arguments) or ""
+    # a random model may go on calling until max_tokens: then the last call may be cut
+    assert finish in ("tool_calls", "length") and len(calls) >= 1, (finish, calls)
+    for got in list(calls.values())[: -1 if finish == "length" else None]:
+        assert got["id"] and got["name"] in ("get_weather", "get_time")
+        json.loads(got["arguments"])
+    reused(usage, history)
+
+    history = context(stack, sid)["context_tokens"]
+    results = [
+        {"role": "tool", "tool_call_id": got["id"], "content": f"result {i}"}
+        for i, got in enumerate(calls.values())
+    ]
+    r4 = client.chat.completions.create(
+        model="tiny", messages=results, tools=TOOLS, tool_choice="auto", extra_body=extra, **GREEDY
+    )
+    assert r4.choices[0].finish_reason in ("stop", "length")
+    reused(r4.usage, history)
+    info = context(stack, sid)
+    assert info["turns"] == 5  # the create and four turns
+
+
+def test_a_tool_call_equals_the_whole_conversation_sent_without_a_session(
+    stack: VllmStack, client: openai.OpenAI
+) -> None:
+    """Greedy, the same engine: the session turn's call is the one vLLM gives the whole
+    conversation (tools rendered by the template, a text turn before it)."""
+    system = document(2, 300)
+    sid = create(stack, 2)
+    first = [{"role": "user", "content": "hello there"}]
+    r1 = client.chat.completions.create(
+        model="tiny", messages=first, extra_body={"session_id": sid}, **GREEDY
+    )
+    ask = [{"role": "user", "content": "weather in rome please"}]
+    kwargs: dict[str, Any] = {"tools": TOOLS, "tool_choice": "required", **GREEDY}
+    turn = client.chat.completions.create(
+        model="tiny", messages=ask, extra_body={"session_id": sid}, **kwargs
+    )
+    whole = [
+        {"role": "system", "content": system},
+        *first,
+        {"role": "assistant", "content": r1.choices[0].message.content},
+        *ask,
+    ]
+    full = client.chat.completions.create(model="tiny", messages=whole, **kwargs)
+    calls = [(c.function.name, c.function.arguments) for c in turn.choices[0].message.tool_calls]
+    expected = [(c.function.name, c.function.arguments) for c in full.choices[0].message.tool_calls]
+    assert calls == expected
+    assert turn.usage.prompt_tokens == full.usage.prompt_tokens
+
+
+def test_structured_output_and_logprobs_in_a_session(
+    stack: VllmStack, client: openai.OpenAI
+) -> None:
+    sid = create(stack, 3, tools=None)
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 20},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        },
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema}}
+    r = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "a person please"}],
+        response_format=fmt,  # type: ignore[arg-type]
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"session_id": sid},
+        temperature=0,
+        max_tokens=400,
+    )
+    choice = r.choices[0]
+    jsonschema.validate(json.loads(choice.message.content or ""), schema)
+    assert choice.logprobs is not None and choice.logprobs.content
+    assert len(choice.logprobs.content[0].top_logprobs) == 2
+
+
+def test_bad_agent_inputs_are_refused_and_change_nothing(
+    stack: VllmStack, client: openai.OpenAI
+) -> None:
+    sid = create(stack, 4)
+    r = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "weather"}],
+        tool_choice=named("get_weather"),
+        extra_body={"session_id": sid},
+        **GREEDY,
+    )
+    (call,) = r.choices[0].message.tool_calls or []
+    before = context(stack, sid)
+    bad_tool = {"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}
+    huge = "word " * 5000  # over the tiny model's 4,096-token window
+    cases: list[tuple[dict[str, Any], str, str]] = [
+        (
+            {"messages": [{"role": "user", "content": "x"}], "tools": [bad_tool]},
+            "tools[0].function.parameters",
+            "invalid_request",
+        ),
+        (
+            {"messages": [{"role": "tool", "tool_call_id": "call_nope", "content": "x"}]},
+            "messages[0].tool_call_id",
+            "invalid_request",
+        ),
+        (
+            {"messages": [{"role": "tool", "tool_call_id": call.id, "content": huge}]},
+            "messages",
+            "context_length_exceeded",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "tool_choice": named("nope")},
+            "tool_choice",
+            "invalid_request",
+        ),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "x"},
+                    {"role": "tool", "tool_call_id": call.id, "content": "y"},
+                ]
+            },
+            "messages[1]",
+            "invalid_request",
+        ),
+    ]
+    for extra, param, code in cases:
+        body = {"model": "tiny", "session_id": sid, **GREEDY, **extra}
+        got = stack.http.post("/v1/chat/completions", json=body)
+        assert got.status_code == 400, (extra, got.text)
+        error = got.json()["error"]
+        assert (error["param"], error["code"]) == (param, code), error
+    after = context(stack, sid)
+    assert (after["turns"], after["context_tokens"]) == (before["turns"], before["context_tokens"])
+    fresh = create(stack, 5, tools=None)  # a tool message in a session with no call before it
+    body = {"model": "tiny", "session_id": fresh, **GREEDY}
+    body["messages"] = [{"role": "tool", "tool_call_id": "c1", "content": "y"}]
+    got = stack.http.post("/v1/chat/completions", json=body)
+    assert got.status_code == 400 and got.json()["error"]["param"] == "messages[0]", got.text
+
+
+def test_an_agent_of_the_openai_agents_sdk_over_responses(stack: VllmStack) -> None:
+    """An agent with a function tool, three tool round trips a run, its model calls chained
+    with `previous_response_id` (the SDK then sends only the new items: the function call's
+    output); a second run continues the first, streamed. Every model call after the first
+    reuses the chain's history. (The tool choice is forced and kept, and the run ends after
+    three round trips: a random-weight model would never end a text answer by itself.)"""
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIResponsesModel,
+        RunConfig,
+        Runner,
+        ToolsToFinalOutputResult,
+        function_tool,
+    )
+
+    seen: list[str] = []
+
+    @function_tool  # (an enum: a random model writes any string, up to max_tokens)
+    def get_weather(city: Literal["paris", "rome", "oslo"]) -> str:
+        """The weather in a city."""
+        seen.append(city)
+        return f"the weather in {city} is sunny"
+
+    def every_third(_: Any, results: list[Any]) -> ToolsToFinalOutputResult:
+        return ToolsToFinalOutputResult(
+            is_final_output=len(seen) % 3 == 0, final_output=results[-1].output
+        )
+
+    async def run() -> list[Any]:
+        client = openai.AsyncOpenAI(base_url=f"{stack.url}/v1", api_key="unused")
+        agent = Agent(
+            name="weather",
+            instructions=document(6, 200),
+            tools=[get_weather],
+            model=OpenAIResponsesModel(model="tiny", openai_client=client),
+            model_settings=ModelSettings(tool_choice="get_weather", temperature=0, max_tokens=160),
+            tool_use_behavior=every_third,
+            reset_tool_choice=False,
+        )
+        config = RunConfig(tracing_disabled=True)
+        first = await Runner.run(agent, "paris?", run_config=config, auto_previous_response_id=True)
+        streamed = Runner.run_streamed(
+            agent,
+            "rome?",
+            previous_response_id=first.last_response_id,
+            auto_previous_response_id=True,
+            run_config=config,
+        )
+        async for _ in streamed.stream_events():
+            pass
+        await client.close()
+        return [*first.raw_responses, *streamed.raw_responses]
+
+    responses = asyncio.run(run())
+    assert len(seen) == 6 and len(responses) == 6, (seen, responses)
+    for before, r in zip(responses, responses[1:], strict=False):
+        history = before.usage.input_tokens + before.usage.output_tokens
+        assert r.usage.input_tokens_details.cached_tokens >= history - BLOCK, (history, r.usage)
+
+
+def test_langchain_bind_tools_with_a_session(stack: VllmStack) -> None:
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_openai import ChatOpenAI
+
+    sid = create(stack, 7)
+    llm = ChatOpenAI(
+        model="tiny",
+        base_url=f"{stack.url}/v1",
+        api_key="unused",  # type: ignore[arg-type]
+        temperature=0,
+        max_tokens=160,  # type: ignore[call-arg]
+        extra_body={"session_id": sid},
+    )
+    bound = llm.bind_tools([WEATHER, TIME], tool_choice="get_time")
+    first = bound.invoke([HumanMessage("what time is it")])
+    (call,) = first.tool_calls
+    assert call["name"] == "get_time" and call["args"]["zone"] in ("utc", "cet")
+    history = context(stack, sid)["context_tokens"]
+    second = llm.bind_tools([WEATHER, TIME]).invoke([ToolMessage("12:00", tool_call_id=call["id"])])
+    cached = second.response_metadata["token_usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= history - BLOCK
