@@ -7,6 +7,7 @@ refuses without changing. A random-weight model calls a tool when the choice for
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -349,7 +350,7 @@ def test_an_agent_of_the_openai_agents_sdk_over_responses(stack: VllmStack) -> N
 
     responses = asyncio.run(run())
     assert len(seen) == 6 and len(responses) == 6, (seen, responses)
-    for before, r in zip(responses, responses[1:], strict=False):
+    for before, r in itertools.pairwise(responses):
         history = before.usage.input_tokens + before.usage.output_tokens
         assert r.usage.input_tokens_details.cached_tokens >= history - BLOCK, (history, r.usage)
 
@@ -375,3 +376,56 @@ def test_langchain_bind_tools_with_a_session(stack: VllmStack) -> None:
     second = llm.bind_tools([WEATHER, TIME]).invoke([ToolMessage("12:00", tool_call_id=call["id"])])
     cached = second.response_metadata["token_usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached >= history - BLOCK
+
+
+def test_a_turn_with_other_tools_renders_the_conversation_again(
+    stack: VllmStack, client: openai.OpenAI
+) -> None:
+    """A session made without tools, then a turn with them: the whole conversation is
+    rendered again with the tools as a new prefix (counted), the answer is the whole
+    conversation's, and the next turn reuses the new history."""
+    system = document(8, 300)
+    sid = create(stack, 8, tools=None)
+    first = [{"role": "user", "content": "hello"}]
+    r1 = client.chat.completions.create(
+        model="tiny", messages=first, extra_body={"session_id": sid}, **GREEDY
+    )
+    before = stack.http.get("/metrics").text
+    ask = [{"role": "user", "content": "weather in rome"}]
+    kwargs: dict[str, Any] = {"tools": TOOLS, "tool_choice": named("get_weather"), **GREEDY}
+    turn = client.chat.completions.create(
+        model="tiny", messages=ask, extra_body={"session_id": sid}, **kwargs
+    )
+    whole = [
+        {"role": "system", "content": system},
+        *first,
+        {"role": "assistant", "content": r1.choices[0].message.content},
+        *ask,
+    ]
+    full = client.chat.completions.create(model="tiny", messages=whole, **kwargs)
+    assert turn.usage.prompt_tokens == full.usage.prompt_tokens
+    (call,) = turn.choices[0].message.tool_calls or []
+    (expected,) = full.choices[0].message.tool_calls or []
+    assert (call.function.name, call.function.arguments) == (
+        expected.function.name,
+        expected.function.arguments,
+    )
+    after = stack.http.get("/metrics").text
+    assert rerenders(after) == rerenders(before) + 1
+    history = context(stack, sid)["context_tokens"]
+    assert history == turn.usage.prompt_tokens + turn.usage.completion_tokens  # replaced
+    r3 = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "tool", "tool_call_id": call.id, "content": "rain"}],
+        extra_body={"session_id": sid},
+        **GREEDY,
+    )
+    reused(r3.usage, history)
+    assert rerenders(stack.http.get("/metrics").text) == rerenders(after)
+
+
+def rerenders(metrics: str) -> float:
+    for line in metrics.splitlines():
+        if line.startswith("ctxcache_gateway_tool_rerenders_total "):
+            return float(line.split()[1])
+    return 0.0
