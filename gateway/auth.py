@@ -3,7 +3,9 @@
 The keys come from settings (`--api-key`, `CTX_GATEWAY_API_KEYS`) or a keys file that
 `reload` reads again: on SIGHUP (`ctxcache gateway`), and when the file changes
 (`KeysFileWatch`: Kubernetes updates a mounted Secret in place and signals no one). A
-reload swaps every key at once, and a file that cannot be used keeps the keys the ring has.
+reload reads, checks and hashes the file in a thread (100,000 keys take a second or two),
+then swaps every key at once on the event loop; a file that cannot be used keeps the keys
+the ring has.
 """
 
 from __future__ import annotations
@@ -14,18 +16,20 @@ import hashlib
 import hmac
 import logging
 import os
-from collections.abc import Iterable, Mapping
+import time
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 from fastapi import Depends, Request
 
 from ctxcache import tracing
 from ctxcache.errors import InvalidAPIKey
-from gateway.limits import KeyPolicy, key_digest, key_id, load_keys_file
+from gateway.limits import KeyPolicy, key_digest, key_id, read_keys_file
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 OPEN_TENANT = "default"
 
@@ -50,9 +54,45 @@ class ApiKey:
 OPEN_KEY = ApiKey(OPEN_TENANT, "")
 
 
+# A key in the ring: its digest, then its `ApiKey`'s fields (tenant, id, rpm, tpm). A plain
+# tuple of bytes, strings and numbers, which the garbage collector stops tracking once it
+# has seen it, so a ring of 100,000 keys costs its collections nothing; 100,000 ApiKey
+# objects would be walked by every oldest-generation collection, the event loop stopped.
+_Entry = tuple[bytes, str, str, int | None, int | None]
+
+
+@dataclass(frozen=True, slots=True)
+class _Keys:
+    """A ring's keys made ready to swap in."""
+
+    entries: list[_Entry]
+    limited: bool  # any key with a rate limit
+    tenants: int
+
+    @classmethod
+    def of(cls, keys: Iterable[tuple[str, str | KeyPolicy]]) -> _Keys:
+        # Compare fixed-size digests: the time taken does not depend on where a guess
+        # differs, nor on the length of the real keys. A key may be configured as its
+        # digest (`sha256:<hex>`): then the ring never holds the key itself.
+        entries = [_entry(k, p) for k, p in keys]
+        tenants = len({e[1] for e in entries})
+        limited = any(e[3] is not None or e[4] is not None for e in entries)
+        return cls(entries, limited, tenants)
+
+    @classmethod
+    def load(cls, path: Path) -> _Keys:
+        """The keys file's keys (`load_keys_file`'s ValueError if it cannot be used). Slow
+        for a large file (a second for 100,000 keys): the reload runs it in a thread, which
+        hands the GIL to the event loop's thread every few hundred keys (`time.sleep(0)`)
+        rather than make each of its requests wait up to Python's switch interval (5 ms)
+        for it, several times."""
+        return cls.of(_yielding(read_keys_file(path)))
+
+
 class KeyRing:
     def __init__(self, keys: Mapping[str, str | KeyPolicy]) -> None:
-        self._set(keys)
+        self._swap(_Keys.of(keys.items()))
+        self._reloading = asyncio.Lock()  # one reload at a time: the last file read wins
         if not self._keys:
             log.warning(
                 "NO API KEYS CONFIGURED: the gateway is OPEN, every caller is tenant "
@@ -60,39 +100,42 @@ class KeyRing:
                 OPEN_TENANT,
             )
 
-    def _set(self, keys: Mapping[str, str | KeyPolicy]) -> None:
-        # Compare fixed-size digests: the time taken does not depend on where a guess
-        # differs, nor on the length of the real keys. A key may be configured as its
-        # digest (`sha256:<hex>`): then the ring never holds the key itself.
-        entries = [(key_digest(k), _api_key(k, p)) for k, p in keys.items()]
+    def _swap(self, keys: _Keys) -> None:
+        """Every key at once (a key left out is refused from now on): plain assignments on
+        the event loop, between requests, so none sees half of a change."""
         # Keys already found valid -> key: a request with a known key skips the hashing
         # (the gateway's hot path). Keyed by the key as `bearer_key` reads it, so the
         # spellings of one Authorization value share an entry; only valid keys are kept
         # (a guess is never remembered), at most _KNOWN_MAX of them.
         self._known: dict[str, ApiKey] = {}
-        self._keys = entries
-        self.limited = any(k.limited for _, k in entries)  # any key with a rate limit
+        self._keys = keys.entries
+        self.limited = keys.limited
 
     def replace(self, keys: Mapping[str, str | KeyPolicy]) -> None:
-        """Every key at once (a key left out is refused from now on). Called on the event
-        loop, between requests: none sees half of a change."""
-        self._set(keys)
+        """Every key at once (a key left out is refused from now on)."""
+        self._swap(_Keys.of(keys.items()))
 
-    def reload(self, path: Path) -> bool:
+    async def reload(self, path: Path) -> bool:
         """The keys of the keys file instead of the ring's; a file that is missing,
-        unreadable or malformed changes nothing (logged, without any key)."""
-        try:
-            keys = load_keys_file(path)
-        except ValueError as exc:  # its message names the file and the fault, never a key
-            log.error("API keys NOT reloaded, the gateway keeps its keys: %s", exc)
-            return False
-        self.replace(keys)
-        log.info(
-            "API keys reloaded from %s: %d key(s) of %d tenant(s)",
-            path,
-            len(keys),
-            len({p.tenant for p in keys.values()}),
-        )
+        unreadable or malformed changes nothing (logged, without any key). The file is
+        read, checked and hashed in a thread, so requests are answered meanwhile; then the
+        keys are swapped in at once, and the old ones freed in a thread too (freeing
+        100,000 entries takes tens of milliseconds)."""
+        async with self._reloading:
+            try:
+                keys = await asyncio.to_thread(_Keys.load, path)
+            except ValueError as exc:  # its message names the file and the fault, never a key
+                log.error("API keys NOT reloaded, the gateway keeps its keys: %s", exc)
+                return False
+            old = self._keys
+            self._swap(keys)
+            log.info(
+                "API keys reloaded from %s: %d key(s) of %d tenant(s)",
+                path,
+                len(keys.entries),
+                keys.tenants,
+            )
+            await asyncio.to_thread(_free, old)
         return True
 
     @property
@@ -102,7 +145,7 @@ class KeyRing:
     @property
     def tenants(self) -> list[str]:
         """Every tenant a key names (the open gateway's one tenant if there are none)."""
-        return sorted({k.tenant for _, k in self._keys}) if self._keys else [OPEN_TENANT]
+        return sorted({e[1] for e in self._keys}) if self._keys else [OPEN_TENANT]
 
     def tenant_for(self, authorization: str | None) -> str:
         if not self._keys:  # (open)
@@ -125,12 +168,13 @@ class KeyRing:
         if (known := self._known.get(key)) is not None:
             return known
         digest = hashlib.sha256(key.encode()).digest()
-        found = None
-        for known_digest, api_key in self._keys:  # no early exit: same work for every key
-            if hmac.compare_digest(digest, known_digest):
-                found = api_key
-        if found is None:
+        entry = None
+        for e in self._keys:  # no early exit: same work for every key
+            if hmac.compare_digest(digest, e[0]):
+                entry = e
+        if entry is None:
             raise InvalidAPIKey()
+        found = ApiKey(*entry[1:])
         if len(self._known) < _KNOWN_MAX:
             self._known[key] = found
         return found
@@ -146,10 +190,25 @@ def bearer_key(authorization: str | None) -> str | None:
     return key
 
 
-def _api_key(key: str, policy: str | KeyPolicy) -> ApiKey:
+def _yielding(keys: Iterator[T], every: int = 256) -> Iterator[T]:
+    """`keys`, the GIL let go every `every` of them (for a thread beside the event loop)."""
+    for n, item in enumerate(keys, 1):
+        yield item
+        if n % every == 0:
+            time.sleep(0)  # releases the GIL: a thread waiting for it takes it now
+
+
+def _free(entries: list[_Entry], every: int = 256) -> None:
+    """Empty a list nothing else refers to, a few entries at a time (as `_yielding`)."""
+    while entries:
+        del entries[-every:]
+        time.sleep(0)
+
+
+def _entry(key: str, policy: str | KeyPolicy) -> _Entry:
     if isinstance(policy, str):  # a bare tenant name
-        return ApiKey(policy, key_id(key))
-    return ApiKey(policy.tenant, key_id(key), policy.rpm, policy.tpm)
+        return key_digest(key), policy, key_id(key), None, None
+    return key_digest(key), policy.tenant, key_id(key), policy.rpm, policy.tpm
 
 
 def authorization(headers: Iterable[tuple[bytes, bytes]]) -> str | None:
@@ -196,19 +255,19 @@ class KeysFileWatch:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
 
-    def check(self) -> bool:
+    async def check(self) -> bool:
         """Reload if the file changed since it was last seen; whether the keys changed."""
         stamp = _stamp(self.path)
         if stamp == self._seen:
             return False
         self._seen = stamp
         log.info("the API keys file %s changed: reading it again", self.path)
-        return self.ring.reload(self.path)
+        return await self.ring.reload(self.path)
 
     async def _run(self) -> None:
         while True:
             await asyncio.sleep(self.every_s)
-            self.check()
+            await self.check()
 
 
 def _stamp(path: Path) -> tuple[int, int, int, int] | None:

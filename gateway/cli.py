@@ -69,21 +69,25 @@ def api_keys_file(path: Path, specs: list[str] | None) -> Path:
 
 def reload_keys_on_hangup(app: Any, path: Path) -> None:
     """SIGHUP: the gateway reads its keys file again (`KeyRing.reload`). The handler only
-    schedules the reload on the event loop: it runs between requests, not inside one."""
+    starts the reload on the event loop, which reads the file in a thread and swaps the
+    keys in between requests."""
+    running: set[asyncio.Task[bool]] = set()  # (a task nothing refers to may be collected)
 
-    def reload() -> None:
+    def reload(loop: asyncio.AbstractEventLoop) -> None:
         ring = getattr(app.state, "keys", None)  # set by the app's lifespan
         if ring is None:
             log.warning("SIGHUP before the gateway started: its keys file is read as it starts")
             return
-        ring.reload(path)
+        task = loop.create_task(ring.reload(path), name="keys-reload")
+        running.add(task)
+        task.add_done_callback(running.discard)
 
     def on_hangup(signum: int, frame: object) -> None:
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # not serving (yet, or any more)
             return
-        loop.call_soon_threadsafe(reload)
+        loop.call_soon_threadsafe(reload, loop)
 
     signal.signal(signal.SIGHUP, on_hangup)
 

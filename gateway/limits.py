@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import json.decoder
 import os
 import re
 import stat
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -157,7 +158,13 @@ def check_keys(entries: Iterable[tuple[str, object]]) -> dict[str, KeyPolicy]:
     An entry is named by its place (1, 2, ...), never by its key; the same key twice (also
     once as itself and once as its digest) is an error.
     """
-    keys: dict[str, KeyPolicy] = {}
+    return dict(checked_keys(entries))
+
+
+def checked_keys(entries: Iterable[tuple[str, object]]) -> Iterator[tuple[str, KeyPolicy]]:
+    """`check_keys` one key at a time (its ValueError when the bad entry is reached): a
+    reload keeps what it needs of each key, not 100,000 policy objects, which would cost
+    the event loop garbage collections while it reads the file in a thread."""
     seen: dict[bytes, int] = {}
     for n, (key, value) in enumerate(entries, 1):
         try:
@@ -169,8 +176,7 @@ def check_keys(entries: Iterable[tuple[str, object]]) -> dict[str, KeyPolicy]:
         if (first := seen.get(digest)) is not None:
             raise ValueError(f"a key is given twice (entries {first} and {n})")
         seen[digest] = n
-        keys[key] = policy
-    return keys
+        yield key, policy
 
 
 def _policy(value: object) -> KeyPolicy:
@@ -203,10 +209,39 @@ class _JSONObject(list[tuple[str, Any]]):
         return found
 
 
+def _loads(text: str | bytes) -> Any:
+    """`json.loads` with `_JSONObject`s, the top-level object read pair by pair (json's
+    own `JSONObject`, each key and value by its C scanner): parsed in one C call, a keys
+    file of 100,000 keys would hold the GIL for a fifth of a second, and the gateway's
+    event loop with it while a reload reads the file in a thread. Same answers, same
+    errors."""
+    if isinstance(text, bytes):
+        text = text.decode(json.detect_encoding(text), "surrogatepass")
+    decoder = json.JSONDecoder(object_pairs_hook=_JSONObject)
+    start = _JSON_SPACE.match(text, 0).end()  # type: ignore[union-attr]
+    if not text.startswith("{", start):  # no object: json's own answer, or error
+        return decoder.decode(text)
+    doc, end = json.decoder.JSONObject(
+        (text, start + 1), True, decoder.scan_once, None, _JSONObject, {}
+    )
+    end = _JSON_SPACE.match(text, end).end()  # type: ignore[union-attr]
+    if end != len(text):
+        raise json.JSONDecodeError("Extra data", text, end)
+    return doc
+
+
+_JSON_SPACE = json.decoder.WHITESPACE
+
+
 def parse_keys_json(text: str | bytes) -> dict[str, KeyPolicy]:
     """`{"<key>": "<tenant>[:rpm=N][,tpm=N]" | {"tenant", "rpm", "tpm"}, ...}`, checked."""
+    return check_keys(_keys_object(text))
+
+
+def _keys_object(text: str | bytes) -> _JSONObject:
+    """The keys JSON's object, its values not yet checked."""
     try:
-        doc = json.loads(text, object_pairs_hook=_JSONObject)
+        doc = _loads(text)
     except json.JSONDecodeError as exc:  # its msg holds no input
         raise ValueError(
             f"not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
@@ -215,12 +250,18 @@ def parse_keys_json(text: str | bytes) -> dict[str, KeyPolicy]:
         raise ValueError("not valid JSON (a number too long or nesting too deep)") from None
     if not isinstance(doc, _JSONObject):
         raise ValueError('expected a JSON object {"<key>": "<tenant>[:rpm=N][,tpm=N]", ...}')
-    return check_keys(doc)
+    return doc
 
 
 def load_keys_file(path: Path) -> dict[str, KeyPolicy]:
     """The keys file (`CTX_GATEWAY_API_KEYS_FILE`): the JSON of `parse_keys_json`, at least
     one key. Every failure is a ValueError naming the file and what is wrong with it."""
+    return dict(read_keys_file(path))
+
+
+def read_keys_file(path: Path) -> Iterator[tuple[str, KeyPolicy]]:
+    """`load_keys_file` one key at a time (as `checked_keys`); its ValueError when the
+    fault is reached, so a reader must use none of the keys before the last."""
     where = f"keys file {str(path)!r}"
     try:
         # O_NONBLOCK: a FIFO given by mistake must not hang the open
@@ -238,13 +279,14 @@ def load_keys_file(path: Path) -> dict[str, KeyPolicy]:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError:
         raise ValueError(f"{where}: not UTF-8 text") from None
+    n = 0
     try:
-        keys = parse_keys_json(text)
+        for n, entry in enumerate(checked_keys(_keys_object(text)), 1):  # noqa: B007 (n)
+            yield entry
     except ValueError as exc:
         raise ValueError(f"{where}: {exc}") from None
-    if not keys:
+    if not n:
         raise ValueError(f"{where}: names no key (a gateway without keys is open: give it none)")
-    return keys
 
 
 def key_digest(key: str) -> bytes:

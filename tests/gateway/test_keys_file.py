@@ -133,15 +133,15 @@ def test_settings_refuse_keys_given_two_ways_and_a_bad_file(tmp_path: Path) -> N
         GatewaySettings(api_keys_file=tmp_path / "nowhere.json")
 
 
-def test_a_ring_reload_keeps_its_keys_when_the_file_is_bad(tmp_path: Path) -> None:
+async def test_a_ring_reload_keeps_its_keys_when_the_file_is_bad(tmp_path: Path) -> None:
     path = write(tmp_path / "keys.json", json.dumps({"sk-a": "acme"}))
     ring = KeyRing(load_keys_file(path))
     (tmp_path / "bad").mkdir()
     for name, (bad, _) in bad_files(tmp_path / "bad").items():
-        assert not ring.reload(bad), name
+        assert not await ring.reload(bad), name
         assert ring.tenant_for("Bearer sk-a") == "acme"
     write(path, json.dumps({digest("sk-b"): "beta:rpm=3"}))
-    assert ring.reload(path)
+    assert await ring.reload(path)
     assert ring.tenant_for("Bearer sk-b") == "beta" and ring.limited
 
 

@@ -60,7 +60,7 @@ async def test_models_refuses_a_wrong_or_revoked_key_and_serves_no_key(
             assert_invalid_key(await models(wrong))
 
         write(keys, {"sk-kept": "acme"})  # sk-revoked is removed
-        assert app.state.keys.reload(keys)  # type: ignore[attr-defined]
+        assert await app.state.keys.reload(keys)  # type: ignore[attr-defined]
         assert_invalid_key(await models("Bearer sk-revoked"))
         assert (await models("Bearer sk-kept")).status_code == 200
         assert (await models(None)).status_code == 200
