@@ -236,8 +236,8 @@ async def check_given_key(request: Request) -> None:
 
 
 class KeysFileWatch:
-    """Reads the keys file again when it changes: its inode, size or mtime, looked at every
-    `every_s` seconds through the path (so a Kubernetes Secret volume's swap of its
+    """Reads the keys file again when it changes: its inode, size, mtime or mode, looked at
+    every `every_s` seconds through the path (so a Kubernetes Secret volume's swap of its
     `..data` link counts, as does an editor's rename). A file that goes missing or turns
     bad keeps the keys (`KeyRing.reload` logs it once per change)."""
 
@@ -270,9 +270,11 @@ class KeysFileWatch:
             await self.check()
 
 
-def _stamp(path: Path) -> tuple[int, int, int, int] | None:
+def _stamp(path: Path) -> tuple[int, int, int, int, int] | None:
+    """What says the file changed; its mode too, so that a file refused because others
+    could write it is read once its owner has taken it back (`chmod go-w`)."""
     try:
         st = os.stat(path)
     except OSError:
         return None
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_mode

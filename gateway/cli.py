@@ -43,7 +43,8 @@ def add_api_key_argument(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="PATH",
         help='a JSON file {"<key>": "<tenant>[:rpm=N][,tpm=N]", ...} (a key may be given as '
-        '"sha256:<hex>", its SHA-256), read at start and again on SIGHUP',
+        '"sha256:<hex>", its SHA-256), read at start and again on SIGHUP; refused if every '
+        "user can write it",
     )
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import json.decoder
+import logging
 import os
 import re
 import stat
@@ -26,6 +27,8 @@ from pathlib import Path
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator
+
+log = logging.getLogger(__name__)
 
 MAX_LIMIT = 10**12
 MAX_TENANT_CHARS = 256  # the manager's bound on a tenant name
@@ -267,8 +270,10 @@ def read_keys_file(path: Path) -> Iterator[tuple[str, KeyPolicy]]:
         # O_NONBLOCK: a FIFO given by mistake must not hang the open
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
         with os.fdopen(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
                 raise ValueError(f"{where}: not a regular file")
+            check_keys_file_mode(where, st)
             data = f.read(MAX_KEYS_FILE_BYTES + 1)
     except OSError as exc:
         reason = exc.strerror or type(exc).__name__
@@ -287,6 +292,28 @@ def read_keys_file(path: Path) -> Iterator[tuple[str, KeyPolicy]]:
         raise ValueError(f"{where}: {exc}") from None
     if not n:
         raise ValueError(f"{where}: names no key (a gateway without keys is open: give it none)")
+
+
+def check_keys_file_mode(where: str, st: os.stat_result) -> None:
+    """A keys file every user can write is refused, as sshd refuses such key files: anyone
+    on the machine could give themselves a key. One its group can write is read, with a
+    warning: a umask of 002 (Debian's and Ubuntu's for users with a group of their own)
+    makes every file group-writable, and in a container the gateway cannot know who is in
+    the file's group (docs/limits.md)."""
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & stat.S_IWOTH:
+        raise ValueError(
+            f"{where}: every user can write it (mode {mode:04o}); refused, as sshd refuses "
+            "such key files: make it writable by its owner only (chmod go-w)"
+        )
+    if mode & stat.S_IWGRP:
+        log.warning(
+            "%s: the members of group %d can write it (mode %04o): make it writable by its "
+            "owner only (chmod g-w)",
+            where,
+            st.st_gid,
+            mode,
+        )
 
 
 def key_digest(key: str) -> bytes:

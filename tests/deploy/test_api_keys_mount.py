@@ -26,8 +26,9 @@ from tests.deploy.manifests import (
 KEYS_FILE = "CTX_GATEWAY_API_KEYS_FILE"
 
 
-def key_file_errors(c: Container, tmp: Path) -> list[str]:
-    """What is wrong with how a gateway container gets its keys."""
+def key_file_errors(c: Container, tmp: Path, mode: int = 0o600) -> list[str]:
+    """What is wrong with how a gateway container gets its keys (`mode`: the file's, as
+    mounted; the gateway refuses one that every user can write)."""
     errors = []
     if any(a == "--api-key" or a.startswith("--api-key=") for a in c.argv):
         errors.append(f"{c.where}: a key on the command line")
@@ -38,6 +39,7 @@ def key_file_errors(c: Container, tmp: Path) -> list[str]:
         return [*errors, f"{c.where}: {KEYS_FILE} names no mounted secret file"]
     local = tmp / "keys.json"
     local.write_text(c.files[path])
+    local.chmod(mode)
     try:
         load_keys_file(local)
     except ValueError as exc:
@@ -54,9 +56,10 @@ def gateways(containers: list[Container]) -> list[Container]:
 def test_compose_mounts_the_keys_file_readable_by_the_image_user(tmp_path: Path) -> None:
     compose = load_compose()
     (gateway,) = gateways(list(compose_containers(compose)))
-    assert key_file_errors(gateway, tmp_path) == []
     source = ROOT / interpolate(compose["secrets"]["api-keys"]["file"])
-    # a compose secret is a bind mount of the file: the image's user (10001) must read it
+    # a compose secret is a bind mount of the file, its mode as in the checkout
+    assert key_file_errors(gateway, tmp_path, stat.S_IMODE(source.stat().st_mode)) == []
+    # the image's user (10001) must read it
     assert source.stat().st_mode & stat.S_IROTH, f"{source} is not readable by uid 10001"
 
 
@@ -64,7 +67,6 @@ def test_compose_mounts_the_keys_file_readable_by_the_image_user(tmp_path: Path)
 def test_kubernetes_mounts_the_keys_file_from_the_secret(overlay: str, tmp_path: Path) -> None:
     docs = render(overlay)
     (gateway,) = gateways(list(k8s_containers(docs)))
-    assert key_file_errors(gateway, tmp_path) == []
     pod = next(
         pod_spec(d)
         for d in docs
@@ -80,6 +82,10 @@ def test_kubernetes_mounts_the_keys_file_from_the_secret(overlay: str, tmp_path:
     volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
     mode = volume["secret"].get("defaultMode", 0o644)
     user = pod["securityContext"]
+    # with an fsGroup the kubelet makes a Secret's files group-readable (mode | 0440)
+    mounted = mode | (0o440 if user.get("fsGroup") is not None else 0)
+    assert key_file_errors(gateway, tmp_path, mounted) == []
+    assert not mounted & (stat.S_IWGRP | stat.S_IWOTH), f"others may write it ({mounted:04o})"
     readable = mode & stat.S_IROTH or (
         mode & stat.S_IRGRP and user.get("fsGroup") == user.get("runAsGroup")
     )
@@ -111,3 +117,4 @@ def test_the_check_catches_a_key_on_the_command_line_or_in_a_variable(tmp_path: 
     assert key_file_errors(flag, tmp_path) == ["flag: a key on the command line"]
     assert len(key_file_errors(variable, tmp_path)) == 2
     assert "a key is given twice" in key_file_errors(bad_file, tmp_path)[0]
+    assert "every user can write it (mode 0666)" in key_file_errors(gateway, tmp_path, 0o666)[0]
