@@ -142,9 +142,17 @@ def same_tools(a: Tools | None, b: Tools | None) -> bool:
 
 
 def uses_chat_engine(body: dict[str, Any], tools: Tools | None) -> bool:
-    """A turn the engine's chat endpoint must run: tools to parse, a format to enforce,
-    logprobs to return."""
-    return bool(tools) or any(body.get(f) not in (None, False) for f in AGENT_FIELDS)
+    """A turn the engine's chat endpoint must run: tools to parse, a choice or a format to
+    enforce, logprobs to return (`parallel_tool_calls` or a `none` choice without tools, a
+    `text` format: nothing to do there)."""
+    fmt = body.get("response_format")
+    return (
+        bool(tools)
+        or body.get("tool_choice") not in (None, "none")
+        or (isinstance(fmt, dict) and fmt.get("type") != "text")
+        or body.get("logprobs") not in (None, False)
+        or body.get("top_logprobs") is not None
+    )
 
 
 def check_tool_messages(history: list[dict[str, Any]], new: list[dict[str, Any]]) -> None:

@@ -62,6 +62,22 @@ def render_chat(tokenizer: Any, body: ChatTemplateFields) -> list[int]:
     return [int(t) for t in ids]
 
 
+def reused_ids(body: ChatCompletionRequest) -> list[int] | None:
+    """The prompt given as token ids in `kv_transfer_params.prompt_token_ids`, as vLLM takes
+    it (the gateway's agent turns send it so; docs/agents.md): the messages are not
+    rendered. Popped, so the rest of `kv_transfer_params` goes on as it is."""
+    transfer = body.kv_transfer_params
+    if not isinstance(transfer, dict) or "prompt_token_ids" not in transfer:
+        return None
+    ids = transfer.pop("prompt_token_ids")
+    if not isinstance(ids, list) or not ids or any(type(t) is not int or t < 0 for t in ids):
+        raise InvalidRequest(
+            "kv_transfer_params.prompt_token_ids must be a non-empty list of token ids",
+            param="kv_transfer_params.prompt_token_ids",
+        )
+    return ids
+
+
 class ChatServing:
     def __init__(self, state: WorkerState) -> None:
         self.state = state
@@ -72,7 +88,7 @@ class ChatServing:
         if body.max_completion_tokens is not None and body.max_tokens is None:
             body.max_tokens = body.max_completion_tokens
         refuse_tools(body)
-        ids = render_chat(self.state.runner.tokenizer, body)
+        ids = reused_ids(body) or render_chat(self.state.runner.tokenizer, body)
         gen = Generation.start(self.state, ids, body, default_max_tokens=None)
         if body.stream:
             return sse.stream(self._chunks(body, gen))
