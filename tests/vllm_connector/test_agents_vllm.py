@@ -429,3 +429,89 @@ def rerenders(metrics: str) -> float:
         if line.startswith("ctxcache_gateway_tool_rerenders_total "):
             return float(line.split()[1])
     return 0.0
+
+
+def test_responses_function_calls_streamed_forked_and_in_a_conversation(
+    stack: VllmStack, client: openai.OpenAI
+) -> None:
+    """The openai SDK's Responses: a function call streamed with its events, its output sent
+    back alone with `previous_response_id`, a JSON-schema `text.format`, a fork from the
+    first response, and a conversation that lists the call and its output as items."""
+    tool = {
+        "type": "function",
+        "name": "get_time",
+        "description": "the time in a timezone",
+        "parameters": TIME["function"]["parameters"],
+        "strict": True,
+    }
+    base: dict[str, Any] = {"model": "tiny", "temperature": 0, "max_output_tokens": 160}
+    pick = {"type": "function", "name": "get_time"}
+    events: list[str] = []
+    with client.responses.stream(
+        input="what time is it",
+        tools=[tool],
+        tool_choice=pick,
+        **base,  # type: ignore[arg-type]
+    ) as stream:
+        for event in stream:
+            events.append(event.type)
+        first = stream.get_final_response()
+    (call,) = [i for i in first.output if i.type == "function_call"]
+    assert call.name == "get_time" and json.loads(call.arguments)["zone"] in ("utc", "cet")
+    for kind in (
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ):
+        assert kind in events, (kind, events)
+    schema = {
+        "type": "object",
+        "properties": {"hour": {"type": "integer", "minimum": 0, "maximum": 23}},
+        "required": ["hour"],
+        "additionalProperties": False,
+    }
+    fmt = {"format": {"type": "json_schema", "name": "hour", "schema": schema, "strict": True}}
+    output = {"type": "function_call_output", "call_id": call.call_id, "output": "12:00 utc"}
+    second = client.responses.create(
+        input=[output],  # type: ignore[list-item]
+        previous_response_id=first.id,
+        tools=[tool],  # type: ignore[list-item]
+        tool_choice="none",  # the final answer, in the format (vLLM: auto's tag would win)
+        text=fmt,  # type: ignore[arg-type]
+        **base,
+    )
+    assert second.output_text, second
+    jsonschema.validate(json.loads(second.output_text), schema)
+    history = first.usage.input_tokens + first.usage.output_tokens
+    assert second.usage.input_tokens_details.cached_tokens >= history - BLOCK
+    items = client.responses.input_items.list(second.id)
+    assert [i.type for i in items.data] == ["function_call_output"]
+
+    fork = client.responses.create(  # from the first response again: a fork
+        input=[{**output, "output": "13:00 utc"}],  # type: ignore[list-item]
+        previous_response_id=first.id,
+        tools=[tool],  # type: ignore[list-item]
+        **base,
+    )
+    assert fork.status in ("completed", "incomplete")
+    assert fork.usage.input_tokens_details.cached_tokens >= history - BLOCK
+
+    conv = client.conversations.create()
+    in_conv = client.responses.create(
+        input="what time is it",
+        conversation=conv.id,
+        tools=[tool],  # type: ignore[list-item]
+        tool_choice=pick,  # type: ignore[arg-type]
+        **base,
+    )
+    (conv_call,) = [i for i in in_conv.output if i.type == "function_call"]
+    client.responses.create(
+        input=[{"type": "function_call_output", "call_id": conv_call.call_id, "output": "9"}],  # type: ignore[list-item]
+        conversation=conv.id,
+        tools=[tool],  # type: ignore[list-item]
+        **base,
+    )
+    kinds = [i.type for i in client.conversations.items.list(conv.id, order="asc").data]
+    assert kinds[:3] == ["message", "function_call", "function_call_output"], kinds
