@@ -515,3 +515,51 @@ def test_responses_function_calls_streamed_forked_and_in_a_conversation(
     )
     kinds = [i.type for i in client.conversations.items.list(conv.id, order="asc").data]
     assert kinds[:3] == ["message", "function_call", "function_call_output"], kinds
+
+
+def test_a_retried_tool_call_turn_answers_the_same_calls(stack: VllmStack) -> None:
+    """With an `Idempotency-Key`, a retry of a tool-call turn (streamed or not) answers the
+    first attempt's calls, with their ids, and appends nothing."""
+    sid = create(stack, 9)
+    for stream in (False, True):
+        body = {
+            "model": "tiny",
+            "session_id": sid,
+            "messages": [{"role": "user", "content": "weather in oslo"}],
+            "tool_choice": named("get_weather"),
+            "stream": stream,
+            **GREEDY,
+        }
+        headers = {"idempotency-key": f"retry-{stream}"}
+        answers = []
+        for _ in range(2):
+            got = stack.http.post("/v1/chat/completions", json=body, headers=headers)
+            assert got.status_code == 200, got.text
+            answers.append((got, calls_of(got, stream)))
+        (first, calls), (again, replayed_calls) = answers
+        assert calls and replayed_calls == calls
+        assert again.headers.get("idempotent-replayed") == "true"
+        assert first.headers.get("idempotent-replayed") is None
+    assert context(stack, sid)["turns"] == 3  # the create and two turns, none twice
+
+
+def calls_of(answer: Any, stream: bool) -> list[tuple[str, str, str]]:
+    """(id, name, arguments) of each tool call in a chat answer or its stream."""
+    if not stream:
+        message = answer.json()["choices"][0]["message"]
+        return [
+            (c["id"], c["function"]["name"], c["function"]["arguments"])
+            for c in message["tool_calls"]
+        ]
+    calls: dict[int, list[str]] = {}
+    for line in answer.text.splitlines():
+        if not line.startswith("data: {"):
+            continue
+        for choice in json.loads(line[6:]).get("choices") or []:
+            for d in (choice.get("delta") or {}).get("tool_calls") or []:
+                got = calls.setdefault(d["index"], ["", "", ""])
+                fn = d.get("function") or {}
+                got[0] = d.get("id") or got[0]
+                got[1] = fn.get("name") or got[1]
+                got[2] += fn.get("arguments") or ""
+    return [(i, n, a) for i, n, a in (calls[k] for k in sorted(calls))]
