@@ -17,6 +17,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "capacity": ("benchmarks.capacity", "req/s held at a p95 TTFT target, one vLLM at a time"),
     "load": ("benchmarks.load", "concurrent sessions through the stack, then leak checks"),
     "sessions": ("benchmarks.sessions", "live sessions to 100k on one node; sidecar pin policies"),
+    "agents": ("benchmarks.agents", "an agent's tool loop: session, stateless vLLM, Responses"),
 }
 
 
