@@ -65,10 +65,13 @@ class VllmStack:
         ).start()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def vllm_stack(
     tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer, tiny_model: Path
 ) -> Iterator[VllmStack]:
+    """The default stack, shared by every module that needs no other configuration: a vLLM
+    start is a minute or two on 2 CPUs. Its tests leave it as they found it (a sidecar they
+    restart is restarted; sessions are their own; counters are read as deltas)."""
     with started_stack(tmp_path_factory, redis_server, tiny_model) as stack:
         yield stack
 

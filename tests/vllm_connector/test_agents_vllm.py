@@ -10,15 +10,14 @@ import asyncio
 import itertools
 import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any, Literal
 
+import httpx
 import jsonschema
 import openai
 import pytest
 
-from ctxcache.redis_server import RedisServer
-from tests.vllm_connector.conftest import VLLM_TIMEOUT, VllmStack, document, started_stack
+from tests.vllm_connector.conftest import VLLM_TIMEOUT, VllmStack, document
 
 pytestmark = pytest.mark.timeout(VLLM_TIMEOUT)
 BLOCK = 128  # vLLM's CPU block: a turn reuses its history less at most one block
@@ -58,12 +57,10 @@ def named(name: str) -> dict[str, Any]:
     return {"type": "function", "function": {"name": name}}
 
 
-@pytest.fixture(scope="module")
-def stack(
-    tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer, tiny_model: Path
-) -> Iterator[VllmStack]:
-    with started_stack(tmp_path_factory, redis_server, tiny_model) as s:
-        yield s
+@pytest.fixture
+def stack(vllm_stack: VllmStack) -> VllmStack:
+    """The run's shared default stack (its vLLM has the hermes tool parser)."""
+    return vllm_stack
 
 
 @pytest.fixture
@@ -563,3 +560,94 @@ def calls_of(answer: Any, stream: bool) -> list[tuple[str, str, str]]:
                 got[1] = fn.get("name") or got[1]
                 got[2] += fn.get("arguments") or ""
     return [(i, n, a) for i, n, a in (calls[k] for k in sorted(calls))]
+
+
+PARIS = [{"role": "user", "content": "What is the weather in Paris?"}]
+CITY = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "strict": True,
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+NOW = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "strict": True,
+        "parameters": {"type": "object", "properties": {}, "additionalProperties": False},
+    },
+}
+
+
+def chat(url: str, **body: Any) -> dict[str, Any]:
+    body = {
+        "model": "tiny",
+        "messages": PARIS,
+        "tools": [CITY, NOW],
+        "temperature": 0,
+        "max_tokens": 100,
+        "return_token_ids": True,
+        **body,
+    }
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    return dict(r.json()["choices"][0])
+
+
+def calls(choice: dict[str, Any]) -> list[tuple[str, Any]]:
+    return [
+        (c["function"]["name"], json.loads(c["function"]["arguments"]))
+        for c in choice["message"].get("tool_calls") or []
+    ]
+
+
+@pytest.mark.parametrize(
+    "tool_choice, finish, names",
+    [
+        # a named function: OpenAI's (and vLLM's) finish_reason is `stop`
+        ({"type": "function", "function": {"name": "get_weather"}}, "stop", {"get_weather"}),
+        ("required", "tool_calls", {"get_weather", "get_time"}),
+    ],
+)
+def test_vllm_parses_a_forced_call_alike_from_messages_and_from_token_ids(
+    stack: VllmStack, tool_choice: Any, finish: str, names: set[str]
+) -> None:
+    """vLLM alone (no gateway): the hermes parser reads a forced call out of the preset's
+    output; with the same prompt as `kv_transfer_params.prompt_token_ids` (the gateway's
+    way, docs/agents.md) the answer is the same, token for token."""
+    vllm = stack.vllm.url
+    choice = chat(vllm, tool_choice=tool_choice)
+    assert choice["finish_reason"] == finish
+    got = calls(choice)
+    assert got and {name for name, _ in got} <= names
+    allowed = {"get_weather": [{"city": "Paris"}, {"city": "Rome"}], "get_time": [{}]}
+    assert all(args in allowed[name] for name, args in got)  # the schemas held
+    assert not choice["message"].get("content")
+    # the same prompt as token ids from vLLM's /tokenize: the same answer, token for token
+    prompt = tokenize(vllm, PARIS, add_generation_prompt=True)
+    again = chat(vllm, tool_choice=tool_choice, kv_transfer_params={"prompt_token_ids": prompt})
+    assert again["token_ids"] == choice["token_ids"]
+    assert calls(again) == got and again["finish_reason"] == finish
+    # the answer, sent back as history, renders after the same prompt (append-only)
+    answer = {"role": "assistant", "content": None, "tool_calls": choice["message"]["tool_calls"]}
+    result = {"role": "tool", "tool_call_id": answer["tool_calls"][0]["id"], "content": "sunny"}
+    history = tokenize(vllm, [*PARIS, answer, result], add_generation_prompt=True)
+    assert history[: len(prompt)] == prompt and len(history) > len(prompt)
+
+
+def tokenize(url: str, messages: list[dict[str, Any]], **body: Any) -> list[int]:
+    r = httpx.post(
+        f"{url}/tokenize",
+        json={"model": "tiny", "messages": messages, "tools": [CITY, NOW], **body},
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+    return list(r.json()["tokens"])
