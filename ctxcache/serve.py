@@ -36,6 +36,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ctxcache.cpu import add_dtype_argument
 from ctxcache.redis_server import FSYNC_POLICIES
 from ctxcache.supervisor import Child, Interrupted, Supervisor, http_ready
 from ctxcache.vllm_engine import add_tool_parser_argument, default_engine
@@ -103,9 +104,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="ARG",
-        help="one more argument for vLLM's server (repeatable), e.g. --vllm-arg=--dtype=float32",
+        help="one more argument for vLLM's server (repeatable), e.g. --vllm-arg=--max-num-seqs=8",
     )
     add_tool_parser_argument(p)
+    add_dtype_argument(p)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -282,7 +284,7 @@ def engine_args(
     if local is not None:
         argv += ["--sidecar-local-dir", str(local)]
     if engine == "vllm":
-        argv += ["--kv-cache-gib", str(args.kv_cache_gib)]
+        argv += ["--kv-cache-gib", str(args.kv_cache_gib), "--dtype", args.dtype]
         argv += ["--tool-call-parser", args.tool_call_parser, "--", *args.vllm_arg]
     return argv
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ctxcache import tracing
+from ctxcache.cpu import add_dtype_argument, given_dtype, vllm_dtype
 
 CONNECTOR_MODULE = "vllm_connector.connector"
 CONNECTOR_CLASS = "CtxcacheConnector"
@@ -90,6 +91,8 @@ class VllmLaunch:
     enforce_eager: bool = False  # --enforce-eager: compile nothing (no compiler needed)
     # vLLM's --tool-call-parser (with --enable-auto-tool-choice); None: no tool calling
     tool_call_parser: str | None = None
+    # vLLM's --dtype (`ctxcache.cpu.vllm_dtype`: by the CPU); None: vLLM's own choice
+    dtype: str | None = None
     connector_config: dict[str, object] = field(default_factory=dict)
     extra_args: list[str] = field(default_factory=list)
 
@@ -132,6 +135,8 @@ class VllmLaunch:
             args.append("--enforce-eager")
         if self.tool_call_parser:
             args += ["--enable-auto-tool-choice", "--tool-call-parser", self.tool_call_parser]
+        if self.dtype and given_dtype(self.extra_args) is None:  # (theirs wins)
+            args += ["--dtype", self.dtype]
         otlp = os.environ.get(tracing.ENDPOINT_ENV, "").strip()
         if otlp and "--otlp-traces-endpoint" not in self.extra_args:
             # vLLM's own spans (queue, prefill, decode) join the gateway's trace: the
@@ -285,6 +290,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "that variable if set, else 1 as vLLM without a connector, 0 on a machine of 1-2 CPUs)",
     )
     add_tool_parser_argument(p)
+    add_dtype_argument(p)
     p.add_argument(
         "vllm_args", nargs=argparse.REMAINDER, help="after `--`: more arguments for vLLM"
     )
@@ -316,6 +322,9 @@ def must_run_eager(vllm_args: list[str]) -> bool:
 
 def main(args: argparse.Namespace) -> int:
     """Replace this process with vLLM's server (signals then reach vLLM itself)."""
+    from ctxcache.logs import setup_logging
+
+    setup_logging("vllm")
     if not available():
         logging.getLogger(__name__).error("vLLM is not installed: pip install 'ctxcache[vllm]'")
         return 2
@@ -325,6 +334,8 @@ def main(args: argparse.Namespace) -> int:
         logging.getLogger(__name__).warning(
             "no C++ compiler or no Python headers here: vLLM runs eager (--enforce-eager)"
         )
+    dtype = vllm_dtype(args.dtype, extra)
+    logging.getLogger(__name__).info("vLLM computes in %s: %s", dtype.dtype, dtype.why)
     launch = VllmLaunch(
         model=args.model,
         served_name=args.model_name or served_name(args.model),
@@ -339,6 +350,7 @@ def main(args: argparse.Namespace) -> int:
         connector_config={"chunk_size": args.chunk_size, "async_loads": args.async_loads},
         enforce_eager=eager,
         tool_call_parser=tool_parser_choice(args.tool_call_parser, args.model),
+        dtype=dtype.dtype,
         extra_args=extra,
     )
     argv = launch.argv()

@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from ctxcache.cpu import vllm_dtype
 from ctxcache.lmcache_keys import session_key
 from ctxcache.net import free_port
 from ctxcache.redis_server import RedisServer
@@ -108,6 +109,9 @@ def started_stack(
         dev_mode=True,
         connector_config=dict(connector_config or {}),
         tool_call_parser="hermes",  # as `ctxcache serve` picks for the presets (Qwen2)
+        # as `ctxcache serve` picks for this CPU: bfloat16 with AMX or avx512_bf16, else
+        # float32; full and session answers come from this one engine, in one dtype
+        dtype=vllm_dtype().dtype,
     )
     vllm = VllmProcess(launch, log_path=root / "vllm.log")
     store = ["--redis-url", redis_server.url]
