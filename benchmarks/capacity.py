@@ -40,6 +40,7 @@ from typing import Any
 from benchmarks.capacity_load import Driver, Point, Texts, Workload
 from benchmarks.multiturn import DEFAULT_MODEL
 from benchmarks.util import add_output_arguments, plot_path, run_meta, write_outputs
+from ctxcache.cpu import DTYPES, given_dtype, vllm_dtype
 
 NAME = "capacity"
 MODES = ("vllm-full", "vllm-full-connector", "session", "roomy")
@@ -73,7 +74,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--slo", type=float, default=2.0, help="p95 TTFT target, seconds")
     p.add_argument("--keep-going", action="store_true", help="run every rate of every mode")
-    p.add_argument("--dtype", default="float32", help="vLLM's --dtype")
+    p.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="auto",
+        help="vLLM's --dtype (auto: by the CPU, bfloat16 with AMX or avx512_bf16, else float32; "
+        "the runs in docs/benchmarks.md before 2026-11-28 are float32, the default then)",
+    )
     p.add_argument("--kv-blocks", type=int, default=48, help="vLLM's KV cache in blocks")
     p.add_argument("--roomy-gib", type=int, default=2, help="the roomy vLLM's KV cache, GiB")
     p.add_argument("--max-model-len", type=int, default=4096)
@@ -144,7 +151,9 @@ def main(args: Namespace) -> int:
     )
     texts = Texts(workload, _tokenizer(model), args.seed)
     args.engine = "vllm"  # multiturn_stacks' vLLM stack
-    args.vllm_arg = ["--dtype", args.dtype, *args.vllm_arg]
+    dtype = vllm_dtype(args.dtype, args.vllm_arg)
+    if given_dtype(args.vllm_arg) is None:
+        args.vllm_arg = ["--dtype", dtype.dtype, *args.vllm_arg]
     points: list[Point] = []
     rows: list[dict[str, Any]] = []
     for mode in modes:  # one engine at a time
@@ -161,7 +170,7 @@ def main(args: Namespace) -> int:
         requests=args.requests,
         warmup=warmup,
         slo_s=args.slo,
-        dtype=args.dtype,
+        dtype=dtype.dtype,
         kv_blocks=args.kv_blocks,
         roomy_gib=args.roomy_gib,
         max_model_len=args.max_model_len,

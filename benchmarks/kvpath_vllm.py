@@ -1,10 +1,11 @@
 """`ctxcache bench kvpath --engine vllm`: a cold session turn beside a hot one, on real vLLM.
 
-For each dtype (`--dtypes`) and data path (`--paths`: tcp, shm), one stack at a time: Redis,
-the sidecar (with `--local-dir` in a fresh /dev/shm directory for shm), vLLM with the
-ctxcache connector (dev mode, so `/reset_prefix_cache` exists; `--dtype`; the shared-memory
-path when shm) and the gateway. One session holds a document of about `--context-tokens`
-tokens; each round asks a new question of it twice, through the gateway, streamed, with
+For each dtype (`--dtypes`; `auto`, the default: the CPU's, `ctxcache/cpu.py`) and data
+path (`--paths`: tcp, shm), one stack at a time: Redis, the sidecar (with `--local-dir` in
+a fresh /dev/shm directory for shm), vLLM with the ctxcache connector (dev mode, so
+`/reset_prefix_cache` exists; `--dtype`; the shared-memory path when shm) and the gateway.
+One session holds a document of about `--context-tokens` tokens; each round asks a new
+question of it twice, through the gateway, streamed, with
 `session_append: false` (the history stays the same length):
 - **hot**: the history is still in vLLM's own prefix cache;
 - **cold**: after `/reset_prefix_cache`, the connector loads the history from the sidecar.
@@ -70,7 +71,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `--engine vllm` (`--paths`, `--rounds`, `--out`, `--plot`: kvpath's)."""
     g = parser.add_argument_group("--engine vllm")
     a = g.add_argument
-    a("--dtypes", default="bfloat16,float32", help="vllm: comma list of vLLM --dtype values")
+    a(
+        "--dtypes",
+        default="auto",
+        help="vllm: comma list of vLLM --dtype values (auto: by the CPU, bfloat16 with AMX or "
+        "avx512_bf16, else float32; bfloat16,float32: both)",
+    )
     a("--context-tokens", type=int, default=4000, help="vllm: the session's history, tokens")
     a(
         "--model-dir",
@@ -95,7 +101,9 @@ def run(args: argparse.Namespace) -> int:
     from ctxcache.vllm_engine import auto_reserved_cpus
 
     setup_logging("bench", "WARNING")
-    dtypes = [d for d in args.dtypes.split(",") if d]
+    from ctxcache.cpu import vllm_dtype
+
+    dtypes = list(dict.fromkeys(vllm_dtype(d).dtype for d in args.dtypes.split(",") if d))
     paths = [p for p in args.paths.split(",") if p]
     if not dtypes or not paths or set(paths) - {"tcp", "shm"}:
         sys.stderr.write("--paths: tcp and/or shm; --dtypes: at least one\n")

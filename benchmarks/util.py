@@ -147,10 +147,16 @@ def utc_now() -> str:
 
 
 def machine() -> dict[str, Any]:
-    """What a reader needs to weigh the numbers: cores, CPU, OS, Python (and torch), load."""
+    """What a reader needs to weigh the numbers: cores, CPU, OS, Python (and torch), load;
+    the CPU's class and the dtype vLLM computes in on it unless told (`ctxcache/cpu.py`)."""
+    from ctxcache.cpu import choose_dtype, cpu_class, cpu_flags
+
+    flags = cpu_flags()
     info: dict[str, Any] = {
         "cpus": os.cpu_count(),
         "arch": platform.machine(),
+        "cpu_class": cpu_class(flags),
+        "vllm_dtype": choose_dtype(flags).dtype,
         "platform": platform.platform(),
         "python": platform.python_version(),
         "load_avg_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
@@ -175,6 +181,8 @@ def run_meta(name: str, **params: Any) -> dict[str, Any]:
 
 def describe_machine(m: dict[str, Any]) -> str:
     parts = [f"{m.get('cpus')} CPUs ({m.get('arch')})", str(m.get("platform"))]
+    if m.get("cpu_class"):  # (older results have none)
+        parts.append(f"{m['cpu_class']} CPU (vLLM computes in {m.get('vllm_dtype')} unless told)")
     parts.append(f"Python {m.get('python')}")
     if "torch" in m:
         n = m.get("torch_threads")

@@ -172,7 +172,9 @@ def test_quick_capacity_run_on_vllm_writes_the_documented_outputs(
         [
             *(sys.executable, "-m", "ctxcache.cli", "bench", "capacity", "--quick"),
             *("--model", str(tiny_model), "--modes", "vllm-full-connector,session"),
-            *("--out", str(out)),
+            # float32 on every CPU: the answers below must match exactly, and bf16 (the
+            # default where the CPU has AMX or avx512_bf16) rounds reused KV differently
+            *("--dtype", "float32", "--out", str(out)),
         ],
         capture_output=True,
         text=True,
@@ -187,6 +189,7 @@ def test_quick_capacity_run_on_vllm_writes_the_documented_outputs(
     data = json.loads((out / "capacity.json").read_text())
     meta = data["meta"]
     assert meta["modes"] == ["vllm-full-connector", "session"] and meta["qps"] == [1.0, 2.0]
+    assert meta["dtype"] == "float32"
     rows = data["results"]
     assert [(r["mode"], r["qps"]) for r in rows] == [
         ("vllm-full-connector", 1.0),

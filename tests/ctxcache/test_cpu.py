@@ -152,3 +152,23 @@ def test_the_launch_carries_its_dtype() -> None:
     assert dtypes_in(VllmLaunch("m", "m", 8100).argv()) == []  # None: vLLM's own choice
     theirs = VllmLaunch("m", "m", 8100, dtype="float32", extra_args=["--dtype", "bfloat16"])
     assert dtypes_in(theirs.argv()) == ["bfloat16"]
+
+
+@pytest.mark.parametrize(
+    ("flags", "line"),
+    [
+        (AVX2_ONLY, "AVX2 CPU (vLLM computes in float32"),
+        (AMX, "AMX CPU (vLLM computes in bfloat16"),
+    ],
+)
+def test_the_benchmarks_machine_line_names_the_cpu_class_and_dtype(
+    monkeypatch: pytest.MonkeyPatch, flags: frozenset[str], line: str
+) -> None:
+    from benchmarks.util import describe_machine, machine
+
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: flags)
+    m = machine()
+    assert (m["cpu_class"], m["vllm_dtype"]) == (cpu_class(flags), choose_dtype(flags).dtype)
+    assert line in describe_machine(m)
+    del m["cpu_class"], m["vllm_dtype"]  # results from before: the line without them
+    assert "computes in" not in describe_machine(m)
