@@ -270,3 +270,16 @@ def run_cli(*argv: str, env: dict[str, str] | None = None) -> subprocess.Complet
         timeout=60,
         env={**os.environ, **(env or {})},
     )
+
+
+def serve_hand_off(extra: list[str]) -> tuple[Any, list[str], list[str]]:
+    """`ctxcache serve --model /m/tiny EXTRA --vllm-arg=--seed=1`: what it hands `ctxcache vllm`
+    (parsed back), that argv, and the argv it gives the built-in worker instead."""
+    from ctxcache.cli import build_parser
+    from ctxcache.serve import engine_args
+
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--model", "/m/tiny", *extra, "--vllm-arg=--seed=1"])
+    argv = engine_args(args, "vllm", "/m/tiny", 7003, "lm://127.0.0.1:7001", None)
+    builtin = engine_args(args, "builtin", "/m/tiny", 7003, "lm://127.0.0.1:7001", None)
+    return parser.parse_args(argv), argv, builtin

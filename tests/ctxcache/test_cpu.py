@@ -13,6 +13,7 @@ import pytest
 
 from ctxcache import cpu
 from ctxcache.cpu import choose_dtype, cpu_class, cpu_flags, given_dtype, vllm_dtype
+from tests.utils import serve_hand_off
 
 BASE = ["fpu", "sse", "sse2", "ssse3", "sse4_1", "sse4_2", "avx", "f16c", "fma", "bmi1", "bmi2"]
 # an AVX2-only EPYC (Zen 2/3): no AVX-512, no AMX
@@ -132,16 +133,9 @@ def test_ctxcache_vllm_takes_dtype_and_vllms_own_wins(monkeypatch: pytest.Monkey
 
 @pytest.mark.parametrize("asked", [None, "float32", "bfloat16"])
 def test_serve_hands_its_dtype_to_ctxcache_vllm(asked: str | None) -> None:
-    from ctxcache.cli import build_parser
-    from ctxcache.serve import engine_args
-
-    parser = build_parser()
-    extra = [] if asked is None else ["--dtype", asked]
-    args = parser.parse_args(["serve", "--model", "/m/tiny", *extra, "--vllm-arg=--seed=1"])
-    argv = engine_args(args, "vllm", "/m/tiny", 7003, "lm://127.0.0.1:7001", None)
-    assert parser.parse_args(argv).dtype == (asked or "auto")
+    handed, argv, builtin = serve_hand_off([] if asked is None else ["--dtype", asked])
+    assert handed.dtype == (asked or "auto")
     assert argv[-2:] == ["--", "--seed=1"]  # vLLM's own arguments stay last
-    builtin = engine_args(args, "builtin", "/m/tiny", 7003, "lm://127.0.0.1:7001", None)
     assert "--dtype" not in builtin  # (the built-in worker has its own --dtype, float32)
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from ctxcache.vllm_engine import VllmLaunch, default_tool_parser
+from tests.utils import serve_hand_off
 
 
 def model_dir(tmp_path: Path, name: str, **config: object) -> str:
@@ -108,14 +109,7 @@ def test_ctxcache_vllm_picks_names_or_drops_the_parser(
 
 @pytest.mark.parametrize("choice", [None, "none", "mistral"])
 def test_serve_hands_its_choice_to_ctxcache_vllm(choice: str | None) -> None:
-    from ctxcache.cli import build_parser
-    from ctxcache.serve import engine_args
-
-    parser = build_parser()
-    extra = [] if choice is None else ["--tool-call-parser", choice]
-    args = parser.parse_args(["serve", "--model", "/m/tiny", *extra, "--vllm-arg=--seed=1"])
-    argv = engine_args(args, "vllm", "/m/tiny", 7003, "lm://127.0.0.1:7001", None)
-    assert parser.parse_args(argv).tool_call_parser == (choice or "auto")
+    handed, argv, builtin = serve_hand_off([] if choice is None else ["--tool-call-parser", choice])
+    assert handed.tool_call_parser == (choice or "auto")
     assert argv[-2:] == ["--", "--seed=1"]  # vLLM's own arguments stay last
-    builtin = engine_args(args, "builtin", "/m/tiny", 7003, "lm://127.0.0.1:7001", None)
     assert "--tool-call-parser" not in builtin

@@ -177,12 +177,24 @@ def test_a_tool_call_equals_the_whole_conversation_sent_without_a_session(
     conversation (tools rendered by the template, a text turn before it)."""
     system = document(2, 300)
     sid = create(stack, 2)
+    kwargs: dict[str, Any] = {"tools": TOOLS, "tool_choice": "required", **GREEDY}
+    turn, full = turn_and_whole(client, sid, system, "weather in rome please", kwargs)
+    calls = [(c.function.name, c.function.arguments) for c in turn.choices[0].message.tool_calls]
+    expected = [(c.function.name, c.function.arguments) for c in full.choices[0].message.tool_calls]
+    assert calls == expected
+    assert turn.usage.prompt_tokens == full.usage.prompt_tokens
+
+
+def turn_and_whole(
+    client: openai.OpenAI, sid: str, system: str, question: str, kwargs: dict[str, Any]
+) -> tuple[Any, Any]:
+    """A plain turn ("hello there"), then `question` with `kwargs` (tools, a choice) as a
+    session turn — and the same whole conversation sent without a session."""
     first = [{"role": "user", "content": "hello there"}]
     r1 = client.chat.completions.create(
         model="tiny", messages=first, extra_body={"session_id": sid}, **GREEDY
     )
-    ask = [{"role": "user", "content": "weather in rome please"}]
-    kwargs: dict[str, Any] = {"tools": TOOLS, "tool_choice": "required", **GREEDY}
+    ask = [{"role": "user", "content": question}]
     turn = client.chat.completions.create(
         model="tiny", messages=ask, extra_body={"session_id": sid}, **kwargs
     )
@@ -192,11 +204,7 @@ def test_a_tool_call_equals_the_whole_conversation_sent_without_a_session(
         {"role": "assistant", "content": r1.choices[0].message.content},
         *ask,
     ]
-    full = client.chat.completions.create(model="tiny", messages=whole, **kwargs)
-    calls = [(c.function.name, c.function.arguments) for c in turn.choices[0].message.tool_calls]
-    expected = [(c.function.name, c.function.arguments) for c in full.choices[0].message.tool_calls]
-    assert calls == expected
-    assert turn.usage.prompt_tokens == full.usage.prompt_tokens
+    return turn, client.chat.completions.create(model="tiny", messages=whole, **kwargs)
 
 
 def test_structured_output_and_logprobs_in_a_session(
@@ -383,23 +391,9 @@ def test_a_turn_with_other_tools_renders_the_conversation_again(
     conversation's, and the next turn reuses the new history."""
     system = document(8, 300)
     sid = create(stack, 8, tools=None)
-    first = [{"role": "user", "content": "hello"}]
-    r1 = client.chat.completions.create(
-        model="tiny", messages=first, extra_body={"session_id": sid}, **GREEDY
-    )
     before = stack.http.get("/metrics").text
-    ask = [{"role": "user", "content": "weather in rome"}]
     kwargs: dict[str, Any] = {"tools": TOOLS, "tool_choice": named("get_weather"), **GREEDY}
-    turn = client.chat.completions.create(
-        model="tiny", messages=ask, extra_body={"session_id": sid}, **kwargs
-    )
-    whole = [
-        {"role": "system", "content": system},
-        *first,
-        {"role": "assistant", "content": r1.choices[0].message.content},
-        *ask,
-    ]
-    full = client.chat.completions.create(model="tiny", messages=whole, **kwargs)
+    turn, full = turn_and_whole(client, sid, system, "weather in rome", kwargs)
     assert turn.usage.prompt_tokens == full.usage.prompt_tokens
     (call,) = turn.choices[0].message.tool_calls or []
     (expected,) = full.choices[0].message.tool_calls or []
