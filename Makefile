@@ -37,7 +37,9 @@ test: $(STAMP)
 
 # The tests marked slow (minutes each): `ctxcache serve --engine vllm` restarted and with
 # its parts killed one by one, vLLM's spans in the gateway's traces, the benchmarks' vLLM
-# runs, the container stack (where Docker answers). CI runs them after `make test`.
+# runs, the container stack (where Docker answers), and the vLLM stacks of a configuration
+# of their own (KV over lm:// only, async loads): `make test` shares one default vLLM stack
+# across its modules. CI runs them after `make test`.
 test-slow: $(STAMP)
 	$(VENV)/bin/pytest -m slow $(PYTEST_ARGS)
 

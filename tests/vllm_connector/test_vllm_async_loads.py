@@ -21,7 +21,8 @@ from tests.vllm_connector.test_vllm_e2e import (  # noqa: F401 (collected again,
     wait_for,
 )
 
-pytestmark = pytest.mark.timeout(VLLM_TIMEOUT)
+# its own vLLM start, for a setting that is off by default: `make test-slow` (CI runs it)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(VLLM_TIMEOUT)]
 
 
 @pytest.fixture(scope="module")
