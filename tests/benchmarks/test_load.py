@@ -59,6 +59,7 @@ def test_load_fake_backend(tmp_path: Path) -> None:
     assert row["sidecar"]["loaded"]["pinned_sessions"] == 40  # pinned while live, then released
 
 
+@pytest.mark.slow  # ~20 s of load on the tiny model: make test-slow (CI runs it)
 @pytest.mark.timeout(300)
 def test_load_tiny_model(tmp_path: Path, tiny_model: Path) -> None:
     row = run_load(

@@ -23,6 +23,7 @@ def test_user_turns_follow_the_sharegpt_shape() -> None:
         assert abs(context - TARGET_CONTEXT[k]) <= 2
 
 
+@pytest.mark.slow  # ~20 s of replay on the tiny model: make test-slow (CI runs it)
 def test_short_replay_writes_the_documented_outputs(tiny_model: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     proc = subprocess.run(

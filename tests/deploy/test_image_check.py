@@ -70,6 +70,7 @@ def test_the_image_check_passes_on_a_cpu_with_avx2_only() -> None:
     assert run.returncode == 0, run.stderr[-3000:]
 
 
+@pytest.mark.slow  # ~20 s: the negative control of the check above (make test-slow, CI)
 @pytest.mark.timeout(300)
 def test_the_image_check_fails_when_no_build_of_the_kernels_loads() -> None:
     for cpu in ("avx2", "this"):
