@@ -8,33 +8,63 @@ mapped by the sidecar and by every local engine. Its name carries the sidecar's
 **generation** (random, new at every start), and so does its first page: an engine that
 mapped an older sidecar's region can never mistake it for this one.
 
+After the first page comes the **write table**: one record per slot handed to an engine to
+write into (`claim`), cleared when that engine has said it stopped writing (`unclaim`).
+It lives in the mapping, so it survives a `kill -9` of the sidecar: the next sidecar on
+this directory takes the region over (`_recycle_stale`) and keeps every extent listed
+there out of its allocator until that writer commits, aborts or is gone
+(`inherited`, docs/sidecar.md "Invariants of the local path").
+
 The rest of the region is an allocator of block slots: first fit over free extents,
 coalescing on free, 4 KiB aligned. A slot is a numpy array over the mapping; the slot is
-given back when its last reference goes (`weakref.finalize`), which is exactly the
-memory tier's own rule — a block being sent, copied by an engine (a lease holds a
-reference) or written to disk is never reused under it, whatever the store evicted meanwhile.
+given back when the last array over it goes (`weakref.finalize` on an owner that every
+view of the slot keeps alive), which is exactly the memory tier's own rule — a block being
+sent, copied by an engine (a lease holds a reference) or written to disk is never reused
+under it, whatever the store evicted meanwhile.
+
+**The directory is trusted only if only we can change it** (`check_directory`): nobody
+else may write to it (a sticky one of ours is allowed), region files are opened with
+`O_NOFOLLOW`, and only regular files we own are taken over.
+
+**Engines' liveness** travels through the directory too: an engine's client holds an
+`flock` on `client-<token>.lock` for its life (`take_client_lock`); the kernel lets go of
+it when the process dies, whatever its PID namespace, so the sidecar can tell a dead
+writer from a slow one (`client_alive`).
 """
 
 from __future__ import annotations
 
 import bisect
 import contextlib
+import fcntl
 import logging
 import mmap
 import os
+import re
 import secrets
+import stat
+import struct
 import threading
 import weakref
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"CTXKV001"
-HEADER_BYTES = 4096  # magic, generation; the first slot starts after it
+MAGIC = b"CTXKV002"  # 002: the write table follows the first page
+OLD_MAGICS = (b"CTXKV001",)  # regions without a write table (taken over, table zeroed)
+PAGE = 4096
 ALIGN = 4096
+# the write table: (start, size, lease, client) per slot an engine may be writing
+RECORD = struct.Struct("<QQQQ")
+TABLE_RECORDS = 8192  # slots in flight to writers, all engines together
+TABLE_OFFSET = PAGE
+HEADER_BYTES = TABLE_OFFSET + TABLE_RECORDS * RECORD.size  # the first slot starts here
 SOCKET_NAME = "sidecar.sock"
+DIR_LOCK = "sidecar.lock"
+CLIENT_LOCK = re.compile(r"client-([0-9a-f]{16})\.lock")
 # How an engine maps the region: every page at once, since a page first touched in a copy
 # costs a fault (about 13k faults, ~15 ms, per 50 MB here), paid once at connect instead of
 # on its loads and stores. The sidecar maps it plainly (its pages are touched by socket
@@ -48,7 +78,24 @@ def region_name(generation: str) -> str:
 
 
 class RegionError(RuntimeError):
-    """The region could not be created (no room in the directory, no permission)."""
+    """The region could not be created (no room in the directory, no permission, a
+    directory that others can write)."""
+
+
+class _SlotOwner:
+    """What a slot's arrays hang from: numpy makes every view of a view point at the first
+    object that is not an array, so a view of a slot keeps this alive, and with it the slot."""
+
+    __slots__ = ("__array_interface__", "__weakref__", "_keep")
+
+    def __init__(self, base: np.ndarray, start: int, n: int) -> None:
+        self._keep = base  # the region's bytes, mapped
+        self.__array_interface__ = {
+            "shape": (n,),
+            "typestr": "|u1",
+            "data": (int(base.ctypes.data) + start, False),
+            "version": 3,
+        }
 
 
 class Arena:
@@ -59,16 +106,11 @@ class Arena:
         self.directory = directory
         self.path = directory / region_name(self.generation)
         self.size = _round_up(max(size, ALIGN), ALIGN) + HEADER_BYTES
-        directory.mkdir(parents=True, exist_ok=True)
-        # callers first make sure no live sidecar uses `directory`
-        fd = -1
-        if _recycle_stale(directory, self.path):
-            try:
-                fd = os.open(self.path, os.O_RDWR)
-            except PermissionError:  # another user's (a sidecar run as root before): a new one
-                self.path.unlink(missing_ok=True)
+        ensure_directory(directory)
+        # callers first make sure no live sidecar uses `directory` (`sidecar.local.claim_directory`)
+        fd = _recycle_stale(directory, self.path)
         if fd < 0:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o660)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o660)
         try:
             os.fchmod(fd, 0o660)  # not narrowed by the umask: the engine may be another uid
             try:
@@ -84,9 +126,6 @@ class Arena:
             self.path.unlink(missing_ok=True)
             raise
         os.close(fd)
-        self._map[: len(MAGIC)] = MAGIC
-        gen = self.generation.encode()
-        self._map[len(MAGIC) : len(MAGIC) + len(gen)] = gen
         self._bytes = np.frombuffer(self._map, dtype=np.uint8)
         self._lock = threading.Lock()
         # free extents as two parallel sorted lists: starts and sizes
@@ -94,6 +133,15 @@ class Arena:
         self._sizes: list[int] = [self.size - HEADER_BYTES]
         self.used = 0
         self.slots = 0
+        # the write table: which record holds what; the leases of an earlier generation
+        # whose writers may still write (lease -> client, extents), kept out of the allocator
+        self._records: dict[int, list[int]] = {}
+        self._free_records = list(range(TABLE_RECORDS - 1, -1, -1))
+        self.inherited: dict[int, tuple[int, list[tuple[int, int]]]] = {}
+        self._take_over_table()
+        self._map[: len(MAGIC)] = MAGIC
+        gen = self.generation.encode()
+        self._map[len(MAGIC) : len(MAGIC) + len(gen)] = gen
         log.info("shared KV region %s: %d bytes", self.path, self.size)
 
     # ---- slots ----------------------------------------------------------------------
@@ -115,9 +163,9 @@ class Arena:
                     break
             else:
                 return None
-        slot = self._bytes[start : start + n]
-        weakref.finalize(slot, self._free, start, need)
-        return slot
+        owner = _SlotOwner(self._bytes, start, n)
+        weakref.finalize(owner, self._free, start, need)
+        return np.asarray(owner)
 
     def offset(self, slot: np.ndarray) -> int | None:
         """Where `slot` (or any array over this region) starts in it; None if elsewhere."""
@@ -126,6 +174,15 @@ class Arena:
 
     def holds(self, data: object) -> bool:
         return isinstance(data, np.ndarray) and self.offset(data) is not None
+
+    @property
+    def capacity(self) -> int:
+        """The bytes slots can take (the region less its header and write table)."""
+        return self.size - HEADER_BYTES
+
+    def free_bytes(self) -> int:
+        with self._lock:
+            return sum(self._sizes)
 
     def _free(self, start: int, size: int) -> None:
         with self._lock:
@@ -142,9 +199,101 @@ class Arena:
                 self._starts.insert(i, start)
                 self._sizes.insert(i, size)
 
+    def _reserve(self, start: int, size: int) -> bool:
+        """Take [start, start + size) out of the free extents (an inherited write); False
+        if it is not wholly free (a record that overlaps another: ignored)."""
+        with self._lock:
+            i = bisect.bisect_right(self._starts, start) - 1
+            if i < 0 or start + size > self._starts[i] + self._sizes[i]:
+                return False
+            first, total = self._starts[i], self._sizes[i]
+            del self._starts[i], self._sizes[i]
+            for s, n in ((first, start - first), (start + size, first + total - start - size)):
+                if n:
+                    j = bisect.bisect_left(self._starts, s)
+                    self._starts.insert(j, s)
+                    self._sizes.insert(j, n)
+            self.used += size
+            self.slots += 1
+            return True
+
     def largest_free(self) -> int:
         with self._lock:
             return max(self._sizes, default=0)
+
+    # ---- the write table ------------------------------------------------------------
+    def claim(self, lease: int, client: int, slots: list[Any]) -> bool:
+        """Record that `client` may write `slots` under `lease` (before it learns where they
+        are); False when the table is full (the caller refuses the allocation)."""
+        with self._lock:
+            if len(self._free_records) < len(slots):
+                return False
+            taken = [self._free_records.pop() for _ in slots]
+            for rec, slot in zip(taken, slots, strict=True):
+                start = int(slot.ctypes.data) - int(self._bytes.ctypes.data)
+                size = _round_up(max(len(slot), 1), ALIGN)
+                RECORD.pack_into(
+                    self._map, TABLE_OFFSET + rec * RECORD.size, start, size, lease, client
+                )
+            self._records[lease] = taken
+        return True
+
+    def unclaim(self, lease: int) -> None:
+        """`lease`'s writer has stopped writing (a commit, an abort, its process gone)."""
+        with self._lock:
+            for rec in self._records.pop(lease, []):
+                RECORD.pack_into(self._map, TABLE_OFFSET + rec * RECORD.size, 0, 0, 0, 0)
+                self._free_records.append(rec)
+
+    def end_inherited(self, lease: int) -> bool:
+        """An earlier generation's write is over: its extents return to the allocator."""
+        got = self.inherited.pop(lease, None)
+        if got is None:
+            return False
+        self.unclaim(lease)
+        for start, size in got[1]:
+            self._free(start, size)
+        return True
+
+    def _take_over_table(self) -> None:
+        """Read the write table this file had (a region taken over from an earlier
+        sidecar): every extent some engine may still be writing stays taken, under its
+        lease, until that writer is done. Anything else in the table is cleared."""
+        old = bytes(self._map[: len(MAGIC)])
+        records = []
+        if old == MAGIC:
+            for rec in range(TABLE_RECORDS):
+                at = TABLE_OFFSET + rec * RECORD.size
+                start, size, lease, client = RECORD.unpack_from(self._map, at)
+                if start or size or lease:
+                    records.append((start, size, lease, client, rec))
+        self._map[TABLE_OFFSET:HEADER_BYTES] = bytes(HEADER_BYTES - TABLE_OFFSET)
+        for start, size, lease, client, rec in sorted(records):
+            valid = (
+                start >= HEADER_BYTES
+                and start % ALIGN == 0
+                and size > 0
+                and size % ALIGN == 0
+                and start + size <= self.size
+                and lease
+            )
+            if not valid or not self._reserve(start, size):
+                log.warning("ignoring a malformed write-table record in %s", self.path)
+                continue
+            RECORD.pack_into(
+                self._map, TABLE_OFFSET + rec * RECORD.size, start, size, lease, client
+            )
+            self._free_records.remove(rec)
+            self._records.setdefault(lease, []).append(rec)
+            held = self.inherited.setdefault(lease, (client, []))
+            held[1].append((start, size))
+        if self.inherited:
+            log.warning(
+                "the earlier sidecar's engines may still be writing %d slots of %s: kept "
+                "until they commit, abort or exit",
+                sum(len(x[1]) for x in self.inherited.values()),
+                self.path.name,
+            )
 
     def close(self, keep: bool = False) -> None:
         """Remove the file, unless `keep` (engines still map it: removing it would free no
@@ -155,6 +304,48 @@ class Arena:
             log.info("leaving the region %s to the next sidecar: engines map it", self.path)
             return
         self.path.unlink(missing_ok=True)
+
+
+def ensure_directory(directory: Path) -> None:
+    """Create `directory` if it is missing (0770: the engine, of our group, makes its lock
+    file there; in a Kubernetes `emptyDir`, which is 0777, give a subdirectory), then
+    `check_directory`."""
+    if not directory.exists():
+        directory.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(OSError):
+            os.chmod(directory, 0o770)
+    check_directory(directory)
+
+
+def check_directory(directory: Path) -> None:
+    """Refuse a directory that someone else could plant files in (a region, a socket, a
+    lock): one that others may write, unless it is sticky (others cannot rename or remove
+    our files there) and owned by us or root (like /dev/shm)."""
+    info = os.stat(directory)
+    if not stat.S_ISDIR(info.st_mode):
+        raise RegionError(f"{directory} is not a directory")
+    if info.st_mode & stat.S_IWOTH:
+        sticky = info.st_mode & stat.S_ISVTX
+        if not sticky or info.st_uid not in (os.geteuid(), 0):
+            raise RegionError(
+                f"{directory} is writable by every user (mode {stat.S_IMODE(info.st_mode):o}); "
+                "give the sidecar a directory only it and its engines can write "
+                "(docs/sidecar.md)"
+            )
+
+
+def open_own_regular(path: Path, flags: int) -> int:
+    """Open `path` without following a symlink; only a regular file owned by us. -1 if it
+    is anything else (it is then left alone)."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return -1
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+        os.close(fd)
+        return -1
+    return fd
 
 
 def read_generation(path: Path) -> str | None:
@@ -169,28 +360,114 @@ def read_generation(path: Path) -> str | None:
     return head[len(MAGIC) :].decode(errors="replace")
 
 
-def _recycle_stale(directory: Path, path: Path) -> bool:
+def _recycle_stale(directory: Path, path: Path) -> int:
     """The region a previous sidecar left (a restart, a kill -9) becomes this one's: renamed
     to `path`, the same file, so the same memory. An engine keeps mapping the old region
     until it next talks to us, and a tmpfs frees a removed file's pages only once nobody
     maps them: a fresh file would need the room twice, and a volume sized for one region
     (compose's, a Kubernetes `emptyDir` with a `sizeLimit`) would refuse it. Nothing is
-    read from it as ours: the new generation is written into its first page, and a lease
-    of the old generation ends in a failed release (a miss). Any other stale region is
-    removed. True if one was recycled."""
+    read from it as ours but its write table: the new generation is written into its first
+    page, and a lease of the old generation ends in a failed release (a miss). Only a
+    regular file of ours is taken (a symlink or another user's file is left alone); other
+    stale regions of ours are removed. Returns the taken file's descriptor, or -1."""
     stale = []
     for old in directory.glob("kv-*.shm"):
-        with contextlib.suppress(OSError):
-            stale.append((old.stat().st_size, old))
-    stale.sort(reverse=True)  # the largest is kept: it may need no more room at all
-    for i, (_, old) in enumerate(stale):
+        fd = open_own_regular(old, os.O_RDWR)
+        if fd < 0:
+            log.warning("not taking over %s: not a regular file of this user", old)
+            continue
+        stale.append((os.fstat(fd).st_size, old, fd))
+    stale.sort(key=lambda s: s[0], reverse=True)  # the largest is kept: it may need no more room
+    taken = -1
+    for i, (_, old, fd) in enumerate(stale):
         if i == 0:
             log.info("reusing a previous sidecar's region %s as %s", old.name, path.name)
             os.rename(old, path)
-        else:
-            log.info("removing a previous sidecar's region %s", old)
-            old.unlink(missing_ok=True)
-    return bool(stale)
+            taken = fd
+            continue
+        log.info("removing a previous sidecar's region %s", old)
+        os.close(fd)
+        old.unlink(missing_ok=True)
+    return taken
+
+
+# ---- engines' liveness ------------------------------------------------------------------
+def client_lock_path(directory: Path, token: str) -> Path:
+    return directory / f"client-{token}.lock"
+
+
+def take_client_lock(directory: Path, token: str) -> int:
+    """(An engine's client.) Hold `client-<token>.lock` for this process's life: made
+    under a temporary name, locked, then renamed, so the sidecar never sees it unlocked
+    while we live. -1 when the directory does not let us (the sidecar then cannot tell
+    our death from silence: see `client_alive`)."""
+    tmp = directory / f".client-{token}.{os.getpid()}"
+    try:
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o660)
+    except OSError as exc:
+        log.warning(
+            "no liveness lock in %s (%s): stores there are freed only by timeout", directory, exc
+        )
+        return -1
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.rename(tmp, client_lock_path(directory, token))
+    except OSError:
+        os.close(fd)
+        tmp.unlink(missing_ok=True)
+        return -1
+    return fd
+
+
+def drop_client_lock(directory: Path, token: str, fd: int) -> None:
+    if fd >= 0:
+        client_lock_path(directory, token).unlink(missing_ok=True)
+        os.close(fd)
+
+
+def client_alive(directory: Path, token: str) -> bool | None:
+    """Whether the engine client `token` lives: its lock file is held (True), left
+    unlocked by a dead process (False: the file is removed), or absent (None: unknown)."""
+    path = client_lock_path(directory, token)
+    fd = open_own_or_group(path)
+    if fd < 0:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return None
+    else:
+        with contextlib.suppress(OSError):
+            path.unlink()
+        return False
+    finally:
+        os.close(fd)
+
+
+def live_clients(directory: Path) -> int:
+    """How many engine clients with a lock in `directory` are alive."""
+    alive = 0
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(directory):
+            m = CLIENT_LOCK.fullmatch(entry.name)
+            if m and client_alive(directory, m.group(1)):
+                alive += 1
+    return alive
+
+
+def open_own_or_group(path: Path) -> int:
+    """Open a lock file an engine made (it may run as another user of our group): a
+    regular file, never through a symlink. -1 otherwise."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return -1
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        return -1
+    return fd
 
 
 def _round_up(n: int, to: int) -> int:

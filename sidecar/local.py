@@ -5,36 +5,51 @@ once and talks to this socket; the payload never crosses it. One JSON document p
 each way, answered in order:
 
 Requests, and what they answer:
-- `{"op": "hello"}` -> `{"ok", "generation", "region", "size", "lease_timeout_s"}`
+- `{"op": "hello", "client": token, "lock": bool}` -> `{"ok", "generation", "region",
+  "size", "lease_timeout_s"}`; `client` (16 hex digits) names the engine's client across
+  its connections, `lock` says it holds `client-<token>.lock` (`sidecar.arena`)
 - `{"op": "lease", "keys": [...]}` -> `{"ok", "lease": id, "blocks": [...]}`, a block being
   null (a miss), "tcp" (present but no slot could be had: GET it over lm://) or
   `{"offset", "length", "fmt", "dtype", "shape"}`
-- `{"op": "release", "lease": id}` -> `{"ok": true}` only if the lease held until now:
-  then every byte copied under it was the block's
+- `{"op": "release", "lease": id, "generation": g}` -> `{"ok": true}` only if the lease held
+  until now: then every byte copied under it was the block's
 - `{"op": "alloc", "lengths": [...]}` -> `{"ok", "lease": id, "offsets": [...]}`, or
   `{"ok": false, "error": "full"}`
-- `{"op": "commit", "lease": id, "blocks": [{"key", "fmt", "dtype", "shape"} or null]}` ->
-  `{"ok", "stored": n}`: the allocated slots become blocks (null: the slot is given up)
+- `{"op": "commit", "lease": id, "generation": g, "blocks": [{"key", "fmt", "dtype",
+  "shape"} or null]}` -> `{"ok", "stored": n}`: the allocated slots become blocks (null:
+  the slot is given up); `ok: false` and `stored: 0` if the lease had ended
+- `{"op": "abort", "lease": id, "generation": g}` -> `{"ok"}`: the writer is done with
+  the slots and stores nothing
 - `{"op": "exists", "keys": [...]}` -> `{"ok", "found": [...]}`
 
 Any request may carry `"trace": {"traceparent": ...}` (the engine's span, tracing on): the
 sidecar's span of it (`sidecar local <op>`, with the bytes and blocks) joins that trace.
+A request that is not one of these gets `{"ok": false, "error"}`, never a closed
+connection.
 
-**Leases.** A lease holds references to its slots, so the store may evict or overwrite
-the blocks meanwhile but the slots are not reused: what the engine copies is the block
-as it was. A lease ends when it is released, when its connection closes (an engine that
-died gives everything back) or after `lease_timeout_s` (a hung one); a release that comes
-after that answers `ok: false`, and the engine treats its copies as a miss. So a copy that
-raced an expiry, a restart (the connection is gone) or anything else is never used.
+**Leases** (docs/sidecar.md, "Invariants of the local path") belong to the engine's client,
+not to a connection, and carry random 64-bit ids (no two sidecars hand out the same one).
+- A **read lease** holds references to its slots, so the store may evict or overwrite the
+  blocks meanwhile but the slots are not reused: what the engine copies is the block as it
+  was. It ends at its release, after `lease_timeout_s`, or when its client is gone; a
+  release after that (or of another generation) answers `ok: false`, and the engine
+  treats its copies as a miss.
+- A **write lease** (`alloc`) gives slots to one writer. They are handed to nobody else
+  until that writer can no longer write to them: its commit or abort (even after the
+  lease ended, even to the next sidecar: the region's write table, `sidecar.arena`), or its
+  process gone (its lock let go). A lease past its timeout only stops its commit from
+  storing anything.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
+import fcntl
 import json
 import logging
 import os
+import re
+import secrets
 import socket
 import threading
 import time
@@ -43,7 +58,14 @@ from pathlib import Path
 from typing import Any
 
 from ctxcache import tracing
-from sidecar.arena import SOCKET_NAME, Arena
+from sidecar.arena import (
+    DIR_LOCK,
+    SOCKET_NAME,
+    Arena,
+    _round_up,
+    client_alive,
+    ensure_directory,
+)
 from sidecar.blocks import BlockMeta
 from sidecar.metrics import SidecarMetrics
 from sidecar.protocol import MAX_KEY_LENGTH
@@ -53,18 +75,46 @@ log = logging.getLogger(__name__)
 
 MAX_LINE = 1 << 20  # a request line longer than this closes the connection
 MAX_KEYS = 4096  # keys or slots in one request
+MAX_CONNECTIONS = 256  # past it, the longest idle connection is closed for a new one
+MAX_LEASES = 256  # leases one client may hold at once
+CLIENT_SHARE = 0.5  # of the region, allocated to one client's writes at most
+IDLE_TIMEOUT_S = 600.0  # a connection silent this long is closed (its leases stay)
+INT32 = 2**31 - 1  # fmt, dtype and shape are int32 in lm:// and in the disk header
+TOKEN = re.compile(r"[0-9a-f]{16}")
 
 
 class LocalDirInUse(RuntimeError):
-    """Another live sidecar answers on this directory's socket."""
+    """Another live sidecar uses this directory."""
+
+
+@dataclass
+class Client:
+    """An engine's client, across its connections."""
+
+    token: str
+    lock: bool = False  # holds client-<token>.lock: its death is seen at once
+    conns: int = 0
+    last_seen: float = field(default_factory=time.monotonic)
+    write_bytes: int = 0  # allocated to its write leases, ended ones included
 
 
 @dataclass
 class Lease:
-    conn: int
+    client: str
+    write: bool
     expires: float
     slots: list[Any] = field(default_factory=list)  # references that keep the slots
-    lengths: list[int] = field(default_factory=list)  # (alloc) the requested lengths
+    lengths: list[int] = field(default_factory=list)  # (write) the requested lengths
+    nbytes: int = 0  # (write) the slots' aligned sizes, counted against the client's share
+    ended: bool = False  # (write) past its timeout: its commit stores nothing
+
+
+@dataclass
+class Conn:
+    sock: socket.socket
+    client: str
+    last: float = field(default_factory=time.monotonic)
+    busy: bool = False
 
 
 class LocalServer:
@@ -76,21 +126,27 @@ class LocalServer:
         lease_timeout_s: float,
         max_block_bytes: int,
         metrics: SidecarMetrics,
+        idle_timeout_s: float = IDLE_TIMEOUT_S,
     ) -> None:
         self.store, self.arena, self.metrics = store, arena, metrics
         self.max_block_bytes = max_block_bytes
         self.lease_timeout_s = lease_timeout_s
+        self.idle_timeout_s = idle_timeout_s
+        # how long an ended write of a client without a lock file is kept after it was
+        # last heard from (it may still be writing: nothing else says it is not)
+        self.silent_writer_s = max(20 * lease_timeout_s, idle_timeout_s)
         self.path = arena.directory / SOCKET_NAME
+        self._started = time.monotonic()
         self._leases: dict[int, Lease] = {}
+        self._clients: dict[str, Client] = {}
         self._lock = threading.Lock()
-        self._ids = itertools.count(1)
-        self._conn_ids = itertools.count(1)
-        self._conns: set[socket.socket] = set()
+        self._conns: dict[int, Conn] = {}
+        self._next_conn = 0
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.path.unlink(missing_ok=True)
         self._listener.bind(str(self.path))
         os.chmod(self.path, 0o660)
-        self._listener.listen(64)
+        self._listener.listen(1024)  # (capped by net.core.somaxconn)
         self._thread = threading.Thread(target=self._accept_loop, name="local-accept", daemon=True)
         self._stopping = False
 
@@ -105,25 +161,55 @@ class LocalServer:
             self._listener.shutdown(socket.SHUT_RDWR)
         self._listener.close()
         with self._lock:
-            conns = list(self._conns)
+            conns = list(self._conns.values())
         for conn in conns:
             with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)
+                conn.sock.shutdown(socket.SHUT_RDWR)
         self._thread.join(timeout=5)
         self.path.unlink(missing_ok=True)
         return len(conns)
 
     def expire(self, now: float | None = None) -> int:
-        """End the leases past their timeout; returns how many."""
+        """The periodic sweep: end the leases past their timeout (a write lease's slots
+        stay its writer's), free what dead clients held, close idle connections. Returns
+        how many leases ended."""
         now = time.monotonic() if now is None else now
         with self._lock:
-            gone = [i for i, lease in self._leases.items() if lease.expires <= now]
-            for i in gone:
-                del self._leases[i]
-        if gone:
-            self.metrics.leases_expired.labels("timeout").inc(len(gone))
-            log.warning("%d leases timed out; their holders' copies count as misses", len(gone))
-        return len(gone)
+            timed_out = [
+                i for i, lease in self._leases.items() if lease.expires <= now and not lease.ended
+            ]
+            for i in timed_out:
+                lease = self._leases[i]
+                if lease.write:
+                    lease.ended = True  # quarantined: freed by its writer or its death
+                else:
+                    del self._leases[i]
+            idle = [
+                c.sock
+                for c in self._conns.values()
+                if not c.busy and now - c.last > self.idle_timeout_s
+            ]
+            quiet = [c for c in self._clients.values() if c.conns == 0]
+        if timed_out:
+            self.metrics.leases_expired.labels("timeout").inc(len(timed_out))
+            log.warning(
+                "%d leases timed out; their holders' copies count as misses", len(timed_out)
+            )
+        for sock in idle:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        for client in quiet:  # (clients that said hello; anonymous ones end with their connection)
+            if self._gone(client, now):
+                self._drop_client(client.token, "disconnect")
+        for lease_id, (client_id, _) in list(self.arena.inherited.items()):
+            token = f"{client_id:016x}"
+            alive = client_alive(self.arena.directory, token)
+            silent = now - self._started > self.silent_writer_s
+            if alive is False or (alive is None and silent):
+                with self._lock:
+                    self._leases.pop(lease_id, None)
+                self.arena.end_inherited(lease_id)
+        return len(timed_out)
 
     @property
     def leases(self) -> int:
@@ -134,29 +220,61 @@ class LocalServer:
     def _accept_loop(self) -> None:
         while not self._stopping:
             try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                return
-            with self._lock:
-                self._conns.add(conn)
-            threading.Thread(
-                target=self._serve, args=(conn,), name="local-conn", daemon=True
-            ).start()
+                sock, _ = self._listener.accept()
+            except OSError as exc:
+                if self._stopping:
+                    return
+                log.warning("local socket accept failed: %s", exc)  # (EMFILE...): go on
+                time.sleep(0.05)
+                continue
+            try:
+                self._admit(sock)
+            except Exception:
+                log.exception("could not serve a local connection")
+                with contextlib.suppress(OSError):
+                    sock.close()
 
-    def _serve(self, conn: socket.socket) -> None:
-        cid = next(self._conn_ids)
+    def _admit(self, sock: socket.socket) -> None:
+        """Serve `sock` on a thread of its own; at the connection cap the longest idle
+        connection is closed first (its client reconnects when it next calls; its leases
+        are its client's, not the connection's, and stay)."""
+        with self._lock:
+            self._next_conn += 1
+            cid = self._next_conn
+            victim = None
+            if len(self._conns) >= MAX_CONNECTIONS:
+                idle = [c for c in self._conns.values() if not c.busy]
+                if idle:
+                    victim = min(idle, key=lambda c: c.last).sock
+            self._conns[cid] = Conn(sock, f"conn-{cid}")
+        if victim is not None:
+            self.metrics.local_connections_evicted.inc()
+            with contextlib.suppress(OSError):
+                victim.shutdown(socket.SHUT_RDWR)
+        try:
+            threading.Thread(
+                target=self._serve, args=(cid, sock), name="local-conn", daemon=True
+            ).start()
+        except BaseException:
+            with self._lock:
+                self._conns.pop(cid, None)
+            raise
+
+    def _serve(self, cid: int, sock: socket.socket) -> None:
         self.metrics.local_connections.inc()
-        reader = conn.makefile("rb")
+        reader = sock.makefile("rb")
         try:
             while True:
                 line = reader.readline(MAX_LINE + 1)
                 if not line or len(line) > MAX_LINE:
                     return
-                try:
-                    reply = self._handle(cid, json.loads(line))
-                except (ValueError, TypeError, KeyError) as exc:
-                    reply = {"ok": False, "error": f"bad request: {type(exc).__name__}"}
-                conn.sendall(json.dumps(reply, separators=(",", ":")).encode() + b"\n")
+                with self._lock:
+                    conn = self._conns[cid]
+                    conn.busy = True
+                reply = self._answer(cid, line)
+                sock.sendall(json.dumps(reply, separators=(",", ":")).encode() + b"\n")
+                with self._lock:
+                    conn.busy, conn.last = False, time.monotonic()
         except OSError as exc:
             log.debug("local connection closed: %s", exc)
         except Exception:
@@ -164,20 +282,48 @@ class LocalServer:
         finally:
             self.metrics.local_connections.dec()
             with self._lock:
-                self._conns.discard(conn)
+                conn = self._conns.pop(cid, None)
+                client = self._clients.get(conn.client) if conn is not None else None
+                if client is not None:
+                    client.conns -= 1
             reader.close()
-            conn.close()
-            self._drop_connection(cid)
+            sock.close()
+            if client is not None and client.conns == 0 and self._gone(client, time.monotonic()):
+                self._drop_client(client.token, "disconnect")
+            elif conn is not None and conn.client.startswith("conn-"):
+                self._drop_client(conn.client, "disconnect")  # (no hello: this was all of it)
 
-    def _drop_connection(self, cid: int) -> None:
+    def _gone(self, client: Client, now: float) -> bool:
+        """Whether nothing of `client` can still write into the region."""
+        if client.lock:
+            return client_alive(self.arena.directory, client.token) is False
+        if client.token.startswith("conn-"):
+            return True  # an anonymous connection (no hello) cannot reconnect as itself
+        return now - client.last_seen > self.silent_writer_s
+
+    def _drop_client(self, token: str, why: str) -> None:
+        """A client that is gone: every lease it held ends, every slot is free again."""
         with self._lock:
-            gone = [i for i, lease in self._leases.items() if lease.conn == cid]
+            gone = [i for i, lease in self._leases.items() if lease.client == token]
             for i in gone:
                 del self._leases[i]
+            self._clients.pop(token, None)
+        for i in gone:
+            self.arena.unclaim(i)
         if gone:
-            self.metrics.leases_expired.labels("disconnect").inc(len(gone))
+            self.metrics.leases_expired.labels(why).inc(len(gone))
 
     # ---- requests ---------------------------------------------------------------------
+    def _answer(self, cid: int, line: bytes) -> dict[str, Any]:
+        """One request's reply; whatever the request, an answer (never an exception)."""
+        try:
+            req = json.loads(line, parse_constant=_no_constant)
+            if not isinstance(req, dict):
+                raise TypeError("not an object")
+            return self._handle(cid, req)
+        except Exception as exc:  # a malformed request: refused, the connection serves on
+            return {"ok": False, "error": f"bad request: {type(exc).__name__}"}
+
     def _handle(self, cid: int, req: dict[str, Any]) -> dict[str, Any]:
         op = req["op"]
         handler = {
@@ -186,19 +332,41 @@ class LocalServer:
             "release": self._release,
             "alloc": self._alloc,
             "commit": self._commit,
+            "abort": self._abort,
             "exists": self._exists,
         }.get(op)
         if handler is None:
             return {"ok": False, "error": f"unknown op {str(op)[:32]!r}"}
         self.metrics.local_requests.labels(op).inc()
+        with self._lock:
+            token = self._conns[cid].client
+            client = self._clients.get(token)
+            if client is not None:
+                client.last_seen = time.monotonic()
         trace = req.get("trace")
         if not tracing.enabled() or not isinstance(trace, dict):
-            return handler(cid, req)
+            return handler(cid, token, req)
         carrier = {str(k): str(v) for k, v in trace.items()}
         with tracing.span_in(carrier, f"sidecar local {op}", server=True):
-            return handler(cid, req)
+            return handler(cid, token, req)
 
-    def _hello(self, cid: int, req: dict[str, Any]) -> dict[str, Any]:
+    def _hello(self, cid: int, token: str, req: dict[str, Any]) -> dict[str, Any]:
+        name = req.get("client")
+        if name is not None:
+            if not isinstance(name, str) or not TOKEN.fullmatch(name):
+                raise ValueError("client")
+            with self._lock:
+                conn = self._conns[cid]
+                old = self._clients.get(conn.client)
+                if old is not None and conn.client != name:
+                    old.conns -= 1
+                if conn.client != name:
+                    client = self._clients.setdefault(name, Client(name))
+                    client.conns += 1
+                    conn.client = name
+                client = self._clients[name]
+                client.lock = bool(req.get("lock"))
+                client.last_seen = time.monotonic()
         return {
             "ok": True,
             "generation": self.arena.generation,
@@ -207,22 +375,39 @@ class LocalServer:
             "lease_timeout_s": self.lease_timeout_s,
         }
 
-    def _new_lease(self, cid: int, slots: list[Any], lengths: list[int]) -> int:
-        lease_id = next(self._ids)
+    def _new_lease(self, lease: Lease) -> int | None:
+        """Register `lease`; None when its client holds too many already."""
         with self._lock:
-            expires = time.monotonic() + self.lease_timeout_s
-            self._leases[lease_id] = Lease(cid, expires, slots, lengths)
+            held = sum(1 for x in self._leases.values() if x.client == lease.client)
+            if held >= MAX_LEASES:
+                return None
+            lease_id = secrets.randbits(63) or 1
+            while lease_id in self._leases or lease_id in self.arena.inherited:
+                lease_id = secrets.randbits(63) or 1
+            self._leases[lease_id] = lease
         return lease_id
 
-    def _take(self, cid: int, lease_id: object) -> Lease | None:
+    def _take(self, token: str, lease_id: object, *, write: bool) -> Lease | None:
+        """Remove and return `token`'s lease `lease_id` of that kind (None: no such)."""
+        if not isinstance(lease_id, int) or isinstance(lease_id, bool):
+            return None
         with self._lock:
-            lease = self._leases.get(lease_id) if isinstance(lease_id, int) else None
-            if lease is None or lease.conn != cid:
+            lease = self._leases.get(lease_id)
+            if lease is None or lease.client != token or lease.write != write:
                 return None
-            del self._leases[lease_id]  # type: ignore[arg-type]
-        return lease if lease.expires > time.monotonic() else None
+            del self._leases[lease_id]
+            if write:
+                client = self._clients.get(token)
+                if client is not None:
+                    client.write_bytes -= lease.nbytes
+        return lease
 
-    def _lease(self, cid: int, req: dict[str, Any]) -> dict[str, Any]:
+    def _current(self, req: dict[str, Any]) -> bool:
+        """Whether the request is of this sidecar's generation (or does not say)."""
+        gen = req.get("generation")
+        return gen is None or gen == self.arena.generation
+
+    def _lease(self, cid: int, token: str, req: dict[str, Any]) -> dict[str, Any]:
         keys = _strings(req["keys"])
         slots: list[Any] = []
         blocks: list[Any] = []
@@ -248,8 +433,14 @@ class LocalServer:
                     "shape": list(meta.shape),
                 }
             )
+        lease_id = 0
+        if slots:
+            expires = time.monotonic() + self.lease_timeout_s
+            got = self._new_lease(Lease(token, False, expires, slots))
+            if got is None:
+                return {"ok": False, "error": f"too many leases (at most {MAX_LEASES})"}
+            lease_id = got
         self.metrics.local_bytes.labels("load").inc(leased)
-        lease_id = self._new_lease(cid, slots, []) if slots else 0
         tracing.annotate(
             {
                 "ctxcache.kv.keys": len(keys),
@@ -260,69 +451,137 @@ class LocalServer:
         )
         return {"ok": True, "lease": lease_id, "blocks": blocks}
 
-    def _release(self, cid: int, req: dict[str, Any]) -> dict[str, Any]:
-        held = self._take(cid, req["lease"]) is not None
+    def _release(self, cid: int, token: str, req: dict[str, Any]) -> dict[str, Any]:
+        lease = self._take(token, req["lease"], write=False) if self._current(req) else None
+        held = lease is not None and lease.expires > time.monotonic()
         tracing.annotate({"ctxcache.kv.lease_held": held})
         return {"ok": held}
 
-    def _alloc(self, cid: int, req: dict[str, Any]) -> dict[str, Any]:
+    def _alloc(self, cid: int, token: str, req: dict[str, Any]) -> dict[str, Any]:
         lengths = req["lengths"]
         if not isinstance(lengths, list) or not 0 < len(lengths) <= MAX_KEYS:
             raise ValueError("lengths")
+        for n in lengths:
+            if not isinstance(n, int) or isinstance(n, bool) or not 0 < n <= self.max_block_bytes:
+                raise ValueError("length")
+        if token.startswith("conn-"):  # a writer must be one we can tell is alive
+            return {"ok": False, "error": "say hello with a client token first"}
+        need = sum(_round_up(n, 4096) for n in lengths)
+        share = int(self.arena.capacity * CLIENT_SHARE)
+        with self._lock:
+            client = self._clients.get(token)
+            mine = client.write_bytes if client is not None else 0
+        if mine + need > share:
+            self.metrics.region_full.inc()
+            return {"ok": False, "error": "full", "reason": "over one engine's share"}
+        if need > self.arena.free_bytes() + self.store.mem_region:
+            self.metrics.region_full.inc()  # evicting everything would not make it fit
+            return {"ok": False, "error": "full", "reason": "larger than the region can free"}
         slots = []
         for n in lengths:
-            if not isinstance(n, int) or not 0 < n <= self.max_block_bytes:
-                raise ValueError("length")
             slot = self.store.alloc_slot(n)
             if slot is None:
                 return {"ok": False, "error": "full"}  # the slots taken so far go with `slots`
             slots.append(slot)
+        expires = time.monotonic() + self.lease_timeout_s
+        lease_id = self._new_lease(Lease(token, True, expires, slots, lengths, need))
+        if lease_id is None:
+            return {"ok": False, "error": f"too many leases (at most {MAX_LEASES})"}
+        if not self.arena.claim(lease_id, _client_number(token), slots):
+            with self._lock:
+                del self._leases[lease_id]
+            return {"ok": False, "error": "full", "reason": "too many slots in flight"}
+        with self._lock:
+            if token in self._clients:
+                self._clients[token].write_bytes += need
         offsets = [self.arena.offset(s) for s in slots]
         tracing.annotate({"ctxcache.kv.slots": len(slots), "ctxcache.kv.bytes_shm": sum(lengths)})
-        return {"ok": True, "lease": self._new_lease(cid, slots, lengths), "offsets": offsets}
+        return {"ok": True, "lease": lease_id, "offsets": offsets}
 
-    def _commit(self, cid: int, req: dict[str, Any]) -> dict[str, Any]:
+    def _commit(self, cid: int, token: str, req: dict[str, Any]) -> dict[str, Any]:
         metas = req["blocks"]
-        lease = self._take(cid, req["lease"])
-        if lease is None:
-            return {"ok": False, "error": "lease expired", "stored": 0}
-        if not isinstance(metas, list) or len(metas) != len(lease.slots):
+        if not isinstance(metas, list):
             raise ValueError("blocks")
+        checked = [None if m is None else _checked_meta(m) for m in metas]
+        if not self._current(req):  # a writer of an earlier generation is done
+            self._end_inherited(token, req["lease"])
+            return {"ok": False, "error": "stale generation", "stored": 0}
+        lease = self._take(token, req["lease"], write=True)
+        if lease is None:
+            self._end_inherited(token, req["lease"])
+            return {"ok": False, "error": "no such lease", "stored": 0}
+        self.arena.unclaim(req["lease"])  # the writer is done, stored or not
+        if lease.ended or lease.expires <= time.monotonic():
+            return {"ok": False, "error": "lease expired", "stored": 0}
+        if len(checked) != len(lease.slots):
+            return {"ok": False, "error": "bad request: blocks", "stored": 0}
         stored = 0
-        for slot, n, m in zip(lease.slots, lease.lengths, metas, strict=True):
+        for slot, n, m in zip(lease.slots, lease.lengths, checked, strict=True):
             if m is None:
                 continue
-            shape = tuple(int(x) for x in m["shape"])
-            if len(shape) != 4:
-                raise ValueError("shape")
-            key = str(m["key"])
-            if len(key.encode()) > MAX_KEY_LENGTH:
-                raise ValueError("key")
-            meta = BlockMeta(key, n, int(m["fmt"]), int(m["dtype"]), shape)  # type: ignore[arg-type]
-            if self.store.put(meta, slot):
+            key, fmt, dtype, shape = m
+            if self.store.put(BlockMeta(key, n, fmt, dtype, shape), slot):
                 stored += 1
                 self.metrics.local_bytes.labels("store").inc(n)
         tracing.annotate({"ctxcache.kv.stored_blocks": stored})
         return {"ok": True, "stored": stored}
 
-    def _exists(self, cid: int, req: dict[str, Any]) -> dict[str, Any]:
+    def _abort(self, cid: int, token: str, req: dict[str, Any]) -> dict[str, Any]:
+        lease = self._take(token, req["lease"], write=True) if self._current(req) else None
+        if lease is None:
+            return {"ok": self._end_inherited(token, req["lease"])}
+        self.arena.unclaim(req["lease"])
+        return {"ok": True}
+
+    def _end_inherited(self, token: str, lease_id: object) -> bool:
+        """An earlier generation's writer says it is done with `lease_id`."""
+        held = self.arena.inherited.get(lease_id) if isinstance(lease_id, int) else None
+        if held is None or f"{held[0]:016x}" != token:
+            return False
+        return self.arena.end_inherited(lease_id)  # type: ignore[arg-type]
+
+    def _exists(self, cid: int, token: str, req: dict[str, Any]) -> dict[str, Any]:
         return {"ok": True, "found": [self.store.exists(k) for k in _strings(req["keys"])]}
 
 
-def check_free(directory: Path) -> None:
-    """Raise LocalDirInUse when a live sidecar answers on `directory`'s socket."""
-    path = directory / SOCKET_NAME
-    if not path.exists():
-        return
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    probe.settimeout(1.0)
+def claim_directory(directory: Path) -> int:
+    """Hold `directory` for this sidecar (an `flock` on `sidecar.lock`, let go when the
+    process ends, however it ends); raise LocalDirInUse when another live sidecar holds
+    it. Returns the descriptor to keep open."""
+    ensure_directory(directory)
+    path = directory / DIR_LOCK
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        probe.connect(str(path))
-    except OSError:
-        return  # a socket file left by a sidecar that died
-    finally:
-        probe.close()
-    raise LocalDirInUse(f"another sidecar serves {path}; give each sidecar its own --local-dir")
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise LocalDirInUse(
+            f"another sidecar serves {directory}; give each sidecar its own --local-dir"
+        ) from None
+    return fd
+
+
+def _checked_meta(m: object) -> tuple[str, int, int, tuple[int, int, int, int]]:
+    """A committed block's header, refused unless lm:// and the disk header can hold it."""
+    if not isinstance(m, dict):
+        raise TypeError("block")
+    key, fmt, dtype, shape = m["key"], m["fmt"], m["dtype"], m["shape"]
+    if not isinstance(key, str) or not key or len(key.encode()) > MAX_KEY_LENGTH:
+        raise ValueError("key")
+    if not isinstance(shape, list) or len(shape) != 4:
+        raise ValueError("shape")
+    for x in (fmt, dtype, *shape):
+        if not isinstance(x, int) or isinstance(x, bool) or not 0 <= x <= INT32:
+            raise ValueError("fmt, dtype or shape out of range")
+    return key, fmt, dtype, (shape[0], shape[1], shape[2], shape[3])
+
+
+def _client_number(token: str) -> int:
+    return int(token, 16) if TOKEN.fullmatch(token) else 0
+
+
+def _no_constant(name: str) -> float:
+    raise ValueError(f"{name} is not JSON")
 
 
 def _strings(value: object) -> list[str]:
@@ -331,3 +590,6 @@ def _strings(value: object) -> list[str]:
     if not all(isinstance(k, str) for k in value):
         raise TypeError("keys")
     return value
+
+
+__all__ = ["LocalDirInUse", "LocalServer", "claim_directory"]

@@ -12,7 +12,16 @@ a block that is there but got no slot, a store when the region is full. A lease 
 ended before its release (timeout, the sidecar restarted, the connection dropped) makes
 `release` answer False: the caller throws its copies away, a miss. A new sidecar
 generation (a restart) is noticed at the next connection and the new region is mapped.
-Thread-safe: one round trip at a time.
+
+Every lease names the region it is in (`Lease.region`, `WriteLease.region`), captured with
+the sidecar's reply under the same lock, and its generation travels with its release,
+commit and abort: a lease of an older sidecar can never be vouched for by a newer one. A
+write lease must end in `commit` or `abort` once the caller has stopped writing, even when
+something failed: until then the sidecar hands its slots to nobody else (docs/sidecar.md,
+"Invariants of the local path"). Leases are the client's, not the connection's: a timeout
+that drops the connection on one thread leaves every other thread's leases alone. The
+client holds `client-<token>.lock` in the directory for its life, so the sidecar sees at
+once when the process is gone. Thread-safe: one round trip at a time.
 """
 
 from __future__ import annotations
@@ -22,15 +31,24 @@ import json
 import logging
 import mmap
 import os
+import secrets
 import socket
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ctxcache import tracing
-from sidecar.arena import MAGIC, MAP_FLAGS, SOCKET_NAME, read_generation
+from sidecar.arena import (
+    MAGIC,
+    MAP_FLAGS,
+    SOCKET_NAME,
+    drop_client_lock,
+    read_generation,
+    take_client_lock,
+)
 from sidecar.client import KVBlock
 from sidecar.protocol import Shape
 
@@ -56,6 +74,24 @@ class Lease:
     id: int
     generation: str
     blocks: list[Slot | str | None]  # per key: a slot, TCP, or None (a miss)
+    region: Region | None = None  # the mapping its slots are in
+
+    def view(self, slot: Slot) -> memoryview:
+        assert self.region is not None
+        return self.region.view[slot.offset : slot.offset + slot.length]
+
+
+@dataclass
+class WriteLease:
+    """Slots to write blocks into; end it with `commit` or `abort`."""
+
+    id: int
+    generation: str
+    slots: list[Slot]
+    region: Region
+
+    def view(self, slot: Slot) -> memoryview:
+        return self.region.view[slot.offset : slot.offset + slot.length]
 
 
 class Region:
@@ -100,6 +136,8 @@ class LocalClient:
         self._sock: socket.socket | None = None
         self._reader: Any = None
         self._lock = threading.RLock()
+        self.token = secrets.token_hex(8)  # this client, across its connections
+        self._lock_fd = -1  # client-<token>.lock, held while we live (taken at connect)
         self.region: Region | None = None
         self.on_map: list[Callable[[Region], None]] = []  # told when a region is (re)mapped
 
@@ -109,8 +147,9 @@ class LocalClient:
 
     # ---- leases: the caller copies --------------------------------------------------
     def lease(self, keys: Sequence[str]) -> Lease:
-        """Lease every key that is present (one round trip); read the slots in `region`."""
-        reply = self._call({"op": "lease", "keys": list(keys)}, retry=True)
+        """Lease every key that is present (one round trip); read the slots in
+        `lease.region`."""
+        reply, region = self._call_in({"op": "lease", "keys": list(keys)}, retry=True)
         blocks: list[Slot | str | None] = []
         for b in reply["blocks"]:
             if isinstance(b, dict):
@@ -119,44 +158,56 @@ class LocalClient:
                 )
             else:
                 blocks.append(TCP if b == TCP else None)
-        assert self.region is not None
-        return Lease(reply["lease"], self.region.generation, blocks)
+        return Lease(reply["lease"], region.generation, blocks, region)
 
     def release(self, lease: Lease) -> bool:
         """End the lease; True only if it held until now (the copies made under it are the
         blocks). Never raises: an unreachable sidecar means the lease is gone."""
         if not lease.id:
             return True  # nothing was leased
+        req = {"op": "release", "lease": lease.id, "generation": lease.generation}
         try:
             with self._lock:
                 if self.region is None or self.region.generation != lease.generation:
-                    return False
-                return bool(self._call({"op": "release", "lease": lease.id})["ok"])
-        except (LocalError, KeyError):
+                    return False  # that sidecar is gone, and its leases with it
+                return bool(self._call(req, retry=True, check=False).get("ok"))
+        except LocalError:
             return False
 
-    def alloc(self, lengths: Sequence[int]) -> tuple[int, list[Slot]] | None:
-        """Slots to write blocks into (one round trip), or None when the region is full."""
-        reply = self._call({"op": "alloc", "lengths": list(lengths)}, retry=True, check=False)
+    def alloc(self, lengths: Sequence[int]) -> WriteLease | None:
+        """Slots to write blocks into (one round trip), or None when the region is full or
+        this client's share of it is taken. End the lease with `commit` or `abort`."""
+        req = {"op": "alloc", "lengths": list(lengths)}
+        reply, region = self._call_in(req, retry=True, check=False)
         if not reply.get("ok"):
             if reply.get("error") == "full":
                 return None
             raise LocalError(f"alloc refused: {reply.get('error')}")
-        return reply["lease"], [Slot(o, n) for o, n in zip(reply["offsets"], lengths, strict=True)]
+        slots = [Slot(o, n) for o, n in zip(reply["offsets"], lengths, strict=True)]
+        return WriteLease(reply["lease"], region.generation, slots, region)
 
-    def commit(self, lease_id: int, blocks: Sequence[tuple[str, int, int, Shape] | None]) -> int:
+    def commit(
+        self, lease: WriteLease, blocks: Sequence[tuple[str, int, int, Shape] | None]
+    ) -> int:
         """Store the allocated slots as blocks `(key, fmt, dtype, shape)` (None: give the slot
-        up); returns how many were stored (0 if the lease ended first)."""
+        up); returns how many were stored (0 if the lease ended first: the sidecar then
+        has the slots back). Raises LocalError when the sidecar cannot be reached."""
         metas = [
             None if b is None else {"key": b[0], "fmt": b[1], "dtype": b[2], "shape": list(b[3])}
             for b in blocks
         ]
-        reply = self._call({"op": "commit", "lease": lease_id, "blocks": metas}, check=False)
+        req = {"op": "commit", "lease": lease.id, "generation": lease.generation, "blocks": metas}
+        reply = self._call(req, retry=True, check=False)
+        if not reply.get("ok"):
+            log.warning("local store of %d blocks not taken: %s", len(metas), reply.get("error"))
         return int(reply.get("stored", 0))
 
-    def view(self, slot: Slot) -> memoryview:
-        assert self.region is not None
-        return self.region.view[slot.offset : slot.offset + slot.length]
+    def abort(self, lease: WriteLease) -> None:
+        """Done writing, nothing to store: the slots go back. Never raises (an unreachable
+        sidecar frees them when this process ends)."""
+        req = {"op": "abort", "lease": lease.id, "generation": lease.generation}
+        with contextlib.suppress(LocalError):
+            self._call(req, retry=True, check=False)
 
     # ---- the BlockClient calls (one copy through the region) ------------------------
     def get_many(self, keys: Sequence[str]) -> list[KVBlock | None]:
@@ -166,7 +217,9 @@ class LocalClient:
             tcp: list[int] = []
             for i, b in enumerate(lease.blocks):
                 if isinstance(b, Slot):
-                    out.append(KVBlock(bytearray(self.view(b)), b.fmt, b.dtype, b.shape))
+                    assert lease.region is not None
+                    view = lease.region.view[b.offset : b.offset + b.length]
+                    out.append(KVBlock(bytearray(view), b.fmt, b.dtype, b.shape))
                 else:
                     out.append(None)
                     if b == TCP:
@@ -193,14 +246,17 @@ class LocalClient:
     ) -> None:
         payload = memoryview(data).cast("B")
         with self._lock:
-            got = self.alloc([len(payload)])
-            if got is not None:
-                lease_id, (slot,) = got
-                self.view(slot)[:] = payload
-                self.commit(lease_id, [(key, fmt, dtype, shape)])
-                return
+            lease = self.alloc([len(payload)])
+            if lease is not None:
+                try:
+                    lease.view(lease.slots[0])[:] = payload
+                except BaseException:
+                    self.abort(lease)
+                    raise
+                if self.commit(lease, [(key, fmt, dtype, shape)]) == 1:
+                    return
         if self._make_fallback is None:
-            raise LocalError("the shared region is full")
+            raise LocalError("the shared region is full or did not take the block")
         self.fallback().put(key, payload, fmt=fmt, dtype=dtype, shape=shape)
 
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
@@ -229,6 +285,8 @@ class LocalClient:
             if self.region is not None:
                 self.region.close()
                 self.region = None
+            drop_client_lock(self.directory, self.token, self._lock_fd)
+            self._lock_fd = -1
             if self._fallback is not None:
                 self._fallback.close()
                 self._fallback = None
@@ -238,22 +296,42 @@ class LocalClient:
         """Connect (if not connected) and map the sidecar's current region."""
         with self._lock:
             if self._sock is None:
-                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                sock.settimeout(self.timeout)
                 try:
-                    sock.connect(str(self.directory / SOCKET_NAME))
+                    sock = self._open_socket()
                 except OSError as exc:
-                    sock.close()
                     raise LocalError(f"local sidecar socket in {self.directory}: {exc}") from exc
                 self._sock, self._reader = sock, sock.makefile("rb")
+                if self._lock_fd < 0:
+                    self._lock_fd = take_client_lock(self.directory, self.token)
+                hello_req = {"op": "hello", "client": self.token, "lock": self._lock_fd >= 0}
                 try:
-                    hello = self._exchange({"op": "hello"})
+                    hello = self._exchange(hello_req)
                     self._map(hello)
                 except (OSError, KeyError, ValueError) as exc:
                     self._disconnect()
                     raise LocalError(f"local sidecar handshake failed: {exc}") from exc
             assert self.region is not None
             return self.region
+
+    def _open_socket(self) -> socket.socket:
+        """A connection to the sidecar's socket. A full accept queue (a burst of
+        connections) answers EAGAIN on a Unix socket at once: tried again until the
+        timeout."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(self.timeout)
+            try:
+                sock.connect(str(self.directory / SOCKET_NAME))
+                return sock
+            except BlockingIOError:
+                sock.close()
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)
+            except OSError:
+                sock.close()
+                raise
 
     def _map(self, hello: dict[str, Any]) -> None:
         generation = str(hello["generation"])
@@ -262,20 +340,27 @@ class LocalClient:
         region = Region(Path(hello["region"]), int(hello["size"]), generation)
         old, self.region = self.region, region
         if old is not None:
+            # the old mapping goes when the last lease over it does (never under a copy)
             log.info("the sidecar restarted (generation %s); mapped its new region", generation)
-            old.close()
         for listener in self.on_map:
             listener(region)
 
     def _call(
         self, req: dict[str, Any], *, retry: bool = False, check: bool = True
     ) -> dict[str, Any]:
+        return self._call_in(req, retry=retry, check=check)[0]
+
+    def _call_in(
+        self, req: dict[str, Any], *, retry: bool = False, check: bool = True
+    ) -> tuple[dict[str, Any], Region]:
+        """One round trip; the reply and the region it speaks of (read under the lock
+        that made the trip: a reconnect on another thread cannot come in between)."""
         if req["op"] != "hello" and (trace := tracing.carrier()):
             req = {**req, "trace": trace}  # the sidecar's span joins the caller's trace
         with self._lock:
             for attempt in (1, 2):
                 try:
-                    self.connect()
+                    region = self.connect()
                     reply = self._exchange(req)
                     break
                 except (OSError, ValueError) as exc:
@@ -284,7 +369,7 @@ class LocalClient:
                         raise LocalError(f"local sidecar: {exc}") from exc
         if check and not reply.get("ok"):
             raise LocalError(f"local sidecar refused {req['op']}: {reply.get('error')}")
-        return reply
+        return reply, region
 
     def _exchange(self, req: dict[str, Any]) -> dict[str, Any]:
         assert self._sock is not None

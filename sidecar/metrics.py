@@ -80,6 +80,11 @@ class SidecarMetrics:
             ["reason"],
             registry=r,
         )
+        self.local_connections_evicted = Counter(
+            f"{PREFIX}_local_connections_evicted",
+            "idle local-socket connections closed to admit a new one past the cap",
+            registry=r,
+        )
         self.local_connections = Gauge(
             f"{PREFIX}_local_connections", "open local-socket connections", registry=r
         )

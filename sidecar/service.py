@@ -8,11 +8,12 @@ process serves both ports; tests can also run it on its own.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 
-from sidecar.arena import Arena
+from sidecar.arena import Arena, live_clients
 from sidecar.disk import DiskTier
-from sidecar.local import LocalServer, check_free
+from sidecar.local import LocalServer, claim_directory
 from sidecar.metrics import SidecarMetrics
 from sidecar.server import DataServer
 from sidecar.sessions import PinTable
@@ -34,9 +35,14 @@ class Sidecar:
                 disk = DiskTier(settings.data_dir, aes_key=settings.aes_key)
         self.arena: Arena | None = None
         memory_bytes = settings.memory_bytes
+        self._dir_lock = -1  # held while we serve `local_dir` (`claim_directory`)
         if settings.local_dir is not None:
-            check_free(settings.local_dir)
-            self.arena = Arena(settings.local_dir, settings.region_bytes)
+            self._dir_lock = claim_directory(settings.local_dir)
+            try:
+                self.arena = Arena(settings.local_dir, settings.region_bytes)
+            except BaseException:
+                os.close(self._dir_lock)
+                raise
             # the memory tier lives in the region: it cannot hold more than the region can
             room = settings.region_bytes * 8 // 9
             if room < memory_bytes:
@@ -111,7 +117,11 @@ class Sidecar:
                 log.info("flushed %d memory blocks to the disk tier", n)
         self.store.reap()  # also saves the pins
         if self.arena is not None:
-            self.arena.close(keep=engines > 0)
+            # kept while any engine may map it: connected, or alive (its lock file held)
+            self.arena.close(keep=engines > 0 or live_clients(self.arena.directory) > 0)
+        if self._dir_lock >= 0:
+            os.close(self._dir_lock)
+            self._dir_lock = -1
 
     def _reap_loop(self) -> None:
         while not self._stop.wait(self.settings.reap_interval):

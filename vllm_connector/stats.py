@@ -35,6 +35,8 @@ COUNTERS: dict[str, str] = {
     "store_us_tcp": "microseconds spent copying KV out for the lm:// storer",
     "load_races": "shared-memory loads whose lease ended before release: recomputed",
     "region_full": "stores that found the shared region full and went over lm://",
+    "store_failures_shm": "shared-memory stores the sidecar did not take (lease ended, "
+    "refused): sent over lm:// instead",
 }
 
 

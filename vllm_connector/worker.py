@@ -39,7 +39,7 @@ import torch
 
 from ctxcache import tracing
 from ctxcache.lmcache_keys import parse_key
-from sidecar.local_client import TCP, LocalClient, LocalError, Region, Slot
+from sidecar.local_client import TCP, Lease, LocalClient, LocalError, Region, Slot
 from sidecar.protocol import FMT_ENGINE_BLOCKS, FMT_KV_2LTD
 from vllm_connector.blockcopy import BlockCopier, kernel_blocks, register_host, unregister_host
 from vllm_connector.config import ConnectorConfig
@@ -72,9 +72,12 @@ class WorkerSide:
         self.sidecar: SidecarKV | None = None
         self.copier: BlockCopier | None = None
         self.local: LocalClient | None = None
-        self._region: torch.Tensor | None = None  # the local sidecar's region, mapped
-        self._region_pinned = False
-        self._retired: list[torch.Tensor] = []  # earlier sidecars' regions, pinned
+        # the local sidecars' regions as bytes, per generation: (tensor, pinned for DMA);
+        # an earlier generation's goes (unpinned) once no copy uses it (`_let_go`)
+        self._regions: dict[str, tuple[torch.Tensor, bool]] = {}
+        self._region_users: dict[str, int] = {}
+        self._generation: str | None = None
+        self._regions_lock = threading.Lock()
         self._sent: set[str] = set()
         self._invalid: set[int] = set()
         self._loader: ThreadPoolExecutor | None = None  # (async_loads) started on first use
@@ -142,12 +145,49 @@ class WorkerSide:
         return f"shm ({where})"
 
     def _mapped(self, region: Region) -> None:
-        """A (new) region is mapped: view it as bytes, and pin it for DMA on a GPU."""
-        if self._region is not None and self._region_pinned:
-            # a copy on another thread may still be reading the old region: unpin it at close
-            self._retired.append(self._region)
-        self._region = torch.frombuffer(region.map, dtype=torch.uint8)
-        self._region_pinned = self.caches[0].is_cuda and register_host(self._region)
+        """A (new) region is mapped: view it as bytes, and pin it for DMA on a GPU. The
+        earlier one is let go once no copy on another thread uses it."""
+        view = torch.frombuffer(region.map, dtype=torch.uint8)
+        pinned = self.caches[0].is_cuda and register_host(view)
+        with self._regions_lock:
+            self._regions[region.generation] = (view, pinned)
+            self._generation = region.generation
+        self._let_go()
+
+    def _use_region(self, region: Region | None) -> torch.Tensor:
+        """The bytes of the region a lease is in, held until `_done_with_region`."""
+        assert region is not None
+        with self._regions_lock:
+            if region.generation not in self._regions:  # (mapped before we listened)
+                self._regions[region.generation] = (
+                    torch.frombuffer(region.map, dtype=torch.uint8),
+                    False,
+                )
+            gen = region.generation
+            self._region_users[gen] = self._region_users.get(gen, 0) + 1
+            return self._regions[gen][0]
+
+    def _done_with_region(self, region: Region | None) -> None:
+        assert region is not None
+        with self._regions_lock:
+            self._region_users[region.generation] -= 1
+        self._let_go()
+
+    def _let_go(self, everything: bool = False) -> None:
+        """Unpin and drop the earlier sidecars' regions no copy uses (all, at close): the
+        mapping itself goes with the last reference to it."""
+        with self._regions_lock:
+            gone = [
+                gen
+                for gen in self._regions
+                if everything or (gen != self._generation and not self._region_users.get(gen))
+            ]
+            views = [self._regions.pop(gen) for gen in gone]
+            for gen in gone:
+                self._region_users.pop(gen, None)
+        for view, pinned in views:
+            if pinned:
+                unregister_host(view)
 
     # -- loads ----------------------------------------------------------------------------
     def load(self, plan: StepPlan) -> None:
@@ -225,8 +265,18 @@ class WorkerSide:
         assert self.local is not None and self.copier is not None
         t0 = time.perf_counter()
         lease = self.local.lease([self.key(p.key) for p in pieces])
-        region = self._region
-        assert region is not None
+        if lease.region is None:
+            return spec.start, []
+        region = self._use_region(lease.region)
+        try:
+            return self._copy_leased(spec, pieces, lease, region, t0)
+        finally:
+            self._done_with_region(lease.region)
+
+    def _copy_leased(
+        self, spec: LoadSpec, pieces: list[Piece], lease: Lease, region: torch.Tensor, t0: float
+    ) -> tuple[int, list[Piece]]:
+        assert self.local is not None and self.copier is not None
         done, moved, rest = spec.start, 0, []
         batch: list[tuple[list[int], torch.Tensor, int, int]] = []  # engine-layout pieces
         for i, (piece, block) in enumerate(zip(pieces, lease.blocks, strict=True)):
@@ -399,26 +449,30 @@ class WorkerSide:
         trips). False when the region is full (the caller stores over TCP)."""
         assert self.local is not None and self.copier is not None
         t0 = time.perf_counter()
-        got = self.local.alloc([self.copier.nbytes(p.length) for p in spec.pieces])
-        if got is None:
+        lease = self.local.alloc([self.copier.nbytes(p.length) for p in spec.pieces])
+        if lease is None:
             self.counters.add("region_full")
             return False
-        lease_id, slots = got
-        region = self._region
-        assert region is not None
-        self.copier.read_many(
-            [
-                (
-                    self._kernel_blocks(spec.block_ids, piece.begin, piece.end),
-                    region[slot.offset : slot.offset + slot.length],
-                )
-                for piece, slot in zip(spec.pieces, slots, strict=True)
-            ]
-        )
-        self.copier.wait()
+        region = self._use_region(lease.region)
+        try:
+            self.copier.read_many(
+                [
+                    (
+                        self._kernel_blocks(spec.block_ids, piece.begin, piece.end),
+                        region[slot.offset : slot.offset + slot.length],
+                    )
+                    for piece, slot in zip(spec.pieces, lease.slots, strict=True)
+                ]
+            )
+            self.copier.wait()
+        except BaseException:
+            self.local.abort(lease)  # nothing more is written: the slots can go back
+            raise
+        finally:
+            self._done_with_region(lease.region)
         tag, elems, layers = self.copier.tag, self.copier.elems, len(self.caches)
         stored = self.local.commit(
-            lease_id,
+            lease,
             [
                 (
                     self.key(p.key),
@@ -429,11 +483,21 @@ class WorkerSide:
                 for p in spec.pieces
             ],
         )
+        nbytes = sum(s.length for s in lease.slots)
+        if stored < len(spec.pieces):  # not taken (the lease ended, the store refused)
+            self.counters.add("store_failures_shm")
+            log.warning(
+                "request %s: the sidecar stored %d of %d blocks from shared memory; over TCP",
+                spec.req_id,
+                stored,
+                len(spec.pieces),
+            )
+            return False
         self.counters.add("stored_blocks", stored)
         self.counters.add("stored_tokens", sum(p.length for p in spec.pieces))
-        self.counters.add("store_bytes_shm", sum(s.length for s in slots))
+        self.counters.add("store_bytes_shm", nbytes)
         self.counters.add("store_us_shm", round((time.perf_counter() - t0) * 1e6))
-        tracing.annotate({"ctxcache.kv.bytes_shm": sum(s.length for s in slots)})
+        tracing.annotate({"ctxcache.kv.bytes_shm": nbytes})
         return True
 
     def _save_tcp(self, spec: StoreSpec) -> bool:
@@ -468,11 +532,7 @@ class WorkerSide:
             self.sidecar.close()
             self.sidecar = None
         if self.local is not None:
-            if self._region is not None and self._region_pinned:
-                self._retired.append(self._region)
-            for region in self._retired:
-                unregister_host(region)
-            self._region, self._retired = None, []
+            self._let_go(everything=True)
             self.local.close()
             self.local = None
 

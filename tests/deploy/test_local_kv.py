@@ -119,9 +119,11 @@ def pod_errors(docs: list[Doc], doc: Doc, *, ours: bool) -> list[str]:
         errors.append(f"{where}: {name} has no sizeLimit")
     told = {c.where: sidecar_local_dir(c) for c in sidecars}
     told |= {c.where: engine_local_dir(c) for c in engines}
+    # a subdirectory of the volume: an emptyDir is 0777, which the sidecar refuses
+    want = f"{path}/kv"
     for who, given in told.items():
-        if given not in ({path} if ours else {path, None}):
-            errors.append(f"{who}: local dir {given!r}, the shared volume is at {path}")
+        if given not in ({want} if ours else {want, None}):
+            errors.append(f"{who}: local dir {given!r}, want {want} (the shared volume's kv/)")
     if len({given is None for given in told.values()}) > 1:
         errors.append(f"{where}: only some containers use the local dir: {told}")
     for c in sidecars:
@@ -156,13 +158,13 @@ def test_engine_and_sidecar_share_one_memory_volume_and_agree_on_its_path(overla
 def test_the_cpu_engine_uses_the_shared_memory_path_with_either_engine() -> None:
     docs = render("cpu")
     containers = {c.where.rsplit("/", 1)[1]: c for c in k8s_containers(docs)}
-    assert sidecar_local_dir(containers["sidecar"]) == "/run/ctxcache"
-    assert engine_local_dir(containers["worker"]) == "/run/ctxcache"
+    assert sidecar_local_dir(containers["sidecar"]) == "/run/ctxcache/kv"
+    assert engine_local_dir(containers["worker"]) == "/run/ctxcache/kv"
     assert containers["worker"].ctxcache_command == "vllm"
     # the built-in worker (the worker-engine ConfigMap's other choice) takes the same flag
     builtin = copy.deepcopy(containers["worker"])
     builtin.argv[1] = "worker"
-    assert engine_local_dir(builtin) == "/run/ctxcache"
+    assert engine_local_dir(builtin) == "/run/ctxcache/kv"
 
 
 def test_the_check_catches_a_wrong_path_a_missing_mount_or_a_disk_volume() -> None:

@@ -229,11 +229,12 @@ def test_a_full_region_sends_stores_and_loads_over_tcp_and_counts_them(
     lm:// too."""
     from sidecar.local_client import LocalClient
 
-    holder = LocalClient(local_dir)
+    holders = [LocalClient(local_dir), LocalClient(local_dir)]  # half the region each at most
     side = worker(sidecar, local_dir)
     try:
         assert sidecar.arena is not None
-        assert holder.alloc([sidecar.arena.largest_free() - 4096]) is not None
+        half = sidecar.arena.largest_free() // 2 - 4096
+        assert all(h.alloc([half]) is not None for h in holders)
         ps = pieces("g")
         store(side, ps)
         assert load(side, ps) == set()
@@ -243,7 +244,8 @@ def test_a_full_region_sends_stores_and_loads_over_tcp_and_counts_them(
         assert counts["load_bytes_tcp"] > 0  # (a small block may still fit the region)
     finally:
         side.close()
-        holder.close()
+        for h in holders:
+            h.close()
 
 
 def test_a_traced_load_and_store_join_the_requests_trace_with_their_bytes(
@@ -296,3 +298,25 @@ def test_a_traced_load_and_store_join_the_requests_trace_with_their_bytes(
     finally:
         side.close()
         tracing.shutdown()
+
+
+def test_a_shared_memory_store_the_sidecar_did_not_take_is_counted_and_sent_over_lm(
+    sidecar: Sidecar, local_dir: Path
+) -> None:
+    """Its commit stored nothing (the lease ended first): counted as a failed store, never
+    as stored, and the blocks go over lm:// instead, so the next load still finds them."""
+    side = worker(sidecar, local_dir)
+    try:
+        assert sidecar.local is not None
+        sidecar.local.lease_timeout_s = -1.0  # every lease has ended by its commit
+        ps = pieces("f")
+        store(side, ps)
+        counts = side.counters.drain()
+        assert counts["store_failures_shm"] == 1
+        assert "store_bytes_shm" not in counts and counts["store_bytes_tcp"] > 0
+        assert counts["stored_tokens"] == TOKENS  # once, by the path that stored them
+        sidecar.local.lease_timeout_s = 30.0
+        assert load(side, ps) == set()
+        assert torch.equal(kv(side, DST), kv(side, SRC))
+    finally:
+        side.close()
