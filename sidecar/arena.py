@@ -105,7 +105,7 @@ class Arena:
         self.generation = secrets.token_hex(8)
         self.directory = directory
         self.path = directory / region_name(self.generation)
-        self.size = _round_up(max(size, ALIGN), ALIGN) + HEADER_BYTES
+        self.size = round_up(max(size, ALIGN), ALIGN) + HEADER_BYTES
         ensure_directory(directory)
         # callers first make sure no live sidecar uses `directory` (`sidecar.local.claim_directory`)
         fd = _recycle_stale(directory, self.path)
@@ -148,7 +148,7 @@ class Arena:
     def alloc(self, n: int) -> np.ndarray | None:
         """A slot of `n` bytes (a uint8 array over the region), or None when no free
         extent is large enough. Its bytes are whatever was there: the caller writes them."""
-        need = _round_up(max(n, 1), ALIGN)
+        need = round_up(max(n, 1), ALIGN)
         with self._lock:
             for i, size in enumerate(self._sizes):
                 if size >= need:
@@ -231,7 +231,7 @@ class Arena:
             taken = [self._free_records.pop() for _ in slots]
             for rec, slot in zip(taken, slots, strict=True):
                 start = int(slot.ctypes.data) - int(self._bytes.ctypes.data)
-                size = _round_up(max(len(slot), 1), ALIGN)
+                size = round_up(max(len(slot), 1), ALIGN)
                 RECORD.pack_into(
                     self._map, TABLE_OFFSET + rec * RECORD.size, start, size, lease, client
                 )
@@ -470,5 +470,5 @@ def open_own_or_group(path: Path) -> int:
     return fd
 
 
-def _round_up(n: int, to: int) -> int:
+def round_up(n: int, to: int) -> int:
     return (n + to - 1) // to * to

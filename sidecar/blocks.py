@@ -55,10 +55,11 @@ class Entry:
     disk_path: Path | None = None  # set once the disk copy is written and counted
     spilling: bool = False
     readers: int = 0  # disk reads in progress: such a block is never dropped meanwhile
+    footprint: int = 0  # what it takes against the budgets, if not its length (region slots)
 
     @property
     def size(self) -> int:
-        return self.meta.length
+        return self.footprint or self.meta.length
 
 
 @dataclass(slots=True)

@@ -62,9 +62,9 @@ from sidecar.arena import (
     DIR_LOCK,
     SOCKET_NAME,
     Arena,
-    _round_up,
     client_alive,
     ensure_directory,
+    round_up,
 )
 from sidecar.blocks import BlockMeta
 from sidecar.metrics import SidecarMetrics
@@ -466,7 +466,7 @@ class LocalServer:
                 raise ValueError("length")
         if token.startswith("conn-"):  # a writer must be one we can tell is alive
             return {"ok": False, "error": "say hello with a client token first"}
-        need = sum(_round_up(n, 4096) for n in lengths)
+        need = sum(round_up(n, 4096) for n in lengths)
         share = int(self.arena.capacity * CLIENT_SHARE)
         with self._lock:
             client = self._clients.get(token)

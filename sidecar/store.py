@@ -44,7 +44,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Literal
 
-from sidecar.arena import Arena
+from sidecar.arena import ALIGN, Arena, round_up
 from sidecar.blocks import BlockMeta, Buffer, Entry, Work
 from sidecar.disk import CorruptBlock, DiskTier
 from sidecar.metrics import SidecarMetrics
@@ -108,7 +108,7 @@ class BlockStore:
                 old = self._blocks.get(found.meta.key)
                 if old is not None:  # an older copy of the same key: keep the newest
                     self._unlink(old, work)
-                e = Entry(found.meta, found.meta.session)
+                e = Entry(found.meta, found.meta.session, footprint=self._footprint(found.meta))
                 e.pinned = self.pins.is_pinned(e.session)
                 self._link(e)
                 self.disk_used += e.size
@@ -124,7 +124,7 @@ class BlockStore:
         """Store a block; False when it is refused (see the module docstring)."""
         work = Work()
         with self._lock:
-            e = Entry(meta, meta.session)
+            e = Entry(meta, meta.session, footprint=self._footprint(meta))
             e.pinned = self.pins.is_pinned(e.session)
             old = self._blocks.get(meta.key)
             old_pinned = old.size if old is not None and old.pinned else 0
@@ -151,6 +151,11 @@ class BlockStore:
                     self._evict_memory(work, protect=e.session)
         self._finish(work)
         return stored or self._refuse(meta, "disk_full")
+
+    def _footprint(self, meta: BlockMeta) -> int:
+        """With a shared region every block in memory takes whole 4 KiB slots: that is what
+        counts against the budgets (a 100-byte block takes 4 KiB of the region)."""
+        return round_up(meta.length, ALIGN) if self.arena is not None else 0
 
     def get(self, key: str) -> tuple[BlockMeta, Buffer] | None:
         with self._lock:
