@@ -42,6 +42,7 @@ from typing import Any
 
 from benchmarks.multiturn import DEFAULT_MODEL, user_message
 from benchmarks.util import add_output_arguments, plot_path, run_meta, write_outputs
+from ctxcache.cpu import AMX_FLAGS, cpu_class, cpu_flags
 
 NAME = "agents"
 WAYS = ("session", "stateless", "responses")
@@ -212,17 +213,18 @@ def workload(args: argparse.Namespace, model: Path, engine: str) -> Workload:
 
 
 def cpu_info() -> dict[str, Any]:
-    """The CPU's model and whether it has AMX or AVX512-BF16 (what bf16 runs on)."""
+    """The CPU's model, its class and whether it has AMX or AVX512-BF16 (what bf16 runs
+    on), from `ctxcache.cpu`'s reading of the flags."""
+    flags = cpu_flags()
     try:
-        text = Path("/proc/cpuinfo").read_text()
+        text = Path("/proc/cpuinfo").read_text(errors="replace")
     except OSError:
-        return {}
+        text = ""
     model = re.search(r"^model name\s*:\s*(.+)$", text, re.MULTILINE)
-    found = re.search(r"^flags\s*:\s*(.+)$", text, re.MULTILINE)
-    flags = set(found.group(1).split()) if found else set()
     return {
         "model": model.group(1).strip() if model else None,
-        "amx": bool({"amx_bf16", "amx_tile"} & flags),
+        "class": cpu_class(flags),
+        "amx": bool(AMX_FLAGS & flags),
         "avx512_bf16": "avx512_bf16" in flags,
     }
 
