@@ -117,7 +117,8 @@ def table(meta: dict[str, Any], rows: list[dict[str, Any]], ways: list[str]) -> 
         f"{meta['steps']} tool calls of {meta['tool_tokens']}-token results and a text answer, "
         f"median of {meta['rounds']} rounds. TTFT: to the first streamed content or "
         "tool-call delta; engine: vLLM's own time to first token (its /metrics).",
-        f"CPU: {cpu.get('model')} ({cpu.get('class', '?')}), AMX {'yes' if cpu.get('amx') else 'no'}, avx512_bf16 "
+        f"CPU: {cpu.get('model')} ({cpu.get('class', '?')}), "
+        f"AMX {'yes' if cpu.get('amx') else 'no'}, avx512_bf16 "
         f"{'yes' if cpu.get('avx512_bf16') else 'no'}; vLLM ran in {meta.get('vllm_dtype')}, "
         f"tool parser {meta.get('tool_call_parser')}.",
     ]
