@@ -6,16 +6,18 @@ model (a tiny one is created under the data dir on first run unless --model is g
 the gateway on --port with the Context Cache Manager running inside it. The engine is the
 real vLLM with ctxcache's KV connector where vLLM is installed (`--engine vllm`, the default
 on Linux x86_64 with the `vllm` extra), else the built-in CPU worker (`--engine builtin`);
-docs/vllm.md says why. Internal services
-take free ports, so two stacks can run side by side. Start-up is health-gated; Ctrl-C or
-SIGTERM, at any moment, stops everything; a restart on the same data dir continues every
-live session. A component that dies while the stack runs is restarted (with backoff; given
-up after 5 crashes in 5 minutes), and its state is in `<data-dir>/components.json`, which
-the gateway reports in `/ready` and `/metrics` (docs/reliability.md, "When a part of
-`ctxcache serve` dies"). The bundled Redis fsyncs its AOF before it answers
-(`--redis-fsync always`): nothing it acknowledged is lost, by a crash of Redis or of the
-machine. `--redis-url` uses a Redis you run instead of the bundled one: one server,
-a Redis Cluster or Sentinel (the manager's URL grammar, docs/deploy.md).
+docs/vllm.md says why. Internal services take free ports, so two stacks can run side by
+side. Start-up is health-gated; Ctrl-C or SIGTERM, at any moment, stops everything; so does
+a `kill -9` of serve (every process it started is killed: `ctxcache/reaper.py`); a restart
+on the same data dir continues every live session. One serve per data dir: a second one
+refuses to start, and removes nothing (`ctxcache/in_use.py`). A component that dies while
+the stack runs is restarted (with backoff; given up after 5 crashes in 5 minutes), and its
+state is in `<data-dir>/components.json`, which the gateway reports in `/ready` and
+`/metrics` (docs/reliability.md, "When a part of `ctxcache serve` dies"). The bundled Redis
+fsyncs its AOF before it answers (`--redis-fsync always`): nothing it acknowledged is lost,
+by a crash of Redis or of the machine. `--redis-url` uses a Redis you run instead of the
+bundled one: one server, a Redis Cluster or Sentinel (the manager's URL grammar,
+docs/deploy.md).
 
 The engine and the sidecar share memory: the sidecar's memory tier lives in a region file in
 a private directory under /dev/shm (else `<data-dir>/local`), which the engine maps, so KV
@@ -34,9 +36,11 @@ import shutil
 import signal
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from ctxcache.cpu import add_dtype_argument
+from ctxcache.in_use import InUse, lock_data_dir, users
 from ctxcache.redis_server import FSYNC_POLICIES
 from ctxcache.supervisor import Child, Interrupted, Supervisor, http_ready
 from ctxcache.vllm_engine import add_tool_parser_argument, default_engine
@@ -125,14 +129,30 @@ def main(args: argparse.Namespace) -> int:
     data = args.data_dir.resolve()
     data.mkdir(parents=True, exist_ok=True)
     try:
+        lock = lock_data_dir(data)  # held with the reaper until nothing of ours runs
+    except InUse as exc:
+        log.error("not starting: %s", exc)
+        return 1
+    try:
+        return _serve(args, data, lock)
+    finally:
+        os.close(lock)
+
+
+def _serve(args: argparse.Namespace, data: Path, lock: int) -> int:
+    try:
         if args.no_local_kv:
             remove_local_kv_dir(data)  # the region of an earlier serve that was killed
             local = None
             log.info("KV moves over lm:// only (--no-local-kv)")
         else:
             local = local_kv_dir(data, region_bytes(args))
+    except InUse as exc:
+        log.error("not starting: %s", exc)
+        return 1
+    try:
         # leaving it stops every child, then the region goes
-        with Supervisor(status_path=data / STATUS_FILE) as sup:
+        with Supervisor(status_path=data / STATUS_FILE, hold_fd=lock) as sup:
             if args.api_keys_file is not None:
                 forward_hangup(sup, "gateway")
             try:
@@ -146,7 +166,10 @@ def main(args: argparse.Namespace) -> int:
             finally:
                 log.info("stopping every component")
     finally:
-        remove_local_kv_dir(data)
+        try:
+            remove_local_kv_dir(data, wait_s=5.0)
+        except InUse as exc:
+            log.warning("%s: left for the next start on this data dir", exc)
 
 
 def forward_hangup(sup: Supervisor, name: str) -> None:
@@ -339,17 +362,27 @@ def _no_region_on_disk(data: Path, need: int) -> str | None:
     return None
 
 
-def remove_local_kv_dir(data: Path, shm: Path | None = None) -> None:
+def remove_local_kv_dir(data: Path, shm: Path | None = None, wait_s: float = 0.0) -> None:
     """Remove the region directory recorded under the data dir, if it is one serve makes
-    (`<shm>/ctxcache-*`, `<data>/local`), and the record."""
+    (`<shm>/ctxcache-*`, `<data>/local`), and the record; InUse, removing nothing, while a
+    process has a file in it open or mapped after `wait_s` (a stack an older serve started,
+    which took no lock on the data dir; at a stop, a process still exiting)."""
     record = data / LOCAL_RECORD
     try:
         path = Path(record.read_text().strip())
     except OSError:
         path = data / "local"
+    ours = [data / "local"]
     if path.parent == (shm or SHM) and path.name.startswith(LOCAL_PREFIX):
-        shutil.rmtree(path, ignore_errors=True)
-    shutil.rmtree(data / "local", ignore_errors=True)
+        ours.append(path)
+    deadline = time.monotonic() + wait_s
+    for directory in ours:
+        while directory.exists() and (pids := users(directory)):
+            if time.monotonic() >= deadline:
+                raise InUse(f"the shared KV directory {directory} is in use by pids {sorted(pids)}")
+            time.sleep(0.1)
+    for directory in ours:
+        shutil.rmtree(directory, ignore_errors=True)
     record.unlink(missing_ok=True)
 
 

@@ -2,7 +2,10 @@
 
 Used by `ctxcache serve`. Each child runs in its own process group so a stop reaches its
 children too; SIGINT/SIGTERM to the supervisor stops every child, newest first (SIGTERM,
-then SIGKILL after a grace period) and nothing is left behind.
+then SIGKILL after a grace period) and nothing is left behind. When the supervisor's process
+dies without a stop (SIGKILL, the OOM killer), every process of the stack, children and
+theirs, is SIGKILLed too (Linux: `ctxcache/reaper.py` says how; serve starts and restarts
+its children from its main thread, which lives as long as the process).
 
 A child that dies after the stack is up is restarted (`Restarts`): its process group is
 killed (what it left behind, such as vLLM's engine process), then it starts again after a
@@ -20,6 +23,7 @@ import contextlib
 import json
 import logging
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -31,6 +35,7 @@ from pathlib import Path
 from typing import IO, Any, Literal
 
 from ctxcache.net import wait_http
+from ctxcache.reaper import MARK, die_with_parent, end_reaper, start_reaper
 
 __all__ = ["Child", "Interrupted", "Restarts", "Supervisor", "http_ready"]
 
@@ -85,7 +90,8 @@ class Interrupted(Exception):
 
 
 class Supervisor:
-    """Use as a context manager: from entry on, SIGINT/SIGTERM request a clean stop."""
+    """Use as a context manager: from entry on, SIGINT/SIGTERM request a clean stop, and
+    the stack's reaper runs (holding `hold_fd`, if given, until the stack is gone)."""
 
     def __init__(
         self,
@@ -94,6 +100,7 @@ class Supervisor:
         grace_s: float = 10.0,
         restarts: Restarts | None = None,
         status_path: Path | None = None,
+        hold_fd: int | None = None,
     ) -> None:
         self.children: list[Child] = []
         self.out = out or sys.stdout
@@ -104,6 +111,9 @@ class Supervisor:
         self._pumps: list[threading.Thread] = []
         self.stopping = threading.Event()
         self._old_handlers: dict[int, Any] = {}
+        self.stack = secrets.token_hex(16)  # every child's `MARK`: what the reaper looks for
+        self._hold = () if hold_fd is None else (hold_fd,)
+        self._reaper: subprocess.Popen[bytes] | None = None
 
     def __enter__(self) -> Supervisor:
         def on_signal(signum: int, frame: object) -> None:
@@ -111,6 +121,7 @@ class Supervisor:
 
         for sig in (signal.SIGINT, signal.SIGTERM):
             self._old_handlers[sig] = signal.signal(sig, on_signal)
+        self._reaper = start_reaper(self.stack, keep=self._hold)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -119,6 +130,8 @@ class Supervisor:
         finally:
             for sig, handler in self._old_handlers.items():
                 signal.signal(sig, handler)
+            end_reaper(self._reaper)  # it kills what the stop left, if anything
+            self._reaper = None
 
     def start(self, child: Child) -> Child:
         """Start a child and block until it is healthy (start-up: a failure stops here)."""
@@ -147,13 +160,14 @@ class Supervisor:
         return child
 
     def _spawn(self, child: Child) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **child.env}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **child.env, MARK: self.stack}
         child.proc = subprocess.Popen(
             list(child.argv),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             env=env,
             start_new_session=True,
+            preexec_fn=die_with_parent(),  # SIGKILLed if we die (from the main thread only)
         )
         child.started_at = time.monotonic()
         self._set(child, "starting")

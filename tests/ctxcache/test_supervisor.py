@@ -7,6 +7,7 @@ import io
 import json
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -130,3 +131,48 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+# a supervisor in a process of its own (killed by the test), with one child that starts a
+# grandchild in a session of its own, as vLLM's server starts its EngineCore, beyond the
+# child's process group; each prints its pid
+STACK = """
+import subprocess, sys
+from ctxcache.supervisor import Child, Supervisor
+GRANDCHILD = "import os, time; print(os.getpid(), flush=True); time.sleep(600)"
+CHILD = f'''
+import os, subprocess, sys, time
+print(os.getpid(), flush=True)
+subprocess.Popen([sys.executable, "-c", {GRANDCHILD!r}], start_new_session=True)
+time.sleep(600)
+'''
+with Supervisor() as sup:
+    sup.start(Child("child", [sys.executable, "-c", CHILD]))
+    sup.wait()
+"""
+
+
+def test_a_killed_supervisors_children_and_theirs_are_killed_too(tmp_path: Path) -> None:
+    """kill -9 of the supervisor's process: its child (parent-death signal) and the
+    grandchild that left the child's session (the reaper) are gone within seconds."""
+    out = tmp_path / "stack.log"
+    with out.open("w") as log, (tmp_path / "stack.err").open("w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", STACK], stdout=log, stderr=err, start_new_session=True
+        )
+    pids: set[int] = set()
+    try:
+        until(lambda: len(pids_in(out)) == 2)
+        pids = pids_in(out)
+        assert all(alive(p) for p in pids)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        until(lambda: not any(alive(p) for p in pids), within_s=15)
+    finally:
+        for pid in pids:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def pids_in(log: Path) -> set[int]:
+    return {int(w) for w in log.read_text().split() if w.isdigit()}
