@@ -138,6 +138,7 @@ class LocalClient:
         self._lock = threading.RLock()
         self.token = secrets.token_hex(8)  # this client, across its connections
         self._lock_fd = -1  # client-<token>.lock, held while we live (taken at connect)
+        self._unsettled: list[WriteLease] = []  # done writing, the sidecar not yet told
         self.region: Region | None = None
         self.on_map: list[Callable[[Region], None]] = []  # told when a region is (re)mapped
 
@@ -177,6 +178,7 @@ class LocalClient:
     def alloc(self, lengths: Sequence[int]) -> WriteLease | None:
         """Slots to write blocks into (one round trip), or None when the region is full or
         this client's share of it is taken. End the lease with `commit` or `abort`."""
+        self._settle()
         req = {"op": "alloc", "lengths": list(lengths)}
         reply, region = self._call_in(req, retry=True, check=False)
         if not reply.get("ok"):
@@ -197,17 +199,31 @@ class LocalClient:
             for b in blocks
         ]
         req = {"op": "commit", "lease": lease.id, "generation": lease.generation, "blocks": metas}
-        reply = self._call(req, retry=True, check=False)
+        try:
+            reply = self._call(req, retry=True, check=False)
+        except LocalError:
+            self._unsettled.append(lease)  # told again (an abort) at the next alloc
+            raise
         if not reply.get("ok"):
             log.warning("local store of %d blocks not taken: %s", len(metas), reply.get("error"))
         return int(reply.get("stored", 0))
 
     def abort(self, lease: WriteLease) -> None:
-        """Done writing, nothing to store: the slots go back. Never raises (an unreachable
-        sidecar frees them when this process ends)."""
+        """Done writing, nothing to store: the slots go back. Never raises: a sidecar that
+        cannot be reached is told at the next `alloc` (or sees this process end)."""
         req = {"op": "abort", "lease": lease.id, "generation": lease.generation}
-        with contextlib.suppress(LocalError):
+        try:
             self._call(req, retry=True, check=False)
+        except LocalError:
+            self._unsettled.append(lease)
+
+    def _settle(self) -> None:
+        """Tell the sidecar (this one or the next: the region's write table carries them)
+        about write leases we are done with but could not say so at the time."""
+        with self._lock:
+            pending, self._unsettled = self._unsettled, []
+        for lease in pending:
+            self.abort(lease)
 
     # ---- the BlockClient calls (one copy through the region) ------------------------
     def get_many(self, keys: Sequence[str]) -> list[KVBlock | None]:

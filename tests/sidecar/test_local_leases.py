@@ -30,7 +30,7 @@ import pytest
 
 from sidecar.arena import SOCKET_NAME, Arena, RegionError
 from sidecar.client import KVClient
-from sidecar.local_client import LocalClient, Slot, WriteLease
+from sidecar.local_client import LocalClient, LocalError, Slot, WriteLease
 from sidecar.protocol import DTYPE_BFLOAT16, FMT_KV_2LTD
 from sidecar.service import Sidecar
 from sidecar.settings import SidecarSettings
@@ -445,6 +445,28 @@ def _wait(cond: Callable[[], bool], timeout: float = 10.0) -> None:
     while not cond():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.02)
+
+
+def test_a_commit_that_found_no_sidecar_is_settled_with_the_next_one(local_dir: Path) -> None:
+    """The writer finished while no sidecar answered: the next sidecar keeps the slots (its
+    write table) until the writer's next alloc tells it that it is done with them."""
+    first = start(local_dir)
+    writer = LocalClient(local_dir, timeout=1.0)
+    try:
+        lease = writer.alloc([BLOCK])
+        assert lease is not None
+        first.stop()
+        with pytest.raises(LocalError):
+            writer.commit(lease, [(key(1), FMT_KV_2LTD, DTYPE_BFLOAT16, SHAPE)])
+        second = start(local_dir)
+        try:
+            assert second.arena is not None and lease.id in second.arena.inherited
+            assert writer.alloc([4096]) is not None
+            assert not second.arena.inherited
+        finally:
+            second.stop()
+    finally:
+        writer.close()
 
 
 __all__ = ["Slot"]
