@@ -297,8 +297,6 @@ class LocalServer:
         """Whether nothing of `client` can still write into the region."""
         if client.lock:
             return client_alive(self.arena.directory, client.token) is False
-        if client.token.startswith("conn-"):
-            return True  # an anonymous connection (no hello) cannot reconnect as itself
         return now - client.last_seen > self.silent_writer_s
 
     def _drop_client(self, token: str, why: str) -> None:

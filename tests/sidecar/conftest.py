@@ -11,7 +11,8 @@ from ctxcache.net import free_port
 from sidecar.client import KVClient
 from sidecar.service import Sidecar
 from sidecar.settings import SidecarSettings
-from tests.sidecar.helpers import SidecarFactory, SidecarProcess
+from tests.sidecar.helpers import SidecarFactory, SidecarProcess, start_local
+from tests.utils import local_dir_fixture  # noqa: F401 (the local_dir fixture)
 
 
 @pytest.fixture
@@ -58,3 +59,13 @@ def sidecar_process(tmp_path: Path) -> Iterator[SidecarFactory]:
     finally:
         for proc in started:
             proc.stop()
+
+
+@pytest.fixture
+def local(local_dir: Path) -> Iterator[Sidecar]:
+    """An in-process sidecar with a shared region in `local_dir` (1 MiB memory tier)."""
+    sc = start_local(local_dir)
+    try:
+        yield sc
+    finally:
+        sc.stop()

@@ -13,7 +13,6 @@ import socket
 import stat
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,11 +23,10 @@ from sidecar.local import LocalDirInUse
 from sidecar.local_client import TCP, LocalClient, Slot
 from sidecar.protocol import DTYPE_BFLOAT16, FMT_KV_2LTD
 from sidecar.service import Sidecar
-from sidecar.settings import SidecarSettings
-from tests.sidecar.helpers import SidecarFactory
+from tests.sidecar.helpers import SHAPE, SidecarFactory, put_tcp
+from tests.sidecar.helpers import start_local as start
 from tests.utils import local_dir_fixture  # noqa: F401 (the local_dir fixture)
 
-SHAPE = (2, 1, 4, 8)
 KEY = "m@1@0@{}@bfloat16@s%sess"
 
 
@@ -38,26 +36,6 @@ def key(i: int) -> str:
 
 def payload(n: int, fill: int) -> bytes:
     return bytes([fill]) * n
-
-
-def start(local_dir: Path, memory: int = 1 << 20, **kw: object) -> Sidecar:
-    settings = SidecarSettings(port=0, memory_bytes=memory, local_dir=local_dir, **kw)  # type: ignore[arg-type]
-    return Sidecar(settings).start()
-
-
-@pytest.fixture
-def local(local_dir: Path) -> Iterator[Sidecar]:
-    sc = start(local_dir)
-    try:
-        yield sc
-    finally:
-        sc.stop()
-
-
-def put_tcp(sc: Sidecar, k: str, data: bytes) -> None:
-    with KVClient("127.0.0.1", sc.port) as c:
-        c.put(k, data, fmt=FMT_KV_2LTD, dtype=DTYPE_BFLOAT16, shape=SHAPE)
-        c.health()  # PUT has no reply: a round trip after it means it was taken in
 
 
 # ---- the region and its allocator -------------------------------------------------------

@@ -30,38 +30,18 @@ import pytest
 
 from sidecar.arena import SOCKET_NAME, Arena, RegionError
 from sidecar.client import KVClient
-from sidecar.local_client import LocalClient, LocalError, Slot, WriteLease
+from sidecar.local_client import LocalClient, LocalError, WriteLease
 from sidecar.protocol import DTYPE_BFLOAT16, FMT_KV_2LTD
 from sidecar.service import Sidecar
-from sidecar.settings import SidecarSettings
-from tests.sidecar.helpers import SidecarFactory
+from tests.sidecar.helpers import SHAPE, SidecarFactory, put_tcp
+from tests.sidecar.helpers import start_local as start
 from tests.utils import local_dir_fixture  # noqa: F401 (the local_dir fixture)
 
-SHAPE = (2, 1, 4, 8)
 BLOCK = 64 << 10
 
 
 def key(i: int) -> str:
     return f"m@1@0@{i}@bfloat16@s%sess"
-
-
-def start(local_dir: Path, memory: int = 1 << 20, **kw: Any) -> Sidecar:
-    return Sidecar(SidecarSettings(port=0, memory_bytes=memory, local_dir=local_dir, **kw)).start()
-
-
-@pytest.fixture
-def local(local_dir: Path) -> Iterator[Sidecar]:
-    sc = start(local_dir)
-    try:
-        yield sc
-    finally:
-        sc.stop()
-
-
-def put_tcp(sc: Sidecar, k: str, data: bytes) -> None:
-    with KVClient("127.0.0.1", sc.port) as c:
-        c.put(k, data, fmt=FMT_KV_2LTD, dtype=DTYPE_BFLOAT16, shape=SHAPE)
-        c.health()  # PUT has no reply: a round trip after it means it was taken in
 
 
 def get_tcp(sc: Sidecar, k: str) -> bytes | None:
@@ -467,6 +447,3 @@ def test_a_commit_that_found_no_sidecar_is_settled_with_the_next_one(local_dir: 
             second.stop()
     finally:
         writer.close()
-
-
-__all__ = ["Slot"]
