@@ -40,6 +40,11 @@ class ConnectorConfig(StrictModel):
         "waits in WAITING_FOR_REMOTE_KVS while the batch runs, instead of the step that "
         "schedules it waiting for its load (docs/vllm.md)",
     )
+    required: bool = Field(
+        False,
+        description="fail vLLM's start-up when the connector cannot serve this engine (MLA, "
+        "a quantised KV cache, a hybrid model) instead of running without the cache",
+    )
     timeout_s: float = Field(2.0, gt=0, description="socket timeout of block GETs and PUTs")
     lookup_timeout_s: float = Field(
         0.5, gt=0, description="socket timeout of the scheduler's EXIST lookups"

@@ -7,13 +7,19 @@ Load it with
 (`ctxcache serve --engine vllm` does). vLLM builds one instance in the scheduler process
 (`SchedulerSide`: lookups and plans) and one in each worker process (`WorkerSide`: the
 copies); this class only routes vLLM's hooks to them (docs/vllm.md).
+
+What it cannot serve (`unsupported`: MLA, a quantised KV cache, hybrid models) it refuses
+at start-up on both sides with one log line, and vLLM runs without it: no lookups, loads or
+stores (`"required": true` makes that a start-up error instead). A worker that turns
+itself off later (its cache layout cannot be read) says so in its step output
+(`CtxcacheWorkerMeta`), and the scheduler half then plans nothing more.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -21,6 +27,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheSpec,
+    KVQuantMode,
+    MLAAttentionSpec,
+    UniformTypeKVCacheSpecs,
 )
 
 from ctxcache import tracing
@@ -51,6 +65,24 @@ class CtxcacheMetadata(StepPlan, KVConnectorMetadata):
     """One step's loads and stores, scheduler -> workers."""
 
 
+@dataclass
+class CtxcacheWorkerMeta(KVConnectorWorkerMetadata):
+    """Worker -> scheduler, each step: why a worker carries out no load (None: it does)."""
+
+    off: str | None = field(default=None)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if self.off is None and isinstance(other, CtxcacheWorkerMeta):
+            self.off = other.off
+        return self
+
+
+INSTEAD = (
+    "for this model use LMCache's connector (LMCacheConnectorV1) or run vLLM without "
+    "--kv-transfer-config"
+)
+
+
 class CtxcacheConnector(KVConnectorBase_V1):
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
@@ -63,6 +95,22 @@ class CtxcacheConnector(KVConnectorBase_V1):
         block_size = vllm_config.cache_config.block_size
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
+        # what this connector cannot serve: refused, on both sides alike (the same config)
+        self.refused = unsupported(vllm_config, kv_cache_config)
+        if self.refused is not None:
+            if self.config.required:
+                raise ValueError(
+                    f"the ctxcache connector does not support {self.refused}; {INSTEAD}"
+                )
+            log.error(
+                "ctxcache connector (%s): %s is not supported; vLLM runs without it, "
+                'nothing is looked up, loaded or stored (%s; "required": true in '
+                "kv_connector_extra_config makes this a start-up error)",
+                role.name.lower(),
+                self.refused,
+                INSTEAD,
+            )
+            return
         if role == KVConnectorRole.SCHEDULER:
             # A cache: a block that cannot be loaded is recomputed, never a failed request.
             if transfer.kv_load_failure_policy != "recompute":
@@ -89,16 +137,26 @@ class CtxcacheConnector(KVConnectorBase_V1):
 
     # -- worker side ----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        assert self.worker is not None
+        if self.worker is None:
+            return  # refused at start-up
         layers = self._vllm_config.compilation_config.static_forward_context
-        writers = {
-            name: (cache_writer(layers[name]), layers[name].num_kv_heads, layers[name].head_size)
-            for name in kv_caches
-        }
+        try:
+            writers = {
+                name: (
+                    cache_writer(layers[name]),
+                    layers[name].num_kv_heads,
+                    layers[name].head_size,
+                )
+                for name in kv_caches
+            }
+        except Exception as exc:
+            self.worker.turn_off(f"its attention layers have no cache write we can use ({exc})")
+            return
         self.worker.register(kv_caches, writers)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        assert self.worker is not None
+        if self.worker is None:
+            return
         meta = self._get_connector_metadata()
         assert isinstance(meta, CtxcacheMetadata)
         self.worker.load(meta)
@@ -117,17 +175,25 @@ class CtxcacheConnector(KVConnectorBase_V1):
         return  # stores read a finished request's blocks in wait_for_save
 
     def wait_for_save(self) -> None:
-        assert self.worker is not None
+        if self.worker is None:
+            return
         meta = self._get_connector_metadata()
         assert isinstance(meta, CtxcacheMetadata)
         self.worker.save(meta)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        assert self.worker is not None
+        if self.worker is None:
+            return None, None
         return self.worker.take_sent() or None, self.worker.take_loaded() or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_invalid() if self.worker is not None else set()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        """While this worker is off, every step tells the scheduler half so."""
+        if self.worker is None or self.worker.off is None:
+            return None
+        return CtxcacheWorkerMeta(off=self.worker.off)
 
     def get_kv_connector_stats(self) -> CtxcacheStats | None:
         side = self.worker or self.scheduler
@@ -143,24 +209,32 @@ class CtxcacheConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        assert self.scheduler is not None
+        if self.scheduler is None:
+            return 0, False
         extra = self.scheduler.matched_tokens(request, num_computed_tokens)
         return extra, self.config.async_loads and extra > 0
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        assert self.scheduler is not None
+        if self.scheduler is None:
+            return
         groups = blocks.get_block_ids() if num_external_tokens > 0 else ([],)
         self.scheduler.after_alloc(request, list(groups[0]), num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        assert self.scheduler is not None
+        if self.scheduler is None:
+            return CtxcacheMetadata()
         plan = self.scheduler.build(scheduler_output)
         return CtxcacheMetadata(loads=plan.loads, stores=plan.stores)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        if self.scheduler is not None and self.config.async_loads:
+        if self.scheduler is None:
+            return
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, CtxcacheWorkerMeta) and meta.off is not None:
+            self.scheduler.turn_off(meta.off)
+        if self.config.async_loads:
             self.scheduler.loads_reported(
                 connector_output.finished_recving or (), connector_output.invalid_block_ids
             )
@@ -168,7 +242,8 @@ class CtxcacheConnector(KVConnectorBase_V1):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        assert self.scheduler is not None
+        if self.scheduler is None:
+            return False, None
         return self.scheduler.finished(request, block_ids), None
 
     # -- metrics --------------------------------------------------------------------------
@@ -204,17 +279,46 @@ def _key_maker(vllm_config: VllmConfig, config: ConnectorConfig) -> KeyMaker:
     name = config.model_name or model.served_model_name or model.model
     if isinstance(name, list):
         name = name[0]
-    dtype = TORCH_TO_KEY_NAME.get(_cache_dtype(vllm_config), str(model.dtype))
+    dtype = TORCH_TO_KEY_NAME.get(model.dtype, str(model.dtype))  # (a KV cache in another
+    # dtype than the model's is refused: `unsupported`)
     # The scheduler names rank 0's blocks; each tensor-parallel worker stores and loads its
     # own shard under its own rank (WorkerSide.key).
     return KeyMaker(str(name), dtype, 0, vllm_config.parallel_config.tensor_parallel_size)
 
 
-def _cache_dtype(vllm_config: VllmConfig) -> torch.dtype:
+def unsupported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> str | None:
+    """What of this engine the connector cannot serve, in words, or None. It moves full
+    attention's K and V in the model's dtype, one KV cache group (the blocks of
+    `get_block_ids()[0]`): not MLA's latent cache, not a quantised cache (fp8: the keys
+    and the payload carry the model's dtype), not Mamba/linear-attention state or a
+    second group's blocks (hybrid models)."""
+    model = vllm_config.model_config
+    if model is not None and getattr(model, "use_mla", False):
+        return "an MLA model (its latent KV cache)"
     cache_dtype = vllm_config.cache_config.cache_dtype
     if cache_dtype not in ("auto", None):
-        raise ValueError(f"the ctxcache connector does not support kv cache dtype {cache_dtype!r}")
-    return vllm_config.model_config.dtype
+        return f"a {cache_dtype} KV cache (--kv-cache-dtype {cache_dtype}; only 'auto')"
+    if kv_cache_config is None:
+        return None
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) > 1:
+        kinds = sorted({type(g.kv_cache_spec).__name__ for g in groups})
+        return f"a hybrid model ({len(groups)} KV cache groups: {', '.join(kinds)})"
+    for group in groups:
+        for spec in _specs(group.kv_cache_spec):
+            if isinstance(spec, MLAAttentionSpec):
+                return "an MLA model (its latent KV cache)"
+            if type(spec) is not FullAttentionSpec:  # (its subclasses evict or add blocks)
+                return f"a model with {type(spec).__name__} layers (not plain full attention)"
+            if spec.kv_quant_mode != KVQuantMode.NONE:
+                return f"a quantised KV cache ({spec.kv_quant_mode.name})"
+    return None
+
+
+def _specs(spec: KVCacheSpec) -> list[KVCacheSpec]:
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        return list(spec.kv_cache_specs.values())
+    return [spec]
 
 
 def _trace_like_vllm(vllm_config: VllmConfig) -> None:

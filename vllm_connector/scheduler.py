@@ -6,6 +6,8 @@ pipelined round trip of EXISTs (every chunk key and every tail candidate) on one
 connection, and only for requests that carry a session tag (or every request with
 `store_sessionless`). A sidecar that fails or times out opens a
 circuit breaker: requests then run as if the sidecar were empty, and no stores are planned.
+A worker that cannot carry out loads (`turn_off`, from its step output) makes it plan no
+more loads or stores, for good: each would be a miss, recomputed.
 """
 
 from __future__ import annotations
@@ -71,6 +73,14 @@ class SchedulerSide:
         self._stores: list[StoreSpec] = []
         self._loading: dict[str, set[int]] = {}  # (async_loads) request -> blocks loading
         self._failed: set[str] = set()  # requests whose async load failed: not loaded again
+        self.off: str | None = None  # why the workers carry out no load (then none is planned)
+
+    def turn_off(self, reason: str) -> None:
+        """A worker reported that it carries out no load: plan none, nor any store, from
+        now on (the loads already planned go out and come back as misses)."""
+        if self.off is None:
+            log.error("ctxcache connector: a worker is off (%s); no more loads or stores", reason)
+        self.off = reason
 
     # -- the sidecar ----------------------------------------------------------------------
     def _exists_many(self, keys: list[str]) -> list[bool]:
@@ -110,6 +120,8 @@ class SchedulerSide:
 
     def matched_tokens(self, request: RequestLike, num_computed: int) -> int:
         """Tokens beyond `num_computed` that the sidecar will supply (0: none worth it)."""
+        if self.off is not None:
+            return 0
         view = self._view(request)
         if view is None or not self.breaker.closed or request.request_id in self._failed:
             return 0
@@ -185,6 +197,8 @@ class SchedulerSide:
         self._loads.pop(rid, None)
         self._loading.pop(rid, None)
         self._failed.discard(rid)
+        if self.off is not None:
+            return False
         view = self._view(request)
         if view is None or not self.breaker.closed or _still_loading(request):
             return False

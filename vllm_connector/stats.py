@@ -20,6 +20,9 @@ COUNTERS: dict[str, str] = {
     "async_load_ms": "milliseconds loads ran beside the engine's steps (async_loads)",
     "store_copy_ms": "milliseconds the engine spent copying finished requests' KV out",
     "load_failures": "planned loads that failed (a miss, an error or a wrong block): recomputed",
+    "load_errors": "loads that raised (CUDA out of memory, a failed copy or registration): "
+    "a miss, recomputed, never a failed step",
+    "store_errors": "stores that raised (CUDA out of memory, a failed copy): dropped",
     "stored_blocks": "blocks handed to the background storer",
     "stored_tokens": "tokens of KV handed to the background storer",
     "store_drops": "finished requests whose KV was not stored (sidecar down, queue full)",

@@ -22,18 +22,32 @@ wrong answer.
 Stores copy the blocks out with one gather per layer (the request's blocks are freed as
 soon as that copy is made) and PUT them from a background thread
 (`worker.kv.sidecar.SidecarKV`, the built-in worker's storer, with its circuit breaker).
+
+Failures are misses: anything a load raises (CUDA out of memory, a failed copy or
+registration, a sidecar that answers nonsense) is caught per request, logged with its id
+and counted (`load_errors`); its blocks from the first token not written are reported for
+recompute and the lease it held goes back once no copy of it runs. A store that raises is
+dropped (`store_errors`). Neither ever fails vLLM's step.
+
+Ordering (CUDA): the copies wait for an event recorded on the stream vLLM computes on, read
+on the thread that calls `load`/`save` (vLLM's model-runner thread: `compute_done`), never
+on the loader thread; an async load carries the event of the step that submitted it. A
+sync load waits on the host for its copies before its release (the release is what says
+the lease held through them); an async load is reported in `take_loaded` only once its
+copies' handle is `done()`.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import replace
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
 
 import torch
 
@@ -59,6 +73,83 @@ from worker.kv.sidecar import SidecarKV, StoreJob, kv_client_factory
 log = logging.getLogger(__name__)
 
 _GET_GROUP = 2  # blocks per GET round trip of a TCP load (the next group arrives meanwhile)
+_POLL_S = 0.0002  # how often the loader thread asks whether its copies are done
+_PIN_JOIN_S = 30.0  # how long `close` waits for a region's pinning to finish
+
+
+def compute_done(device: torch.device) -> Any:
+    """An event recorded on the stream the calling thread computes on (its current stream:
+    on vLLM's model-runner thread, the forward pass's), for the copies to wait on; None on
+    CPU, where copies are synchronous. The ordering seam: tests replace it."""
+    if device.type != "cuda":
+        return None
+    return _record_event(device)
+
+
+def _record_event(device: torch.device) -> torch.cuda.Event:
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+class CopyHandle(Protocol):
+    """What the copier's `write_many`/`read_many` return (vllm_connector.blockcopy)."""
+
+    event: Any
+
+    def done(self) -> bool: ...
+
+    def wait(self) -> None: ...
+
+
+class _Done:
+    """Copies that are complete (CPU copies, or ones waited for on the host)."""
+
+    event = None
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        return None
+
+
+_DONE = _Done()
+
+
+class _EventDone:
+    """Copies issued on a CUDA stream: complete when `event` is."""
+
+    def __init__(self, event: torch.cuda.Event) -> None:
+        self.event = event
+
+    def done(self) -> bool:
+        return bool(self.event.query())
+
+    def wait(self) -> None:
+        self.event.synchronize()
+
+
+@dataclass
+class _Job:
+    """One load being carried out: the compute stream's event its copies wait on, whether it
+    runs on the loader thread, the first token not (known to be) written, and (async) the
+    handle of copies still in flight when it returns."""
+
+    spec: LoadSpec
+    after: Any = None
+    background: bool = False
+    written: int = 0
+    handle: CopyHandle | None = None
+
+
+@dataclass
+class _Loaded:
+    """(async_loads) A load that is over on the host: reported once `handle` is done."""
+
+    failed: set[int]
+    handle: CopyHandle | None
+    blocks: set[int]
 
 
 class WorkerSide:
@@ -83,11 +174,21 @@ class WorkerSide:
         self._loader: ThreadPoolExecutor | None = None  # (async_loads) started on first use
         self._prefetch: ThreadPoolExecutor | None = None  # TCP loads' GETs, started on first use
         self._loaded_lock = threading.Lock()
-        self._loaded: dict[str, set[int]] = {}  # async loads done: request -> failed blocks
+        self._loaded: dict[str, _Loaded] = {}  # (async) loads over on the host
+        self.off: str | None = None  # why this worker cannot load or store (register failed)
+        self._copier_orders = False  # the copier takes `after=` and returns handles
+        self._pin_regions = False  # (CUDA) pin each mapped region, on its own thread
+        self._pinning: list[threading.Thread] = []
 
     @property
     def enabled(self) -> bool:
         return self.sidecar is not None
+
+    def turn_off(self, reason: str) -> None:
+        """This worker carries out no load (each is a miss, reported at once) and no store;
+        the connector tells the scheduler half, which then plans none."""
+        self.off = reason
+        log.error("ctxcache connector off on this worker: %s; KV is recomputed", reason)
 
     def register(self, kv_caches: dict[str, torch.Tensor], writers: dict[str, Any]) -> None:
         """Learn every layer's block layout; on failure the connector stays off (loads
@@ -98,17 +199,34 @@ class WorkerSide:
                 write, heads, head_dim = writers[name]
                 layouts.append(probe_layout(cache, write, heads, head_dim))
                 caches.append(cache)
-        except Exception:
-            log.exception("cannot read this KV cache layout; the ctxcache connector is off")
+        except Exception as exc:
+            log.exception("cannot read this KV cache layout")
+            self.turn_off(f"its KV cache layout could not be read ({exc})")
+            return
+        if not layouts:
+            self.turn_off("no KV cache layers were registered")
             return
         first = layouts[0]
         if any(lay.tokens != first.tokens for lay in layouts) or self.block_size % first.tokens:
-            log.error("layers with different block sizes; the ctxcache connector is off")
+            self.turn_off("its layers have different block sizes")
             return
+        try:
+            self._start(caches, layouts)
+        except Exception as exc:
+            log.exception("cannot start the ctxcache connector's copies")
+            self.close()  # what it started (the storer, the local client) goes
+            self.turn_off(f"its copies could not start ({exc})")
+
+    def _start(self, caches: list[torch.Tensor], layouts: list[BlockLayout]) -> None:
+        first = layouts[0]
         self.caches, self.layouts = caches, layouts
         shape = KVShape(len(caches), first.heads, first.head_dim, caches[0].dtype)
         self.shape = shape
         self.copier = BlockCopier(caches, layouts)
+        # today's copier orders its copies after the calling thread's stream and is waited
+        # for as a whole; the bounded ring takes the event and returns a handle per call
+        self._copier_orders = "after" in inspect.signature(self.copier.write_many).parameters
+        self._pin_regions = caches[0].is_cuda
         self.sidecar = SidecarKV(
             kv_client_factory(self.config.sidecar_url, self.config.timeout_s),
             shape,
@@ -145,14 +263,58 @@ class WorkerSide:
         return f"shm ({where})"
 
     def _mapped(self, region: Region) -> None:
-        """A (new) region is mapped: view it as bytes, and pin it for DMA on a GPU. The
-        earlier one is let go once no copy on another thread uses it."""
+        """A (new) region is mapped: view it as bytes, and on a GPU pin it for DMA on a
+        thread of its own (`cudaHostRegister` of a large region takes seconds: the load
+        that noticed the new region, and those after it, copy from it unpinned meanwhile,
+        slower but correct). The earlier one is let go once no copy uses it."""
         view = torch.frombuffer(region.map, dtype=torch.uint8)
-        pinned = self.caches[0].is_cuda and register_host(view)
         with self._regions_lock:
-            self._regions[region.generation] = (view, pinned)
+            self._regions[region.generation] = (view, False)
             self._generation = region.generation
         self._let_go()
+        if self._pin_regions:
+            pin = threading.Thread(
+                target=self._pin,
+                args=(region.generation, view),
+                name="ctxcache-pin",
+                daemon=True,
+            )
+            self._pinning = [t for t in self._pinning if t.is_alive()] + [pin]
+            pin.start()
+
+    def _pin(self, generation: str, view: torch.Tensor) -> None:
+        """(On its own thread.) Pin a region; a failure leaves it pageable (a log line). A
+        region let go while it was being pinned is unpinned here."""
+        t0 = time.perf_counter()
+        try:
+            pinned = register_host(view)
+        except Exception:
+            log.exception("pinning the shared region failed; copies from it stay pageable")
+            return
+        if not pinned:
+            log.warning("the shared region (%s) stays pageable: slower copies", generation)
+            return
+        with self._regions_lock:
+            entry = self._regions.get(generation)
+            kept = entry is not None and entry[0] is view
+            if kept:
+                self._regions[generation] = (view, True)
+        if not kept:
+            self._unpin(view)
+            return
+        log.info(
+            "pinned the shared region (%s, %d MiB) in %.1f s",
+            generation,
+            view.numel() >> 20,
+            time.perf_counter() - t0,
+        )
+
+    @staticmethod
+    def _unpin(view: torch.Tensor) -> None:
+        try:
+            unregister_host(view)
+        except Exception:
+            log.exception("unpinning a shared region failed")
 
     def _use_region(self, region: Region | None) -> torch.Tensor:
         """The bytes of the region a lease is in, held until `_done_with_region`."""
@@ -187,29 +349,69 @@ class WorkerSide:
                 self._region_users.pop(gen, None)
         for view, pinned in views:
             if pinned:
-                unregister_host(view)
+                self._unpin(view)
 
     # -- loads ----------------------------------------------------------------------------
     def load(self, plan: StepPlan) -> None:
         """This step's loads: carried out now, or with `async_loads` started (each is
-        reported by `take_loaded` once whole, or failed)."""
+        reported by `take_loaded` once whole, or failed). On vLLM's model-runner thread:
+        the event the copies wait on is recorded here, on the stream it computes on."""
+        if not plan.loads:
+            return
+        try:
+            after = compute_done(self.copier.device) if self.copier is not None else None
+        except Exception as exc:  # a broken CUDA context: nothing of this step can load
+            for spec in plan.loads:
+                self.counters.add("loads")
+                failed = self._fail(_Job(spec, written=spec.start), exc)
+                self._loads_over(spec, failed)
+            return
         for spec in plan.loads:
+            job = _Job(spec, after, background=self.config.async_loads, written=spec.start)
+            if not self.enabled:  # off: a miss, reported in this step
+                self._loads_over(spec, self._carry_out(job))
+                continue
             if self.config.async_loads:
-                if self._loader is None:
-                    self._loader = ThreadPoolExecutor(1, thread_name_prefix="ctxcache-load")
-                self._loader.submit(self._load_in_background, spec)
+                self._submit(job)
                 continue
             t0 = time.perf_counter()
-            self._invalid.update(self._carry_out(spec))
+            self._invalid.update(self._carry_out(job))
             self.counters.add("load_ms", round((time.perf_counter() - t0) * 1e3))
 
-    def _carry_out(self, spec: LoadSpec) -> set[int]:
-        """Load `spec`; the blocks it could not write (to be recomputed). Traced (the
-        request's trace, `ctxcache.kv.load`): tokens planned and loaded, bytes per path."""
+    def _loads_over(self, spec: LoadSpec, failed: set[int]) -> None:
+        """A load that never ran: its failed blocks reported as this step's (async: in
+        `take_loaded`, which vLLM calls in this step too)."""
+        if self.config.async_loads:
+            with self._loaded_lock:
+                self._loaded[spec.req_id] = _Loaded(failed, None, failed)
+        else:
+            self._invalid.update(failed)
+
+    def _submit(self, job: _Job) -> None:
+        try:
+            if self._loader is None:
+                self._loader = ThreadPoolExecutor(1, thread_name_prefix="ctxcache-load")
+            self._loader.submit(self._load_in_background, job)
+        except Exception as exc:  # (the loader is shut down: the engine is closing)
+            self.counters.add("loads")
+            self._loads_over(job.spec, self._fail(job, exc))
+
+    def _carry_out(self, job: _Job) -> set[int]:
+        """Load `job`'s spec; the blocks it could not write (to be recomputed). Anything it
+        raises is a miss from the first token not written (`_fail`). Traced (the request's
+        trace, `ctxcache.kv.load`): tokens planned and loaded, bytes per path."""
+        spec = job.spec
         self.counters.add("loads")
         planned = {"ctxcache.kv.planned_tokens": spec.end - spec.start}
         with tracing.span_in(spec.trace, "ctxcache.kv.load", planned):
-            loaded = self._load(spec) if self.enabled else spec.start
+            if not self.enabled:
+                loaded = spec.start
+            else:
+                try:
+                    loaded = self._load(job)
+                except Exception as exc:
+                    self._fail(job, exc)
+                    loaded = job.written
             tracing.annotate({"ctxcache.kv.loaded_tokens": loaded - spec.start})
         self.counters.add("loaded_tokens", loaded - spec.start)
         if loaded >= spec.end:
@@ -217,47 +419,117 @@ class WorkerSide:
         self.counters.add("load_failures")
         return self._blocks_of(spec.block_ids, loaded, spec.end)
 
-    def _load_in_background(self, spec: LoadSpec) -> None:
+    def _fail(self, job: _Job, exc: BaseException) -> set[int]:
+        """A load raised: logged with its request, counted (`load_errors`); no copy of it
+        runs any more once this returns. The blocks from its first unwritten token."""
+        spec = job.spec
+        self.counters.add("load_errors")
+        log.warning(
+            "request %s: loading its KV failed (%s: %s); recomputing from token %d",
+            spec.req_id,
+            type(exc).__name__,
+            exc,
+            job.written,
+            exc_info=not isinstance(exc, torch.OutOfMemoryError),
+        )
+        self._quiesce(spec.req_id)
+        job.handle = None
+        return self._blocks_of(spec.block_ids, job.written, spec.end)
+
+    def _quiesce(self, req_id: str) -> bool:
+        """Wait until no copy issued so far runs (the copier's and, on CUDA, the calling
+        thread's stream); False if that cannot be known (a broken CUDA context)."""
+        if self.copier is None:
+            return True
+        try:
+            self.copier.wait()
+            if self.copier.device.type == "cuda":
+                torch.cuda.current_stream(self.copier.device).synchronize()
+        except Exception:
+            log.exception("request %s: cannot wait for its copies", req_id)
+            return False
+        return True
+
+    def _load_in_background(self, job: _Job) -> None:
         """(On the loader thread.) The request is reported in every case: vLLM holds its
-        blocks until it is."""
+        blocks until it is; with copies in flight, once they are done (`take_loaded`)."""
+        spec = job.spec
         t0 = time.perf_counter()
         try:
-            failed = self._carry_out(spec)
+            failed = self._carry_out(job)
         except Exception:
             log.exception("request %s: loading its KV failed; recomputing", spec.req_id)
             self.counters.add("load_failures")
             failed = self._blocks_of(spec.block_ids, spec.start, spec.end)
+            job.handle = None
         self.counters.add("async_loads")
         self.counters.add("async_load_ms", round((time.perf_counter() - t0) * 1e3))
+        blocks = self._blocks_of(spec.block_ids, spec.start, spec.end)
         with self._loaded_lock:
-            self._loaded[spec.req_id] = failed
+            self._loaded[spec.req_id] = _Loaded(failed, job.handle, blocks)
 
     def take_loaded(self) -> set[str]:
-        """Requests whose async load is over since the last call; their failed blocks go
-        to `take_invalid`, which vLLM calls after this in the same step."""
+        """Requests whose async load is over since the last call, its copies done on the
+        device (polled: never a host wait); their failed blocks go to `take_invalid`, which
+        vLLM calls after this in the same step."""
+        ready: dict[str, set[int]] = {}
         with self._loaded_lock:
-            done, self._loaded = self._loaded, {}
-        for failed in done.values():
+            for rid, over in list(self._loaded.items()):
+                failed = self._settled(rid, over)
+                if failed is not None:
+                    ready[rid] = failed
+                    del self._loaded[rid]
+        for failed in ready.values():
             self._invalid.update(failed)
-        return set(done)
+        return set(ready)
 
-    def _load(self, spec: LoadSpec) -> int:
-        """Write `spec`'s tokens; returns the first token not written."""
+    def _settled(self, rid: str, over: _Loaded) -> set[int] | None:
+        """`over`'s failed blocks once its copies are done, else None (asked again next
+        step); a handle that cannot say fails the whole load."""
+        if over.handle is None:
+            return over.failed
+        try:
+            if not over.handle.done():
+                return None
+        except Exception:
+            log.exception("request %s: its KV copies failed; recomputing", rid)
+            self.counters.add("load_errors")
+            self._quiesce(rid)
+            return over.blocks
+        return over.failed
+
+    def _load(self, job: _Job) -> int:
+        """Write `job`'s tokens; returns the first token not written (`job.written` follows
+        it, for `_fail`)."""
+        spec = job.spec
         pieces = [p for p in spec.pieces if min(spec.end, p.end) > max(spec.start, p.begin)]
+        if not job.background:
+            return self._load_paths(job, spec, pieces)
+        # the loader thread's stream is not vLLM's: its kernels (a KV_2LTD piece's
+        # scatter) wait for the step's event, and the load is over when they are
+        self._order_after(job.after)
+        done = self._load_paths(job, spec, pieces)
+        assert self.copier is not None
+        if self.copier.device.type == "cuda":
+            job.handle = _EventDone(_record_event(self.copier.device))
+        return done
+
+    def _load_paths(self, job: _Job, spec: LoadSpec, pieces: list[Piece]) -> int:
         if self.local is not None:
             try:
-                done, rest = self._load_local(spec, pieces)
+                done, rest = self._load_local(job, pieces)
             except LocalError as exc:
                 self.counters.add("sidecar_errors")
                 log.warning("request %s: local sidecar failed (%s); over TCP", spec.req_id, exc)
             else:
+                job.written = done
                 if not rest:
                     return done
                 # blocks the region could not hold: the rest over lm:// (rare)
-                return self._load_tcp(replace(spec, start=done), rest)
-        return self._load_tcp(spec, pieces)
+                return self._load_tcp(job, replace(spec, start=done), rest)
+        return self._load_tcp(job, spec, pieces)
 
-    def _load_local(self, spec: LoadSpec, pieces: list[Piece]) -> tuple[int, list[Piece]]:
+    def _load_local(self, job: _Job, pieces: list[Piece]) -> tuple[int, list[Piece]]:
         """One round trip leases the blocks; copies from the region; a release that says the
         lease held makes them good, else everything written here is recomputed. Returns the
         first token not written and the pieces to get over TCP instead (from a block the
@@ -266,37 +538,45 @@ class WorkerSide:
         t0 = time.perf_counter()
         lease = self.local.lease([self.key(p.key) for p in pieces])
         if lease.region is None:
-            return spec.start, []
+            return job.spec.start, []
         region = self._use_region(lease.region)
         try:
-            return self._copy_leased(spec, pieces, lease, region, t0)
+            return self._copy_leased(job, pieces, lease, region, t0)
         finally:
             self._done_with_region(lease.region)
 
     def _copy_leased(
-        self, spec: LoadSpec, pieces: list[Piece], lease: Lease, region: torch.Tensor, t0: float
+        self, job: _Job, pieces: list[Piece], lease: Lease, region: torch.Tensor, t0: float
     ) -> tuple[int, list[Piece]]:
+        """The copies of a lease's blocks, whole before its release: a sync load waits on
+        the host (the release confirms the lease held through them), the loader thread
+        polls their handle. Should they raise, the lease goes back once none runs."""
         assert self.local is not None and self.copier is not None
+        spec = job.spec
         done, moved, rest = spec.start, 0, []
         batch: list[tuple[list[int], torch.Tensor, int, int]] = []  # engine-layout pieces
-        for i, (piece, block) in enumerate(zip(pieces, lease.blocks, strict=True)):
-            lo, hi = max(done, piece.begin), min(spec.end, piece.end)
-            if block == TCP:
-                rest = pieces[i:]
-                break
-            if not isinstance(block, Slot):
-                break  # a miss: recomputed from here
-            src = region[block.offset : block.offset + block.length]
-            if not self._write_piece(spec, piece, block, src, lo, hi, batch):
-                log.warning(
-                    "request %s: block %s is not KV this engine reads; recomputing",
-                    spec.req_id,
-                    piece.key,
-                )
-                break
-            done, moved = hi, moved + block.length
-        self.copier.write_many(batch)
-        self.copier.wait()
+        try:
+            for i, (piece, block) in enumerate(zip(pieces, lease.blocks, strict=True)):
+                lo, hi = max(done, piece.begin), min(spec.end, piece.end)
+                if block == TCP:
+                    rest = pieces[i:]
+                    break
+                if not isinstance(block, Slot):
+                    break  # a miss: recomputed from here
+                src = region[block.offset : block.offset + block.length]
+                if not self._write_piece(job, piece, block, src, lo, hi, batch):
+                    log.warning(
+                        "request %s: block %s is not KV this engine reads; recomputing",
+                        spec.req_id,
+                        piece.key,
+                    )
+                    break
+                done, moved = hi, moved + block.length
+            self._settle(self._copy(self.copier.write_many, batch, job.after), job.background)
+        except BaseException:
+            self._quiesce(spec.req_id)  # no copy reads the leased slots any more
+            self.local.release(lease)  # they go back; what was written is recomputed
+            raise
         if not self.local.release(lease):
             tracing.annotate({"ctxcache.kv.lease_race": True})
             self.counters.add("load_races")
@@ -307,9 +587,41 @@ class WorkerSide:
         tracing.annotate({"ctxcache.kv.bytes_shm": moved, "ctxcache.kv.blocks_shm": len(batch)})
         return done, rest
 
+    def _copy(self, copy: Callable[..., Any], items: list[Any], after: Any) -> CopyHandle:
+        """Issue the copier's `write_many`/`read_many` of `items` after the compute stream's
+        event `after`; their handle. Today's copier (no `after`, no handle) orders its side
+        stream after the calling thread's stream, which is made to wait for `after` first,
+        and is waited for on the host."""
+        assert self.copier is not None
+        if self._copier_orders:
+            handle = copy(items, after=after)
+            if handle is not None:
+                return handle
+        else:
+            self._order_after(after)
+            copy(items)
+        self.copier.wait()
+        return _DONE
+
+    def _order_after(self, after: Any) -> None:
+        """Make the calling thread's current stream wait for `after` (the loader thread's
+        stream is not vLLM's: its own kernels, a TCP load's scatters, must wait too)."""
+        if after is not None and self.copier is not None and self.copier.device.type == "cuda":
+            torch.cuda.current_stream(self.copier.device).wait_event(after)
+
+    @staticmethod
+    def _settle(handle: CopyHandle, background: bool) -> None:
+        """Wait for copies to be done: on the loader thread by polling their event (no host
+        synchronize holds it), on vLLM's thread on the host (a sync load is the step's)."""
+        if not background:
+            handle.wait()
+            return
+        while not handle.done():
+            time.sleep(_POLL_S)
+
     def _write_piece(
         self,
-        spec: LoadSpec,
+        job: _Job,
         piece: Piece,
         block: Slot,
         src: torch.Tensor,
@@ -321,7 +633,7 @@ class WorkerSide:
         layout: added to `batch`, written with the others); False if the payload is not one
         this engine can read (another layout, dtype or length)."""
         assert self.copier is not None
-        shape = self.shape
+        spec, shape = job.spec, self.shape
         if block.dtype != shape.dtype_code:
             return False
         if block.fmt == FMT_ENGINE_BLOCKS:
@@ -362,7 +674,7 @@ class WorkerSide:
     def _kernel_blocks(self, block_ids: list[int], begin: int, end: int) -> list[int]:
         return kernel_blocks(block_ids, self.block_size, self.layouts[0].tokens, begin, end)
 
-    def _load_tcp(self, spec: LoadSpec, pieces: list[Piece]) -> int:
+    def _load_tcp(self, job: _Job, spec: LoadSpec, pieces: list[Piece]) -> int:
         """Its blocks come in one pipelined round trip; the writes stop at the first that is
         missing."""
         assert self.sidecar is not None
@@ -388,7 +700,7 @@ class WorkerSide:
                 )
                 return done
             self._write_2ltd(spec, piece, kv, lo, hi)
-            done = hi
+            done = job.written = hi
             moved += kv.numel() * kv.element_size()
         self.counters.add("load_bytes_tcp", moved)
         self.counters.add("load_us_tcp", round((time.perf_counter() - t0) * 1e6))
@@ -418,35 +730,61 @@ class WorkerSide:
 
     # -- stores ---------------------------------------------------------------------------
     def save(self, plan: StepPlan) -> None:
+        """Copy the finished requests' blocks out (on vLLM's model-runner thread, after the
+        forward pass: the copies wait for an event recorded here on its stream). Never
+        raises: a store that fails is dropped, counted and logged."""
+        if not plan.stores:
+            return
+        after = None
+        if self.enabled:
+            assert self.copier is not None
+            try:
+                after = compute_done(self.copier.device)
+            except Exception:
+                log.exception("cannot order this step's stores after its compute; dropped")
+                self.counters.add("store_errors", len(plan.stores))
+                self.counters.add("store_drops", len(plan.stores))
+                self._sent.update(spec.req_id for spec in plan.stores)
+                return
         for spec in plan.stores:
             t0 = time.perf_counter()
             tokens = {"ctxcache.kv.store_tokens": sum(p.length for p in spec.pieces)}
             try:
                 with tracing.span_in(spec.trace, "ctxcache.kv.store", tokens):
-                    saved = self.enabled and self._save(spec)
+                    saved = self.enabled and self._save(spec, after)
                     tracing.annotate({"ctxcache.kv.stored": saved})
                 if not saved:
                     self.counters.add("store_drops")
-            except Exception:
+            except Exception as exc:
                 self.counters.add("store_drops")
-                log.exception("request %s: storing its KV failed", spec.req_id)
+                self.counters.add("store_errors")
+                log.warning(
+                    "request %s: storing its KV failed (%s: %s); dropped",
+                    spec.req_id,
+                    type(exc).__name__,
+                    exc,
+                    exc_info=not isinstance(exc, torch.OutOfMemoryError),
+                )
             finally:
                 self._sent.add(spec.req_id)  # the copy is made (or given up): free the blocks
                 self.counters.add("store_copy_ms", round((time.perf_counter() - t0) * 1e3))
 
-    def _save(self, spec: StoreSpec) -> bool:
+    def _save(self, spec: StoreSpec, after: Any = None) -> bool:
         if self.local is not None:
             try:
-                if self._save_local(spec):
+                if self._save_local(spec, after):
                     return True
             except LocalError as exc:
                 self.counters.add("sidecar_errors")
                 log.warning("request %s: local sidecar failed (%s); over TCP", spec.req_id, exc)
         return self._save_tcp(spec)
 
-    def _save_local(self, spec: StoreSpec) -> bool:
+    def _save_local(self, spec: StoreSpec, after: Any = None) -> bool:
         """Copy the blocks into slots the sidecar allocated, then commit them (two round
-        trips). False when the region is full (the caller stores over TCP)."""
+        trips). False when the region is full (the caller stores over TCP). Copies that
+        raise end the lease with an abort, once none of them writes into its slots; if
+        that cannot be known (a broken CUDA context) the slots stay the sidecar's until this
+        process ends (docs/sidecar.md, invariant 2)."""
         assert self.local is not None and self.copier is not None
         t0 = time.perf_counter()
         lease = self.local.alloc([self.copier.nbytes(p.length) for p in spec.pieces])
@@ -455,18 +793,23 @@ class WorkerSide:
             return False
         region = self._use_region(lease.region)
         try:
-            self.copier.read_many(
-                [
-                    (
-                        self._kernel_blocks(spec.block_ids, piece.begin, piece.end),
-                        region[slot.offset : slot.offset + slot.length],
-                    )
-                    for piece, slot in zip(spec.pieces, lease.slots, strict=True)
-                ]
-            )
-            self.copier.wait()
+            items = [
+                (
+                    self._kernel_blocks(spec.block_ids, piece.begin, piece.end),
+                    region[slot.offset : slot.offset + slot.length],
+                )
+                for piece, slot in zip(spec.pieces, lease.slots, strict=True)
+            ]
+            self._copy(self.copier.read_many, items, after).wait()  # the commit needs them
         except BaseException:
-            self.local.abort(lease)  # nothing more is written: the slots can go back
+            if self._quiesce(spec.req_id):
+                self.local.abort(lease)  # nothing more is written: the slots can go back
+            else:
+                log.error(
+                    "request %s: copies into the shared region may still run; its slots "
+                    "stay the sidecar's until this process ends",
+                    spec.req_id,
+                )
             raise
         finally:
             self._done_with_region(lease.region)
@@ -531,6 +874,9 @@ class WorkerSide:
         if self.sidecar is not None:
             self.sidecar.close()
             self.sidecar = None
+        for pin in self._pinning:  # (a region let go meanwhile is unpinned by its thread)
+            pin.join(_PIN_JOIN_S)
+        self._pinning = []
         if self.local is not None:
             self._let_go(everything=True)
             self.local.close()

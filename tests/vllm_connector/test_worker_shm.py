@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from benchmarks.kvpath import flash_writer as flash_writer_of
+from sidecar.local_client import Lease
 from sidecar.service import Sidecar
 from sidecar.settings import SidecarSettings
 from tests.utils import local_dir_fixture  # noqa: F401 (the local_dir fixture)
@@ -165,15 +166,15 @@ def test_a_copy_that_outlived_its_lease_is_recomputed(
     try:
         ps = pieces("d")
         store(side, ps)
-        assert side.copier is not None and sidecar.local is not None
-        copier_wait = side.copier.wait
+        assert side.local is not None and sidecar.local is not None
+        release = side.local.release
         server = sidecar.local
 
-        def wait_then_expire() -> None:
-            copier_wait()
-            server.expire(now=float("inf"))
+        def expire_then_release(lease: Lease) -> bool:
+            server.expire(now=float("inf"))  # the copies are done: the lease ends first
+            return release(lease)
 
-        monkeypatch.setattr(side.copier, "wait", wait_then_expire)
+        monkeypatch.setattr(side.local, "release", expire_then_release)
         assert load(side, ps) == set(DST)
         assert side.counters.drain()["load_races"] == 1
     finally:
