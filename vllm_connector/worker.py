@@ -362,9 +362,7 @@ class WorkerSide:
             after = compute_done(self.copier.device) if self.copier is not None else None
         except Exception as exc:  # a broken CUDA context: nothing of this step can load
             for spec in plan.loads:
-                self.counters.add("loads")
-                failed = self._fail(_Job(spec, written=spec.start), exc)
-                self._loads_over(spec, failed)
+                self._never_ran(_Job(spec, written=spec.start), exc)
             return
         for spec in plan.loads:
             job = _Job(spec, after, background=self.config.async_loads, written=spec.start)
@@ -377,6 +375,11 @@ class WorkerSide:
             t0 = time.perf_counter()
             self._invalid.update(self._carry_out(job))
             self.counters.add("load_ms", round((time.perf_counter() - t0) * 1e3))
+
+    def _never_ran(self, job: _Job, exc: BaseException) -> None:
+        self.counters.add("loads")
+        self.counters.add("load_failures")
+        self._loads_over(job.spec, self._fail(job, exc))
 
     def _loads_over(self, spec: LoadSpec, failed: set[int]) -> None:
         """A load that never ran: its failed blocks reported as this step's (async: in
@@ -393,8 +396,7 @@ class WorkerSide:
                 self._loader = ThreadPoolExecutor(1, thread_name_prefix="ctxcache-load")
             self._loader.submit(self._load_in_background, job)
         except Exception as exc:  # (the loader is shut down: the engine is closing)
-            self.counters.add("loads")
-            self._loads_over(job.spec, self._fail(job, exc))
+            self._never_ran(job, exc)
 
     def _carry_out(self, job: _Job) -> set[int]:
         """Load `job`'s spec; the blocks it could not write (to be recomputed). Anything it
@@ -494,6 +496,7 @@ class WorkerSide:
         except Exception:
             log.exception("request %s: its KV copies failed; recomputing", rid)
             self.counters.add("load_errors")
+            self.counters.add("load_failures")
             self._quiesce(rid)
             return over.blocks
         return over.failed
