@@ -5,11 +5,15 @@ where one is, `test_kustomize_lite.py` checks that both render the overlays iden
 
 Supported (anything else in a kustomization.yaml raises `Unsupported`):
 - `resources`: files (multi-document YAML) and directories holding a kustomization.yaml;
+- `components`: directories holding a `kind: Component` kustomization.yaml, applied after
+  the resources to everything accumulated so far (their own resources added, their
+  patches and images run over the whole), as kustomize does;
 - `patches` with `path`: strategic-merge patches matched by kind + metadata.name; lists
   of containers, initContainers, volumes, env, imagePullSecrets merge by `name`,
   volumeMounts by `mountPath`, container ports by `containerPort` (result order as
-  kustomize's: the patch's items, then the base's other items), other lists and
-  scalars are replaced, a null value deletes the key;
+  kustomize's: the patch's items, then the base's other items), an item of such a list
+  with `$patch: delete` removes the base's item of its key, other lists and scalars are
+  replaced, a null value deletes the key (no other `$patch` directive);
 - `images`: `name` -> `newName` / `newTag` / `digest` on containers and initContainers;
 - `namespace`: set on every namespaced object;
 - `configMapGenerator` with `name`, `files` (`PATH` or `KEY=PATH`) and `options.labels`,
@@ -32,6 +36,7 @@ SUPPORTED_KEYS = {
     "apiVersion",
     "kind",
     "resources",
+    "components",
     "patches",
     "images",
     "namespace",
@@ -69,15 +74,26 @@ def load_yaml_docs(path: Path) -> list[Doc]:
 
 def render(directory: Path) -> list[Doc]:
     """`kustomize build DIRECTORY`, for the supported subset."""
+    return _build(directory, [], component=False)
+
+
+def _build(directory: Path, docs: list[Doc], *, component: bool) -> list[Doc]:
+    """A Kustomization (from nothing) or a Component (over `docs`, its parent's so far)."""
     kfile = directory / "kustomization.yaml"
     spec = yaml.safe_load(kfile.read_text()) or {}
     unknown = set(spec) - SUPPORTED_KEYS
     if unknown:
         raise Unsupported(f"{kfile}: unsupported kustomization fields {sorted(unknown)}")
-    docs: list[Doc] = []
+    kind = spec.get("kind", "Kustomization")
+    if kind != ("Component" if component else "Kustomization"):
+        where = "components" if component else "resources or built directly"
+        raise ValueError(f"{kfile}: a {kind} cannot be in {where}")
+    docs = list(docs)
     for entry in spec.get("resources", []):
         path = directory / entry
         docs.extend(render(path) if path.is_dir() else load_yaml_docs(path))
+    for entry in spec.get("components", []):
+        docs = _build(directory / entry, docs, component=True)
     docs.extend(_generated(directory, spec))
     for patch in spec.get("patches", []):
         if set(patch) != {"path"}:
@@ -125,6 +141,8 @@ def _generated(directory: Path, spec: dict[str, Any]) -> list[Doc]:
 
 def strategic_merge(base: Any, patch: Any, field: str = "") -> Any:
     """`patch` applied to `base` (neither is modified)."""
+    if isinstance(patch, dict) and "$patch" in patch:
+        raise Unsupported(f"`$patch: {patch['$patch']}` outside a list item to delete")
     if isinstance(base, dict) and isinstance(patch, dict):
         out = copy.deepcopy(base)
         for key, value in patch.items():
@@ -138,15 +156,30 @@ def strategic_merge(base: Any, patch: Any, field: str = "") -> Any:
     if isinstance(base, list) and isinstance(patch, list) and field in MERGE_KEYS:
         key = MERGE_KEYS[field]
         if all(isinstance(i, dict) and key in i for i in [*base, *patch]):
-            # kustomize's (kyaml) order: the patch's items first, then the base's others
+            # kustomize's (kyaml) order: the patch's items first, then the base's others;
+            # `$patch: delete` items take the base's item of their key away
             by_key = {b[key]: b for b in base}
+            deleted = {i[key] for i in patch if _deletes(i)}
             out = [
                 strategic_merge(by_key[i[key]], i) if i[key] in by_key else copy.deepcopy(i)
                 for i in patch
+                if i[key] not in deleted
             ]
             patched = {i[key] for i in patch}
             return out + [copy.deepcopy(b) for b in base if b[key] not in patched]
+    if isinstance(patch, list) and any(isinstance(i, dict) and "$patch" in i for i in patch):
+        raise Unsupported(f"{field}: `$patch` in a list that does not merge by a key")
     return copy.deepcopy(patch)
+
+
+def _deletes(item: Doc) -> bool:
+    """A list item `{<key>: ..., $patch: delete}`; any other directive is refused."""
+    directive = item.get("$patch")
+    if directive is None:
+        return False
+    if directive != "delete" or len(item) != 2:
+        raise Unsupported(f"list item {item}: only `$patch: delete` with its merge key")
+    return True
 
 
 def _find(docs: list[Doc], kind: str, name: str) -> Doc:

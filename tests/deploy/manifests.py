@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import importlib.metadata
+import json
 import re
 import shlex
 import shutil
@@ -31,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
 DOCKERFILE = ROOT / "deploy" / "Dockerfile"
 K8S = ROOT / "deploy" / "k8s"
-OVERLAYS = ("cpu", "gpu", "external-redis")
+OVERLAYS = ("cpu", "gpu", "gpu-ctxcache", "external-redis")
 
 Doc = dict[str, Any]
 
@@ -203,6 +204,27 @@ def k8s_containers(docs: list[Doc]) -> Iterator[Container]:
                 raw=c,
                 files=secret_files(c, spec.get("volumes", []), secrets),
             )
+
+
+# vLLM's own server started from a vLLM image (not `ctxcache vllm`): the stock image, or
+# `ctxcache-vllm`, that image with this repository installed for ctxcache's connector
+# (components/ctxcache-connector-gpu)
+VLLM_IMAGES = ("vllm/vllm-openai", "ctxcache-vllm")
+
+
+def image_name(ref: str) -> str:
+    """An image reference without its tag or digest."""
+    name = ref.split("@", 1)[0]
+    return name.rsplit(":", 1)[0] if ":" in name.rsplit("/", 1)[-1] else name
+
+
+def from_vllm_image(c: Container) -> bool:
+    return c.ctxcache_command is None and image_name(c.image).endswith(VLLM_IMAGES)
+
+
+def kv_transfer_config(c: Container) -> Doc:
+    """vLLM's `--kv-transfer-config` of this container ({} without one)."""
+    return dict(json.loads(flag_value(c.argv, "--kv-transfer-config") or "{}"))
 
 
 def load_compose() -> Doc:

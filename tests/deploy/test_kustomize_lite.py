@@ -38,6 +38,58 @@ def test_containers_merge_by_name_and_other_lists_are_replaced() -> None:
     assert base["containers"][0]["args"] == ["x", "y"], "inputs are not modified"
 
 
+def test_a_delete_directive_takes_the_base_item_away() -> None:
+    base = {"env": [{"name": "A", "value": "1"}, {"name": "B", "value": "2"}]}
+    patch = {"env": [{"name": "C", "value": "3"}, {"name": "A", "$patch": "delete"}]}
+    assert kustomize_lite.strategic_merge(base, patch) == {
+        "env": [{"name": "C", "value": "3"}, {"name": "B", "value": "2"}]
+    }
+    for directive in ({"name": "A", "$patch": "replace"}, {"$patch": "delete", "x": 1}):
+        with pytest.raises(kustomize_lite.Unsupported):
+            kustomize_lite.strategic_merge({"env": base["env"], "x": {}}, {"env": [directive]})
+
+
+def _write(directory: Path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        (directory / name).parent.mkdir(parents=True, exist_ok=True)
+        (directory / name).write_text(text)
+
+
+CONFIG = "apiVersion: v1\nkind: ConfigMap\nmetadata: {{name: {name}}}\ndata: {{k: {value}}}\n"
+
+
+def test_a_component_patches_what_its_overlay_has_accumulated(tmp_path: Path) -> None:
+    _write(
+        tmp_path,
+        {
+            "base/kustomization.yaml": "resources: [cm.yaml]\n",
+            "base/cm.yaml": CONFIG.format(name="a", value="base"),
+            "comp/kustomization.yaml": (
+                "apiVersion: kustomize.config.k8s.io/v1alpha1\nkind: Component\n"
+                "resources: [extra.yaml]\npatches: [{path: p.yaml}]\n"
+            ),
+            "comp/extra.yaml": CONFIG.format(name="b", value="comp"),
+            "comp/p.yaml": CONFIG.format(name="a", value="component"),
+            "ovl/kustomization.yaml": (
+                "resources: [../base]\ncomponents: [../comp]\npatches: [{path: p.yaml}]\n"
+            ),
+            # the overlay's own patches run after its components
+            "ovl/p.yaml": CONFIG.format(name="b", value="overlay"),
+        },
+    )
+    docs = kustomize_lite.render(tmp_path / "ovl")
+    assert {d["metadata"]["name"]: d["data"]["k"] for d in docs} == {
+        "a": "component",
+        "b": "overlay",
+    }
+    # a component is no resource, and cannot be built alone
+    _write(tmp_path, {"bad/kustomization.yaml": "resources: [../comp]\n"})
+    with pytest.raises(ValueError, match="Component"):
+        kustomize_lite.render(tmp_path / "bad")
+    with pytest.raises(ValueError, match="Component"):
+        kustomize_lite.render(tmp_path / "comp")
+
+
 def test_an_unsupported_kustomize_feature_is_refused(tmp_path: Path) -> None:
     (tmp_path / "kustomization.yaml").write_text("namePrefix: dev-\nresources: []\n")
     with pytest.raises(kustomize_lite.Unsupported):

@@ -33,8 +33,10 @@ from tests.deploy.manifests import (
     compose_containers,
     find,
     flag_value,
+    from_vllm_image,
     interpolate,
     k8s_containers,
+    kv_transfer_config,
     lmcache_config_keys,
     load_compose,
     render,
@@ -186,18 +188,31 @@ def listen_port(c: Container, command: str) -> int:
 def test_vllm_and_lmcache_settings_agree_with_ctxcache() -> None:
     keys = lmcache_config_keys()
     assert {"chunk_size", "remote_url", "save_decode_cache"} <= keys
-    for c in [c for c in all_containers() if "vllm/vllm-openai" in c.image]:
+    connectors: list[str] = []
+    for c in [c for c in all_containers() if from_vllm_image(c)]:
+        assert c.env["PYTHONHASHSEED"] == "0", c.where
+        assert "--enable-prompt-tokens-details" in c.argv, c.where
+        kv = kv_transfer_config(c)
+        connectors.append(kv.get("kv_connector", ""))
         lmcache = {n: v for n, v in c.env.items() if n.startswith("LMCACHE_")}
+        if kv.get("kv_connector") == "CtxcacheConnector":
+            # ours (components/ctxcache-connector-gpu, checked in test_gpu_connector.py):
+            # LMCache is not loaded, so none of its settings are left to mislead
+            assert lmcache == {}, c.where
+            continue
         unknown = {n for n in lmcache if n.removeprefix("LMCACHE_").lower() not in keys}
         assert unknown == set(), f"{c.where}: not LMCache 0.5.6 settings"
         assert int(lmcache["LMCACHE_CHUNK_SIZE"]) == CHUNK_SIZE, c.where
         assert lmcache["LMCACHE_SAVE_DECODE_CACHE"].lower() == "true", c.where
         assert lmcache.get("LMCACHE_REMOTE_SERDE", "naive") == "naive", c.where
         assert re.fullmatch(r"lm://[\w.-]+:65432", lmcache["LMCACHE_REMOTE_URL"]), c.where
-        assert c.env["PYTHONHASHSEED"] == "0", c.where
-        assert "--enable-prompt-tokens-details" in c.argv, c.where
-        kv = json.loads(flag_value(c.argv, "--kv-transfer-config") or "{}")
         assert kv == {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}, c.where
+    # compose's gpu profile and overlays/gpu on LMCache's, overlays/gpu-ctxcache on ours
+    assert sorted(connectors) == [
+        "CtxcacheConnector",
+        "LMCacheConnectorV1",
+        "LMCacheConnectorV1",
+    ], connectors
 
 
 def test_lmcache_remote_url_reaches_the_sidecar_data_port() -> None:

@@ -1,5 +1,5 @@
 """Every vLLM the deployment files start can call tools: the GPU ones (compose's gpu profile,
-the gpu overlay) with --enable-auto-tool-choice and a parser of the served model's family,
+the gpu overlays) with --enable-auto-tool-choice and a parser of the served model's family,
 the CPU ones (`ctxcache vllm`) with the family's default (--tool-call-parser auto)."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from tests.deploy.manifests import (
     Container,
     compose_containers,
     flag_value,
+    from_vllm_image,
     k8s_containers,
     load_compose,
     render,
@@ -40,8 +41,9 @@ def vllm_parsers() -> set[str] | None:
 
 
 def test_the_gpu_vllms_parse_tool_calls_with_their_models_parser() -> None:
-    gpu = [c for c in containers() if "vllm/vllm-openai" in c.image]
+    gpu = [c for c in containers() if from_vllm_image(c)]
     assert {c.where.split("/")[0] for c in gpu} == {"compose", "StatefulSet"}
+    assert len(gpu) == 3  # compose's gpu profile, overlays gpu and gpu-ctxcache
     known = vllm_parsers()
     for c in gpu:
         assert "--enable-auto-tool-choice" in c.argv, c.where

@@ -33,6 +33,7 @@ from tests.deploy.manifests import (
     expand_k8s_vars,
     find,
     flag_value,
+    from_vllm_image,
     k8s_containers,
     load_compose,
     pod_spec,
@@ -45,7 +46,6 @@ FLAG = "--otlp-traces-endpoint"
 ENDPOINT = "http://otel-collector.monitoring:4318"
 FORMS = ("compose", *OVERLAYS)
 SERVICES = {"gateway", "manager", "sidecar", "worker", "vllm"}  # `ctxcache <command>`s
-VLLM_IMAGE = "vllm/vllm-openai"
 VLLM_ENTRYPOINT = ["vllm", "serve"]  # the image's own, where a form does not replace it
 
 # what must join a trace in each form: every ctxcache service and every vLLM
@@ -62,7 +62,10 @@ TRACED = {
     },
 }
 # where vLLM runs from its own image (the others run `ctxcache vllm`)
-PLAIN_VLLM = {"compose": {"compose/vllm"}, "gpu": {"StatefulSet/worker/worker"}}
+PLAIN_VLLM = {
+    "compose": {"compose/vllm"},
+    **{overlay: {"StatefulSet/worker/worker"} for overlay in ("gpu", "gpu-ctxcache")},
+}
 
 COMPOSE_VALUE = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?)-([^}]*))?\}")
 
@@ -89,7 +92,7 @@ def is_ours(c: Container) -> bool:
 
 
 def plain_vllm(c: Container) -> bool:
-    return VLLM_IMAGE in c.image
+    return from_vllm_image(c)
 
 
 def traced(c: Container) -> bool:
