@@ -167,6 +167,27 @@ def test_a_worker_whose_layout_probe_failed_reports_its_loads_failed_at_once(
     side.close()
 
 
+def test_a_step_whose_compute_event_cannot_be_recorded_loads_nothing_and_goes_on(
+    sidecar: Sidecar,  # noqa: F811
+    local_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A broken CUDA context fails the event: every load of that step is a miss."""
+    side = worker(sidecar, local_dir)
+    try:
+        ps = pieces("no-event")
+        store(side, ps)
+        monkeypatch.setattr(worker_mod, "compute_done", raising(RuntimeError("CUDA error")))
+        plan = [LoadSpec("x", 0, TOKENS, ps, DST), LoadSpec("y", 0, 32, ps[:1], [5, 6])]
+        side.load(StepPlan(loads=plan))
+        assert side.take_invalid() == set(DST) | {5, 6}
+        counts = side.counters.drain()
+        assert counts["load_errors"] == 2 and counts["load_failures"] == 2
+        assert sidecar.local is not None and sidecar.local.leases == 0  # nothing leased
+    finally:
+        side.close()
+
+
 # -- stores: never raise, the lease ends -----------------------------------------------------
 def test_a_shared_memory_store_that_raises_is_dropped_and_its_slots_go_back(
     sidecar: Sidecar,  # noqa: F811
