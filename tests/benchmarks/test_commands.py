@@ -99,6 +99,7 @@ def test_bench_manager(tmp_path: Path) -> None:
     assert "| redis-py GET (1 round trip) | 1 |" in table and "| 100% |" in table
 
 
+@pytest.mark.slow  # a benchmark's run end to end, 10-20 s: make test-slow (docs/testing.md)
 @pytest.mark.timeout(300)
 def test_bench_gateway_fake_backend_and_tiny_worker(tmp_path: Path, tiny_model: Path) -> None:
     """Our own load generator throughout (the fallback where wrk is not installed)."""
@@ -120,6 +121,7 @@ def test_bench_gateway_fake_backend_and_tiny_worker(tmp_path: Path, tiny_model: 
     assert "| fake: streaming chat, gateway | 3 | ours |" in table
 
 
+@pytest.mark.slow  # a benchmark's run end to end, 10-20 s: make test-slow (docs/testing.md)
 @pytest.mark.timeout(300)
 def test_bench_gateway_ab_two_checkouts_side_by_side(tmp_path: Path) -> None:
     """This checkout against itself: two gateways, one fake worker and one sidecar,
@@ -167,6 +169,7 @@ def test_bench_gateway_with_wrk(tmp_path: Path) -> None:
     assert by_case[("fake: streaming chat TTFT, gateway", 1)] == "ours"
 
 
+@pytest.mark.slow  # a benchmark's run end to end, 10-20 s: make test-slow (docs/testing.md)
 @pytest.mark.timeout(300)
 def test_bench_gateway_tracing_on_beside_off_and_the_floor(tmp_path: Path) -> None:
     """Also: the gateway started from a checkout named by --gateway-tree (this one), and

@@ -51,6 +51,7 @@ def run_load(out: Path, *args: str) -> dict[str, Any]:
     return row
 
 
+@pytest.mark.slow  # a benchmark's run end to end, 10-20 s: make test-slow (docs/testing.md)
 @pytest.mark.timeout(300)
 def test_load_fake_backend(tmp_path: Path) -> None:
     row = run_load(tmp_path, "--backend", "fake", "--sessions", "40", "--turns", "3")

@@ -15,6 +15,7 @@ import pytest
 from tests.utils import check_png
 
 
+@pytest.mark.slow  # a benchmark's run end to end, 10-20 s: make test-slow (docs/testing.md)
 @pytest.mark.timeout(300)
 def test_bench_sessions_quick(tmp_path: Path) -> None:
     argv = ["bench", "sessions", "--quick", "--no-progress", "--out", str(tmp_path)]

@@ -142,6 +142,7 @@ def _serve_restart(client: openai.OpenAI, data: Path, port: int, log: Path) -> N
         stop_serve(proc)
 
 
+@pytest.mark.slow  # whole-stack repeat of what make test checks piece by piece (docs/testing.md)
 def test_serve_with_redis_url_keeps_sessions_in_that_redis(
     tmp_path: Path, own_redis: RedisServer
 ) -> None:
@@ -166,6 +167,7 @@ def test_serve_with_redis_url_keeps_sessions_in_that_redis(
         stop_serve(proc, bundled_redis=False)
 
 
+@pytest.mark.slow  # whole-stack repeat of what make test checks piece by piece (docs/testing.md)
 def test_serve_with_a_manager_service_runs_the_sessions_through_it(tmp_path: Path) -> None:
     """`--manager-service`: the manager runs as its own process (as in compose and
     Kubernetes), the gateway reaches it over HTTP with a token of this stack's own, and a

@@ -191,7 +191,9 @@ def cached(http: httpx.Client, session_id: str, question: str) -> int:
 
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize(
-    "engine", ["builtin", pytest.param("vllm", marks=pytest.mark.slow)], ids=str
+    "engine",
+    [pytest.param(e, marks=pytest.mark.slow) for e in ("builtin", "vllm")],  # docs/testing.md
+    ids=str,
 )
 def test_killed_sidecar_engine_and_redis_are_restarted_and_no_turn_is_lost(
     tmp_path: Path, tiny_model: Path, engine: str

@@ -14,6 +14,7 @@ from tests.ctxcache.test_serve import descendants, start_serve, stop_serve
 KEY = "sk-serve-secret-key"
 
 
+@pytest.mark.slow  # a whole `ctxcache serve` for what gateway tests check: docs/testing.md
 @pytest.mark.timeout(300)
 def test_serve_passes_keys_and_limits_to_its_gateway(tmp_path: Path) -> None:
     port = free_port()

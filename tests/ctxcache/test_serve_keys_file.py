@@ -24,6 +24,7 @@ def write(path: Path, doc: dict[str, str]) -> None:
     os.replace(tmp, path)
 
 
+@pytest.mark.slow  # a whole `ctxcache serve` for what gateway tests check: docs/testing.md
 @pytest.mark.timeout(300)
 def test_serve_passes_the_keys_file_and_a_sighup_reloads_it(tmp_path: Path) -> None:
     keys = tmp_path / "keys.json"

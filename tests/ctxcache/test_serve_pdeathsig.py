@@ -97,7 +97,9 @@ def second_serve(data: Path, model: Path) -> tuple[int, str]:
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(
-    "engine", ["builtin", pytest.param("vllm", marks=pytest.mark.slow)], ids=str
+    "engine",
+    [pytest.param(e, marks=pytest.mark.slow) for e in ("builtin", "vllm")],  # docs/testing.md
+    ids=str,
 )
 def test_one_serve_per_data_dir_and_kill_9_of_it_kills_every_process_it_started(
     tmp_path: Path, tiny_model: Path, engine: str

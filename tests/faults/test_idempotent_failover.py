@@ -196,6 +196,7 @@ async def test_a_single_redis_killed_between_write_and_reply(
         redis.stop()
 
 
+@pytest.mark.slow  # the single-Redis variant runs in make test (docs/testing.md)
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
 async def test_a_cluster_master_killed_between_write_and_reply(
     fstack: FaultStack,
@@ -213,6 +214,7 @@ async def test_a_cluster_master_killed_between_write_and_reply(
     cluster.wait_ok()
 
 
+@pytest.mark.slow  # the single-Redis variant runs in make test (docs/testing.md)
 async def test_a_sentinel_master_killed_between_write_and_reply(
     fstack: FaultStack, sentinel: RedisSentinelServers, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -203,7 +203,7 @@ def test_session_busy_while_a_turn_streams(stack: Stack) -> None:
             json={
                 "model": "tiny",
                 "prompt": " go",
-                "max_tokens": 3000,
+                "max_tokens": 1000,  # seconds: the refusals below take well under one
                 "stream": True,
                 "session_id": sid,
                 "ignore_eos": True,

@@ -22,7 +22,7 @@ from pydantic import ValidationError
 from gateway.auth import KeyRing
 from gateway.limits import KeyPolicy, load_keys_file
 from gateway.settings import GatewaySettings
-from tests.utils import ServiceProcess, run_cli
+from tests.utils import ServiceProcess, run_clis
 
 SECRET = "sk-file-SECRET-0001"  # in every bad file: no message may repeat it
 
@@ -147,24 +147,31 @@ async def test_a_ring_reload_keeps_its_keys_when_the_file_is_bad(tmp_path: Path)
 
 def test_gateway_and_serve_refuse_to_start_on_a_bad_file(tmp_path: Path) -> None:
     cases = bad_files(tmp_path)
+    calls: list[tuple[list[str], dict[str, str], str]] = []
     for name in ("missing", "truncated", "a key twice", "no key"):
         path, reason = cases[name]
         for argv, env in (
             (["gateway", "--api-keys-file", str(path)], {}),
             (["gateway"], {"CTX_GATEWAY_API_KEYS_FILE": str(path)}),
-            (["serve", "--api-keys-file", str(path), "--data-dir", str(tmp_path / "d")], {}),
+            (["serve", "--api-keys-file", str(path), "--data-dir", str(tmp_path / name)], {}),
         ):
-            done = run_cli(*argv, "--port", "1", env=env)
-            assert done.returncode == 1 and reason in done.stderr, (name, argv, done.stderr)
-            assert "SECRET" not in done.stderr + done.stdout
+            calls.append(([*argv, "--port", "1"], env, reason))
     good = write(tmp_path / "keys.json", json.dumps({SECRET: "acme"}))
-    done = run_cli("serve", "--api-keys-file", str(good), "--api-key", f"{SECRET}=acme")
-    assert done.returncode == 1 and "give the keys one way" in done.stderr
-    done = run_cli(
-        "gateway", "--api-keys-file", str(good), env={"CTX_GATEWAY_API_KEYS": '{"sk-b": "b"}'}
+    calls.append(
+        (["serve", "--api-keys-file", str(good), "--api-key", f"{SECRET}=acme"], {}, "one way")
     )
-    assert done.returncode == 1 and "give them one way" in done.stderr
-    assert "SECRET" not in done.stderr
+    calls.append(
+        (
+            ["gateway", "--api-keys-file", str(good)],
+            {"CTX_GATEWAY_API_KEYS": '{"sk-b": "b"}'},
+            "give them one way",
+        )
+    )
+    done_all = run_clis([(argv, env) for argv, env, _ in calls])
+    for done, (argv, _, reason) in zip(done_all, calls, strict=True):
+        assert done.returncode == 1 and reason in done.stderr, (argv, done.stderr)
+        assert "SECRET" not in done.stderr + done.stdout
+    assert "give the keys one way" in done_all[-2].stderr
 
 
 def until(check: Callable[[], bool], what: str, timeout_s: float = 15.0) -> None:

@@ -16,7 +16,7 @@ from gateway.auth import KeyRing
 from gateway.limits import KeyPolicy, key_id, parse_key_spec, parse_key_specs
 from gateway.ratelimit import duration, estimate_tokens, rate_headers, refusal, too_large
 from gateway.settings import GatewaySettings
-from tests.utils import run_cli
+from tests.utils import run_clis
 
 
 @pytest.mark.parametrize(
@@ -228,20 +228,24 @@ def test_messages_are_estimated_from_their_json() -> None:
 
 @pytest.mark.parametrize("command", ["gateway", "serve"])
 def test_a_bad_api_key_stops_the_command_at_once(command: str) -> None:
-    for spec, reason in (
+    cases = (
         ("sk-secret=acme:rpm=0", "from 1 to"),
         ("sk-secret=acme:burst=5", "unknown option"),
         ("sk-secret", "no '=' found"),
-    ):
-        done = run_cli(command, "--api-key", spec, "--port", "1")
+    )
+    *refused, twice = run_clis(
+        [((command, "--api-key", spec, "--port", "1"), None) for spec, _ in cases]
+        + [((command, "--api-key", "sk-secret=a", "--api-key", "sk-secret=b"), None)]
+    )
+    for done, (_, reason) in zip(refused, cases, strict=True):
         assert done.returncode == 2, done.stderr
         assert "--api-key" in done.stderr and reason in done.stderr
-    done = run_cli(command, "--api-key", "sk-secret=a", "--api-key", "sk-secret=b")
-    assert done.returncode != 0 and "given twice" in done.stderr
-    assert "sk-secret" not in done.stderr
+    assert twice.returncode != 0 and "given twice" in twice.stderr
+    assert "sk-secret" not in twice.stderr
 
 
 def test_bad_gateway_settings_in_the_environment_stop_it_without_the_key() -> None:
+    envs: list[tuple[dict[str, str], str]] = []
     for value, reason in (
         ('{"sk-secret": "acme:rpm=-1"}', "from 1 to"),
         ('{"sk-secret": {"tenant": "acme", "rpm": 0}}', "from 1 to"),
@@ -255,11 +259,13 @@ def test_bad_gateway_settings_in_the_environment_stop_it_without_the_key() -> No
         ('["sk-secret"]', "expected a JSON object"),
         ('{"sk-secret": ', "not valid JSON"),
     ):
-        done = run_cli("gateway", env={"CTX_GATEWAY_API_KEYS": value})
+        envs.append(({"CTX_GATEWAY_API_KEYS": value}, reason))
+    envs.append(
+        ({"CTX_GATEWAY_RATE_LIMIT_ON_STORE_ERROR": "sometimes"}, "rate_limit_on_store_error")
+    )
+    for done, (_, reason) in zip(run_clis([(("gateway",), e) for e, _ in envs]), envs, strict=True):
         assert done.returncode == 1 and reason in done.stderr, done.stderr
         assert "sk-secret" not in done.stderr
-    done = run_cli("gateway", env={"CTX_GATEWAY_RATE_LIMIT_ON_STORE_ERROR": "sometimes"})
-    assert done.returncode == 1 and "rate_limit_on_store_error" in done.stderr
 
 
 def test_a_replayed_answer_is_charged_no_tokens() -> None:

@@ -92,7 +92,15 @@ async def burst_sdk(urls: list[str], key: str) -> list[int]:
     return [c.usage.total_tokens for c in done if c.usage is not None]
 
 
-@pytest.mark.parametrize(("key", "limit"), [("k-rpm", "requests"), ("k-tpm", "tokens")])
+@pytest.mark.parametrize(
+    ("key", "limit"),
+    [
+        ("k-rpm", "requests"),
+        # two 10 s windows; tpm's reservations and refunds are also tested in
+        # test_tpm_charges(_e2e).py: make test-slow (docs/testing.md)
+        pytest.param("k-tpm", "tokens", marks=pytest.mark.slow),
+    ],
+)
 async def test_sdk_burst_on_two_replicas(replicas: Replicas, key: str, limit: str) -> None:
     answers = await burst_raw(replicas, key)
     ok = [r for r in answers if r.status_code == 200]

@@ -51,7 +51,7 @@ def test_a_turn_longer_than_the_lock_ttl_keeps_its_lock(
             "model": "tiny",
             "session_id": sid,
             "prompt": " there was",
-            "max_tokens": 3500,
+            "max_tokens": 1200,  # a few seconds: several lock TTLs
             "ignore_eos": True,
         }
         answer: list[httpx.Response] = []
