@@ -177,7 +177,8 @@ def test_a_retry_while_the_first_attempt_runs_is_request_in_progress(stack: Stac
     with stack.client() as http:
         sid = chat_session(http)
         key = new_key()
-        body = turn_body(sid, "Tell a long story.", max_tokens=3000, ignore_eos=True)
+        # a few seconds: the second attempt and a third key come 0.3 s in
+        body = turn_body(sid, "Tell a long story.", max_tokens=1000, ignore_eos=True)
         answers: list[httpx.Response] = []
 
         def run() -> None:

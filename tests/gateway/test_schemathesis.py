@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
+import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, settings
 from schemathesis.checks import not_a_server_error
@@ -67,6 +68,7 @@ def steer(body: Any) -> None:
         body[limit] = MAX_GENERATED
 
 
+@pytest.mark.slow  # fuzzing, 12-25 s: make test-slow; test_hostile.py's cases stay
 @schema.parametrize()
 @settings(
     max_examples=40,

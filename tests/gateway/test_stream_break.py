@@ -140,6 +140,7 @@ def test_a_relayed_stream_cut_mid_stream_ends_with_an_error_event(
     assert_ends_with_the_error(raw_events(http, doomed_worker[0], None))
 
 
+@pytest.mark.slow  # a worker of its own; the raw relayed case and the SDK's session case stay
 def test_the_sdk_raises_a_relayed_stream_cut_mid_stream(
     doomed_worker: tuple[ServiceProcess, ServiceProcess], sdk: SDK
 ) -> None:

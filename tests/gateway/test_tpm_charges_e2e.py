@@ -165,8 +165,8 @@ def test_the_budget_is_what_the_engine_did(
             headers={"authorization": f"Bearer {KEY}"},
         ).json()["session_id"]
         charged_as_engine("create")
-        deleter = threading.Timer(
-            1.0,
+        deleter = threading.Timer(  # a second or more before the turn's 800 tokens end
+            0.5,
             lambda sid=sid: httpx.delete(
                 f"{stack.gateways[1]}/v1/context/{sid}",
                 headers={"authorization": f"Bearer {KEY}"},
@@ -178,11 +178,11 @@ def test_the_budget_is_what_the_engine_did(
         with pytest.raises(openai.APIError) as failed:
             if streamed:
                 for _ in a.chat.completions.create(
-                    **turn, max_tokens=1500, stream=True, extra_body=body
+                    **turn, max_tokens=800, stream=True, extra_body=body
                 ):
                     pass
             else:
-                a.chat.completions.create(**turn, max_tokens=1500, extra_body=body)
+                a.chat.completions.create(**turn, max_tokens=800, extra_body=body)
         deleter.join()
         assert "session_not_found" in str(failed.value.body or failed.value.message)
         charged_as_engine("deleted mid-turn")
