@@ -11,6 +11,14 @@ host-to-device copy for loads, device-to-host for stores), the store, the load, 
 tcp the GETs alone. Ratios are paired per round (the same round's copy), medians over the
 rounds. The sidecar runs in its own process, as it does beside an engine. Every load is
 checked once against the blocks it was stored from.
+
+On CUDA each shm row also reports (`--block-tokens 16,128` by default: each kernel block
+size is a case of its own): the copies' GPU time from CUDA events (the copier's ring
+records timing events; from just before the copies are issued to the handle's event) ÷ the
+GPU time of a pinned host<->device copy of the same bytes, the wall time split into lease
+(or alloc), copies and release (or commit), and the peak device memory a load or store
+took beyond what was allocated before it (`torch.cuda.max_memory_allocated`), beside the
+ring's size (`device_bytes`): a bounded copier keeps the first within the second.
 """
 
 from __future__ import annotations
@@ -67,9 +75,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--tokens", type=int, default=None, help="tokens per case (default: per shape)")
     a(
         "--block-tokens",
-        type=int,
         default=None,
-        help="tokens per kernel block (default: 128 on cpu as vLLM's CPU backend, 16 on cuda)",
+        help="tokens per kernel block, a comma list: each is a case (default: 128 on cpu as "
+        "vLLM's CPU backend; 16,128 on cuda)",
     )
     a(
         "--engine",
@@ -99,7 +107,7 @@ def main(args: argparse.Namespace) -> int:
     paths = [p for p in args.paths.split(",") if p]
     dtype = getattr(torch, args.dtype)
     device = torch.device(args.device)
-    block_tokens = args.block_tokens or (16 if device.type == "cuda" else 128)
+    sizes = block_sizes(args.block_tokens, device)
     meta = run_meta(
         "kvpath",
         shapes=[s.name for s in shapes],
@@ -108,23 +116,35 @@ def main(args: argparse.Namespace) -> int:
         device=args.device,
         device_name=torch.cuda.get_device_name() if device.type == "cuda" else None,
         rounds=args.rounds,
-        block_tokens=block_tokens,
+        block_tokens=sizes[0] if len(sizes) == 1 else sizes,
         chunk_tokens=CHUNK,
     )
     rows: list[dict[str, Any]] = []
     with start_sidecar(max(_case_bytes(s, args.tokens, dtype) for s in shapes)) as (url, local):
-        bar = tqdm(total=len(shapes) * len(paths) * args.rounds, desc="kvpath", unit="round")
+        total = len(shapes) * len(sizes) * len(paths) * args.rounds
+        bar = tqdm(total=total, desc="kvpath", unit="round")
         for shape in shapes:
             tokens = args.tokens or shape.tokens
-            for path in paths:
-                rows += run_case(
-                    shape, tokens, path, dtype, device, block_tokens, args.rounds, url, local, bar
-                )
+            for n in sizes:
+                for path in paths:
+                    rows += run_case(
+                        shape, tokens, path, dtype, device, n, args.rounds, url, local, bar
+                    )
         bar.close()
     data = {"meta": meta, "results": rows}
     write_outputs(Path(args.out), "kvpath", data, markdown(rows, meta))
     plot(rows, plot_path(args, "kvpath"), meta)
     return 0
+
+
+def block_sizes(arg: str | None, device: torch.device) -> list[int]:
+    """`--block-tokens` as a list (the default per device: see its help)."""
+    if arg is None:
+        return [16, 128] if device.type == "cuda" else [128]
+    sizes = [int(v) for v in arg.split(",") if v.strip()]
+    if not sizes or min(sizes) <= 0:
+        raise SystemExit(f"--block-tokens {arg!r}: positive integers, comma-separated")
+    return sizes
 
 
 def _case_bytes(shape: Shape, tokens: int | None, dtype: torch.dtype) -> int:
@@ -273,6 +293,8 @@ def run_case(
     samples: dict[str, list[float]] = {
         k: [] for k in ("copy_load", "copy_store", "store", "load", "get")
     }
+    # (CUDA, shm: the path whose copies go through the copier's ring)
+    probe = CudaProbe(side, nbytes, device) if device.type == "cuda" and path == "shm" else None
     try:
         for r in range(rounds):
             pieces = [
@@ -281,12 +303,20 @@ def run_case(
             ]
             samples["copy_store"].append(timed(copy_store, device))
             store = StepPlan(stores=[StoreSpec(f"s{r}", "bench", pieces, src_ids)])
+            if probe is not None:
+                probe.start()
             samples["store"].append(timed(partial(_store, side, store), device))
+            if probe is not None:
+                probe.stop("store")
             samples["copy_load"].append(timed(copy_load, device))
             for cache, lay in zip(side.caches, side.layouts, strict=True):
                 lay.blocks_view(cache)[dst_ids] = 0  # whatever was there must not help
             load = StepPlan(loads=[LoadSpec(f"l{r}", 0, tokens, pieces, dst_ids)])
+            if probe is not None:
+                probe.start()
             samples["load"].append(timed(partial(side.load, load), device))
+            if probe is not None:
+                probe.stop("load")
             invalid = side.take_invalid()
             assert not invalid, f"{path}: blocks failed to load: {sorted(invalid)}"
             if r == 0:
@@ -298,7 +328,127 @@ def run_case(
         counters = side.counters.drain()
     finally:
         side.close()
-    return rows_of(shape, tokens, path, layout, nbytes, samples, counters)
+    rows = rows_of(shape, tokens, path, layout, nbytes, samples, counters)
+    for row in rows:
+        row["block_tokens"] = n
+        if probe is not None and row["op"] in probe.samples:
+            row.update(probe.summary(row["op"]))
+    return rows
+
+
+# the local client's round trips, as the phase of a load or store they are
+_PHASES = {"lease": "lease", "alloc": "lease", "release": "release", "commit": "release"}
+
+
+class CudaProbe:
+    """(CUDA) What a load or store costs beyond its wall time: the copies' GPU time from
+    events, the wall time of the sidecar's round trips (wrapped methods of the worker's
+    local client; the copies are the rest), and peak device memory. Measured against a
+    pinned host<->device copy's GPU time, in the same run."""
+
+    def __init__(self, side: WorkerSide, nbytes: int, device: torch.device) -> None:
+        import torch
+
+        self.side, self.device = side, device
+        self.samples: dict[str, list[dict[str, float]]] = {}
+        self.ring_bytes = side.copier.device_bytes if side.copier is not None else 0
+        self._round: dict[str, float] = {}
+        self._gpu: list[tuple[Any, Any]] = []
+        copier = side.copier
+        if copier is not None and copier.ring is not None:
+            copier.ring.timing = True
+            for name in ("write_many", "read_many"):
+                setattr(copier, name, self._timed_copies(getattr(copier, name)))
+        if side.local is not None:
+            for name in _PHASES:
+                setattr(side.local, name, self._timed_phase(name, getattr(side.local, name)))
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self.copy_gpu = {
+            "load": self._gpu_time(lambda: dev.copy_(host, non_blocking=True)),
+            "store": self._gpu_time(lambda: host.copy_(dev, non_blocking=True)),
+        }
+
+    def _gpu_time(self, fn: Callable[[], object]) -> float:
+        """The median GPU time of `fn` over 5 runs, from events on the current stream."""
+        import torch
+
+        times = []
+        for _ in range(5):
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        return statistics.median(times)
+
+    def _timed_copies(self, copy: Callable[..., Any]) -> Callable[..., Any]:
+        import torch
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            handle = copy(*args, **kwargs)
+            if handle is not None and handle.event is not None:
+                self._gpu.append((start, handle.event))
+            return handle
+
+        return run
+
+    def _timed_phase(self, name: str, call: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                phase = _PHASES[name]
+                self._round[phase] = self._round.get(phase, 0.0) + time.perf_counter() - t0
+
+        return run
+
+    def start(self) -> None:
+        import torch
+
+        torch.cuda.synchronize(self.device)
+        self._round, self._gpu = {"t0": time.perf_counter()}, []
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._base = torch.cuda.memory_allocated(self.device)
+
+    def stop(self, op: str) -> None:
+        import torch
+
+        torch.cuda.synchronize(self.device)
+        wall = time.perf_counter() - self._round.pop("t0")
+        lease, release = self._round.get("lease", 0.0), self._round.get("release", 0.0)
+        self.samples.setdefault(op, []).append(
+            {
+                "gpu": sum(a.elapsed_time(b) for a, b in self._gpu) / 1e3,
+                "lease": lease,
+                "release": release,
+                "copies": wall - lease - release,
+                "peak": torch.cuda.max_memory_allocated(self.device) - self._base,
+            }
+        )
+
+    def summary(self, op: str) -> dict[str, Any]:
+        """Medians over the rounds (peak memory: the largest)."""
+        got = self.samples[op]
+
+        def med(key: str) -> float:
+            return statistics.median(s[key] for s in got)
+
+        gpu = med("gpu")
+        return {
+            "gpu_seconds": gpu,
+            "gpu_copy_seconds": self.copy_gpu[op],
+            "gpu_vs_copy": self.copy_gpu[op] / gpu if gpu > 0 else None,
+            "lease_seconds": med("lease"),
+            "copies_seconds": med("copies"),
+            "release_seconds": med("release"),
+            "peak_device_bytes": max(s["peak"] for s in got),
+            "ring_bytes": self.ring_bytes,
+        }
 
 
 def _store(side: WorkerSide, plan: Any) -> None:
@@ -422,13 +572,67 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         ]
         for r in rows
     ]
+    if isinstance(meta["block_tokens"], list):  # several kernel block sizes: a column
+        head.insert(1, "N")
+        for line, r in zip(body, rows, strict=True):
+            line.insert(1, r.get("block_tokens", ""))
     layouts = sorted({r["layout"] for r in rows})
+    block_tokens = meta["block_tokens"]
+    if isinstance(block_tokens, list):
+        block_tokens = ",".join(map(str, block_tokens))
     return (
         markdown_table(head, body)
-        + f"\n\nCache layout: {', '.join(layouts)}; {meta['block_tokens']}-token kernel blocks, "
+        + f"\n\nCache layout: {', '.join(layouts)}; {block_tokens}-token kernel blocks, "
         f"{meta['chunk_tokens']}-token chunks, {meta['dtype']}, device {meta['device']}"
         + (f" ({meta['device_name']})" if meta.get("device_name") else "")
         + f"; medians of {meta['rounds']} rounds, ratios paired per round.\n"
+        + cuda_markdown(rows)
+    )
+
+
+def cuda_markdown(rows: list[dict[str, Any]]) -> str:
+    """(CUDA) The copies' GPU time against a pinned copy's, the wall time's parts, and peak
+    device memory beside the ring's size; empty where no row has them (CPU)."""
+    from benchmarks.util import markdown_table
+
+    cuda = [r for r in rows if "gpu_seconds" in r]
+    if not cuda:
+        return ""
+    head = [
+        "KV shape",
+        "N",
+        "path",
+        "op",
+        "GPU ms (events)",
+        "pinned copy GPU ms",
+        "copy ÷ GPU time",
+        "lease ms",
+        "copies ms",
+        "release ms",
+        "peak device MiB",
+        "ring MiB",
+    ]
+    body = [
+        [
+            r["shape"],
+            r["block_tokens"],
+            r["path"],
+            r["op"],
+            r["gpu_seconds"] * 1e3,
+            r["gpu_copy_seconds"] * 1e3,
+            f"{r['gpu_vs_copy']:.3f}" if r["gpu_vs_copy"] else "",
+            r["lease_seconds"] * 1e3,
+            r["copies_seconds"] * 1e3,
+            r["release_seconds"] * 1e3,
+            r["peak_device_bytes"] / 2**20,
+            r["ring_bytes"] / 2**20,
+        ]
+        for r in cuda
+    ]
+    return (
+        "\n**On the GPU** (lease = `lease` or `alloc`, release = `release` or `commit`: the "
+        "sidecar's round trips; copies = the rest of the wall time; peak device memory "
+        "beyond what was allocated before the operation):\n\n" + markdown_table(head, body) + "\n"
     )
 
 

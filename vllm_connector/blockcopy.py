@@ -13,10 +13,13 @@ made once (`unbind` of each layer's blocks), the payload's with one `unbind` per
 a block costs a dispatch and its copy (torch's vectorized copy, over its threads), not the
 ~10 us of slicing two tensors per block, nor `index_copy_`'s element loop (~0.5x a copy),
 nor a `memmove` (glibc's `rep movsb` ran at half torch's speed from memory on this CPU).
-On CUDA the only kernels
-are those row copies inside the device; host <-> device moves are one DMA copy each between
-the (pinned, see `register_host`) host payload and a device staging tensor, all on a side
-stream so the engine's stream keeps running; `wait()` joins them. A block only partly
+On CUDA every copy goes through a bounded ring (`vllm_connector.ring`): a few fixed device
+slots allocated with the copier (`device_bytes`), filled by DMA from the (pinned, see
+`register_host`) host payload and scattered into every layer's blocks by one kernel per
+fill, on side streams; a load never stages its own size on the device. `write_many` and
+`read_many` touch the caches only after an `after` event (the worker records it on vLLM's
+compute stream; None: after the calling thread's current stream) and return a `Copies`
+handle (`done()`, `wait()`, `event`); `wait()` joins everything issued. A block only partly
 inside a write's token range is merged through a mask of its tokens' elements.
 
 torch only: this runs where vLLM is absent.
@@ -30,10 +33,19 @@ import logging
 import math
 import os
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from vllm_connector.layout import BlockLayout, TokenSlots, gather, scatter, to_blocks
+from vllm_connector.ring import (
+    DEFAULT_SLOT_BYTES,
+    DEFAULT_SLOTS,
+    Copies,
+    Piece,
+    Ring,
+    merge_row,
+)
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +73,21 @@ class BlockCopier:
 
     `block_ids` are kernel block ids (`kernel_blocks` turns scheduler blocks into them):
     `block_ids[i]` is where the piece's payload block `i` lives in every layer's cache.
+    `ring_slots` x `slot_bytes` is the ring's size (grown to one block of every layer if
+    smaller) and `kernel` its scatter ("auto": Triton on CUDA where it imports, else torch's
+    `index_copy_`); they matter where the ring runs: on CUDA, or anywhere with `use_ring`.
     """
 
-    def __init__(self, caches: list[torch.Tensor], layouts: list[BlockLayout]) -> None:
+    def __init__(
+        self,
+        caches: list[torch.Tensor],
+        layouts: list[BlockLayout],
+        *,
+        ring_slots: int = DEFAULT_SLOTS,
+        slot_bytes: int = DEFAULT_SLOT_BYTES,
+        kernel: str = "auto",
+        use_ring: bool | None = None,
+    ) -> None:
         if not caches or len(caches) != len(layouts):
             raise ValueError(f"{len(caches)} caches for {len(layouts)} layouts")
         first = layouts[0]
@@ -88,139 +112,100 @@ class BlockCopier:
         )
         self._blocks = self._rows[0].shape[0]
         self._token_of = _token_maps(layouts)
-        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self._pending: list[torch.Tensor] = []  # what in-flight CUDA copies read or write
+        # (CUDA) the bounded ring every copy goes through, allocated once; `use_ring` forces
+        # it on or off (tests run it on CPU, where the row copies above are faster)
+        self._ring = (
+            Ring(
+                self._rows,
+                self._token_of,
+                self.tokens,
+                slots=ring_slots,
+                slot_bytes=slot_bytes,
+                kernel=kernel,
+            )
+            if (self.device.type == "cuda" if use_ring is None else use_ring)
+            else None
+        )
+        if self._ring is not None:
+            log.info(
+                "ctxcache copier: a ring of %d x %d bytes on %s (%s kernel)",
+                len(self._ring.slots),
+                self._ring.slot_bytes,
+                self.device,
+                self._ring.kernel,
+            )
+        self._pending: list[Copies] = []  # copies in flight, for `wait()`
 
     def nbytes(self, tokens: int) -> int:
         """Bytes of the paged payload of a piece of `tokens` tokens."""
         return math.ceil(tokens / self.tokens) * self.block_bytes
 
-    def read(self, block_ids: Sequence[int], out: torch.Tensor) -> None:
+    def read(self, block_ids: Sequence[int], out: torch.Tensor) -> Copies:
         """Engine -> payload: blocks `block_ids` of every layer into `out` (host, uint8).
-        On CUDA the copy is only issued: `out` is complete after `wait()`."""
-        if self._stream is None:
-            self._host_read_many([(block_ids, out)])
-            return
-        payload = self._payload(out, len(block_ids))
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._stream):
-            staged = torch.empty(payload.shape, dtype=self.dtype, device=self.device)
-            self._get_rows(block_ids, staged)
-            payload.copy_(staged, non_blocking=True)
-        self._pending += [staged, out]
+        On CUDA the copy is only issued: `out` is complete once the handle (or `wait()`)
+        says so."""
+        return self.read_many([(block_ids, out)])
 
-    def write(self, block_ids: Sequence[int], src: torch.Tensor, lo: int, hi: int) -> None:
+    def write(self, block_ids: Sequence[int], src: torch.Tensor, lo: int, hi: int) -> Copies:
         """Payload -> engine: tokens `[lo, hi)` of the piece in `src` (host, uint8) into its
         blocks `block_ids`. Whole blocks are row copies; a block only partly inside
         `[lo, hi)` is merged element-wise, so its other tokens keep their values.
-        On CUDA the copy is only issued: it is in the cache after `wait()`, and `src` must
-        not change before then."""
-        if self._stream is None:
-            self._host_write_many([(block_ids, src, lo, hi)])
-            return
-        payload = self._payload(src, len(block_ids))
-        n = self.tokens
-        if not 0 <= lo <= hi <= len(block_ids) * n:
-            raise ValueError(f"tokens [{lo}, {hi}) are not inside {len(block_ids)} blocks")
-        if lo == hi:
-            return
-        first, end = lo // n, -(-hi // n)  # the payload rows [first, end) that are touched
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._stream):
-            staged = torch.empty(
-                (len(self.caches), end - first, self.elems), dtype=self.dtype, device=self.device
-            )
-            if end - first == len(block_ids):
-                staged.copy_(payload, non_blocking=True)
-            else:
-                for layer in range(len(self.caches)):
-                    staged[layer].copy_(payload[layer, first:end], non_blocking=True)
-            self._write_rows(staged, first, block_ids, lo, hi)
-        self._pending += [staged, src]
+        On CUDA the copy is only issued: it is in the cache once the handle (or `wait()`)
+        says so, and `src` must not change before then."""
+        return self.write_many([(block_ids, src, lo, hi)])
 
-    def write_many(self, items: Sequence[tuple[Sequence[int], torch.Tensor, int, int]]) -> None:
+    def write_many(
+        self, items: Sequence[tuple[Sequence[int], torch.Tensor, int, int]], after: Any = None
+    ) -> Copies:
         """`write` of several pieces `(block_ids, src, lo, hi)`, e.g. every block of a load.
-        On CUDA their whole blocks go in with one index kernel per layer (not one per piece
-        and layer), each piece's payload in one DMA copy, and no host sync on the way."""
-        if self._stream is None:
+        On CUDA through the ring (`vllm_connector.ring`): the caches are touched only after
+        `after` (an event; None: after the calling thread's current stream), and the
+        returned handle's event follows the last copy. On CPU the copies are done on return."""
+        if self._ring is None:
             self._host_write_many(items)
-            return
-        if len(items) < 2:
-            for ids, src, lo, hi in items:
-                self.write(ids, src, lo, hi)
-            return
-        n = self.tokens
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._stream):
-            staged, dst, edges, at = [], [], [], 0
-            for ids, src, lo, hi in items:
-                payload = self._payload(src, len(ids))
-                if not 0 <= lo < hi <= len(ids) * n:
-                    raise ValueError(f"tokens [{lo}, {hi}) are not inside {len(ids)} blocks")
-                first, end = lo // n, -(-hi // n)
-                part = torch.empty(
-                    (len(self.caches), end - first, self.elems),
-                    dtype=self.dtype,
-                    device=self.device,
-                )
-                part.copy_(payload[:, first:end], non_blocking=True)
-                staged.append(part)
-                for i in range(first, end):
-                    if lo <= i * n and (i + 1) * n <= hi:
-                        dst.append((ids[i], at + i - first))
-                    else:
-                        edges.append((ids, i, lo, hi, at + i - first))
-                at += end - first
-            rows = torch.cat(staged, dim=1) if len(staged) > 1 else staged[0]
-            if dst:
-                blocks = self._device_index([b for b, _ in dst])
-                whole = rows
-                if len(dst) != rows.shape[1]:
-                    whole = rows.index_select(1, self._device_index([r for _, r in dst]))
-                for layer, cache_rows in enumerate(self._rows):
-                    cache_rows.index_copy_(0, blocks, whole[layer])
-            for ids, i, lo, hi, r in edges:
-                self._merge_row(rows[:, r], ids[i], max(lo - i * n, 0), min(hi - i * n, n))
-        self._pending += [rows, *(src for _, src, _, _ in items)]
+            return Copies(None)
+        bufs = [src for _, src, _, _ in items]
+        for ids, src, _, _ in items:
+            self._payload_bytes(src, len(ids))
+        pieces = [Piece(ids, lo, hi, k) for k, (ids, _, lo, hi) in enumerate(items)]
+        return self._track(self._ring.write(pieces, bufs, after))
 
-    def read_many(self, items: Sequence[tuple[Sequence[int], torch.Tensor]]) -> None:
-        """`read` of several pieces `(block_ids, out)`: on CUDA one index kernel per layer
-        for all of them, then each piece's DMA copy out."""
-        if self._stream is None:
+    def read_many(
+        self, items: Sequence[tuple[Sequence[int], torch.Tensor]], after: Any = None
+    ) -> Copies:
+        """`read` of several pieces `(block_ids, out)`: on CUDA through the ring, ordered
+        after `after` as `write_many` is; the handle says when every `out` is complete."""
+        if self._ring is None:
             self._host_read_many(items)
-            return
-        if len(items) < 2:
-            for ids, out in items:
-                self.read(ids, out)
-            return
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._stream):
-            index = self._device_index([b for ids, _ in items for b in ids])
-            staged = torch.empty(
-                (len(self.caches), index.numel(), self.elems), dtype=self.dtype, device=self.device
-            )
-            for layer, rows in enumerate(self._rows):
-                torch.index_select(rows, 0, index, out=staged[layer])
-            at = 0
-            for ids, out in items:
-                payload = self._payload(out, len(ids))
-                payload.copy_(staged[:, at : at + len(ids)], non_blocking=True)
-                at += len(ids)
-        self._pending += [staged, *(out for _, out in items)]
+            return Copies(None)
+        bufs = [out for _, out in items]
+        for ids, out in items:
+            self._payload_bytes(out, len(ids))
+        n = self.tokens
+        pieces = [Piece(ids, 0, len(ids) * n, k) for k, (ids, _) in enumerate(items)]
+        return self._track(self._ring.read(pieces, bufs, after))
 
-    def _device_index(self, ids: Sequence[int]) -> torch.Tensor:
-        """`ids` as an int64 tensor on the caches' device, copied from pinned memory without
-        a host sync (a plain `torch.tensor(..., device=cuda)` waits for the stream)."""
-        host = torch.tensor(list(ids), dtype=torch.long).pin_memory()
-        self._pending.append(host)
-        return host.to(self.device, non_blocking=True)
+    def _track(self, copies: Copies) -> Copies:
+        """Remember `copies` for `wait()`, forgetting those that are done."""
+        self._pending = [c for c in self._pending if not c.done()]
+        self._pending.append(copies)
+        return copies
+
+    @property
+    def ring(self) -> Ring | None:
+        """The ring copies go through (CUDA, or `use_ring`); None for the host path."""
+        return self._ring
+
+    @property
+    def device_bytes(self) -> int:
+        """Device memory the copier holds for copies (CUDA: its ring; 0 on CPU)."""
+        return self._ring.device_bytes if self._ring is not None else 0
 
     def wait(self) -> None:
-        """Block until every copy issued so far is complete (CUDA: the side stream is
-        drained and the current stream ordered after it; CPU copies are synchronous)."""
-        if self._stream is not None:
-            self._stream.synchronize()
-            torch.cuda.current_stream(self.device).wait_stream(self._stream)
+        """Block until every copy issued so far is complete (CUDA: the ring's streams are
+        drained and the current stream ordered after them; CPU copies are synchronous)."""
+        if self._ring is not None:
+            self._ring.synchronize()
         self._pending.clear()
 
     def scatter_2ltd(self, slots: TokenSlots, kv: torch.Tensor) -> None:
@@ -238,7 +223,7 @@ class BlockCopier:
         wire = kv.transpose(2, 3)
         blocks = len(block_ids)
         if (
-            self._stream is not None
+            self.device.type != "cpu"
             or not wire.is_contiguous()
             or wire.shape[2] != blocks * self.tokens
             or kv.dtype != self.dtype
@@ -309,44 +294,9 @@ class BlockCopier:
             raise ValueError(f"block {block} is not in a cache of {self._blocks} blocks")
         return block
 
-    def _get_rows(self, ids: Sequence[int], out: torch.Tensor) -> None:
-        """(CUDA) Blocks `ids` of every layer into `out` (`[L, len(ids), elems]`)."""
-        index = self._device_index(ids)
-        for layer, rows in enumerate(self._rows):
-            torch.index_select(rows, 0, index, out=out[layer])
-
-    def _put_rows(self, ids: Sequence[int], src: torch.Tensor) -> None:
-        """(CUDA) `src` (`[L, len(ids), elems]`) into blocks `ids` of every layer."""
-        index = self._device_index(ids)
-        for layer, rows in enumerate(self._rows):
-            rows.index_copy_(0, index, src[layer])
-
-    def _write_rows(
-        self, rows: torch.Tensor, first: int, block_ids: Sequence[int], lo: int, hi: int
-    ) -> None:
-        """`rows` (`[L, k, elems]`: the payload's rows `first..`, on the caches' device) into
-        the caches: rows wholly inside tokens [lo, hi) as they are, the (at most two) others
-        merged through a mask of the elements of their tokens inside [lo, hi)."""
-        n = self.tokens
-        whole = range(-(-lo // n), hi // n)
-        if whole:
-            ids = [block_ids[i] for i in whole]
-            self._put_rows(ids, rows[:, whole.start - first : whole.stop - first])
-        for i in dict.fromkeys((first, first + rows.shape[1] - 1)):
-            if i not in whole:
-                self._merge_row(
-                    rows[:, i - first], block_ids[i], max(lo - i * n, 0), min(hi - i * n, n)
-                )
-
     def _merge_row(self, row: torch.Tensor, block: int, a: int, b: int) -> None:
-        """Tokens [a, b) of `row` (`[L, elems]`, one payload block of every layer) into
-        kernel block `block`, its other tokens untouched: through a mask of the elements of
-        those tokens."""
-        maps = {id(token): token for token in self._token_of}  # layers mostly share one
-        masks = {key: (token >= a) & (token < b) for key, token in maps.items()}
-        for layer, (dst, token) in enumerate(zip(self._rows, self._token_of, strict=True)):
-            cell = dst[block]
-            torch.where(masks[id(token)], row[layer], cell, out=cell)
+        """Tokens [a, b) of `row` (`[L, elems]`) into kernel block `block` (`ring.merge_row`)."""
+        merge_row(self._rows, self._token_of, row, block, a, b)
 
 
 def _token_maps(layouts: Sequence[BlockLayout]) -> list[torch.Tensor]:
@@ -379,10 +329,16 @@ def kernel_blocks(
     ]
 
 
+REGISTER_CHUNK_BYTES = 64 << 30
+"""The most bytes one `cudaHostRegister` call pins (vLLM registers large regions in
+chunks too: one call over a 72 GiB region fails on some drivers); tests shrink it."""
+
+
 def register_host(t: torch.Tensor) -> bool:
-    """Page-lock `t`'s memory (`cudaHostRegister`) so host <-> device copies of it are
-    asynchronous DMA. False (logged) without CUDA or when the driver refuses; a tensor that
-    is already pinned is left as it is (True)."""
+    """Page-lock `t`'s memory (`cudaHostRegister`, in chunks of `REGISTER_CHUNK_BYTES`) so
+    host <-> device copies of it are asynchronous DMA. False (logged) without CUDA or when
+    the driver refuses a chunk — then the chunks already registered are unregistered, and
+    `t` stays pageable; a tensor that is already pinned is left as it is (True)."""
     if not torch.cuda.is_available():
         log.info("no CUDA: host memory stays pageable")
         return False
@@ -391,25 +347,48 @@ def register_host(t: torch.Tensor) -> bool:
         return False
     if t.is_pinned():
         return True
-    nbytes = t.numel() * t.element_size()
-    err = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0))
-    if err:
-        _drain_cuda_error()
-        log.warning("cudaHostRegister of %d bytes failed (cudaError %d)", nbytes, err)
-        return False
+    cudart = torch.cuda.cudart()
+    done: list[int] = []
+    for ptr, nbytes in _chunks(t):
+        err = int(cudart.cudaHostRegister(ptr, nbytes, 0))
+        if err:
+            _drain_cuda_error()
+            log.warning(
+                "cudaHostRegister of %d bytes (chunk %d of %s) failed (cudaError %d)",
+                nbytes,
+                len(done),
+                t.numel() * t.element_size(),
+                err,
+            )
+            for registered in done:
+                if int(cudart.cudaHostUnregister(registered)):
+                    _drain_cuda_error()
+            return False
+        done.append(ptr)
     return True
 
 
 def unregister_host(t: torch.Tensor) -> bool:
-    """Undo `register_host` (`cudaHostUnregister`); False (logged) if it was not registered."""
+    """Undo `register_host` (`cudaHostUnregister` of each chunk); False (logged) if it was
+    not registered or a chunk could not be unregistered."""
     if not torch.cuda.is_available() or t.device.type != "cpu" or not t.is_pinned():
         return False
-    err = int(torch.cuda.cudart().cudaHostUnregister(t.data_ptr()))
-    if err:
-        _drain_cuda_error()
-        log.warning("cudaHostUnregister failed (cudaError %d)", err)
-        return False
-    return True
+    cudart = torch.cuda.cudart()
+    ok = True
+    for ptr, _ in _chunks(t):
+        err = int(cudart.cudaHostUnregister(ptr))
+        if err:
+            _drain_cuda_error()
+            log.warning("cudaHostUnregister failed (cudaError %d)", err)
+            ok = False
+    return ok
+
+
+def _chunks(t: torch.Tensor) -> list[tuple[int, int]]:
+    """`t`'s memory as `(address, bytes)` chunks of at most `REGISTER_CHUNK_BYTES`."""
+    base, total = t.data_ptr(), t.numel() * t.element_size()
+    step = REGISTER_CHUNK_BYTES
+    return [(base + at, min(step, total - at)) for at in range(0, total, step)]
 
 
 def _drain_cuda_error() -> None:
@@ -436,7 +415,9 @@ def _drain_cuda_error() -> None:
 
 
 __all__ = [
+    "REGISTER_CHUNK_BYTES",
     "BlockCopier",
+    "Copies",
     "kernel_blocks",
     "layout_tag",
     "register_host",

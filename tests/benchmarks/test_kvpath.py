@@ -32,6 +32,53 @@ def test_kvpath_times_both_paths_against_a_plain_copy(tmp_path: Path) -> None:
     shm = next(r for r in rows if (r["path"], r["op"]) == ("shm", "load"))
     assert shm["counters"]["load_bytes_shm"] > 0  # the shm rows went through shared memory
 
+    assert all(r["block_tokens"] == 128 for r in rows)  # CPU's default: vLLM's CPU backend
+    assert (
+        "gpu_seconds" not in shm
+        and "On the GPU" not in (tmp_path / "kvpath" / "kvpath.md").read_text()
+    )
+
+
+@pytest.mark.timeout(300)
+def test_kvpath_runs_each_kernel_block_size_as_a_case(tmp_path: Path) -> None:
+    """`--block-tokens 64,128`: every row twice, once per block size, named in a column."""
+    data = run_bench(
+        "kvpath",
+        tmp_path / "kvpath",
+        *("--shapes", "small", "--rounds", "1", "--tokens", "300", "--paths", "shm"),
+        *("--block-tokens", "64,128"),
+    )
+    rows = data["results"]
+    assert data["meta"]["block_tokens"] == [64, 128]
+    assert sorted((r["block_tokens"], r["op"]) for r in rows) == [
+        (64, "load"),
+        (64, "store"),
+        (128, "load"),
+        (128, "store"),
+    ]
+    assert all(r["vs_copy"] > 0 and r["counters"]["load_bytes_shm"] > 0 for r in rows)
+    table = (tmp_path / "kvpath" / "kvpath.md").read_text()
+    assert (
+        "| N |" in table.replace("KV shape | N", "| N |") and "64,128-token kernel blocks" in table
+    )
+
+
+def test_the_gpu_table_puts_peak_memory_beside_the_ring() -> None:
+    """The CUDA rows' own table (built from rows as a GPU run writes them)."""
+    from benchmarks.kvpath import cuda_markdown
+
+    row = {"shape": "Llama-3-8B", "block_tokens": 16, "path": "shm", "op": "load"}
+    row |= {"gpu_seconds": 0.02, "gpu_copy_seconds": 0.015, "gpu_vs_copy": 0.75}
+    row |= {"lease_seconds": 0.001, "copies_seconds": 0.021, "release_seconds": 0.0005}
+    row |= {"peak_device_bytes": 3 << 20, "ring_bytes": 64 << 20}
+    table = cuda_markdown([row, {"shape": "x", "op": "load", "path": "tcp"}])
+    line = next(x for x in table.splitlines() if "Llama-3-8B" in x)
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[:4] == ["Llama-3-8B", "16", "shm", "load"]
+    assert cells[6] == "0.750" and cells[-2:] == ["3.00", "64.00"]
+    assert sum(x.startswith("|") for x in table.splitlines()) == 3  # header, rule, one row
+    assert cuda_markdown([{"shape": "x", "op": "load"}]) == ""  # CPU: no GPU table
+
 
 @pytest.mark.slow  # minutes on 2 CPUs: `make test-slow` (CI runs it)
 @pytest.mark.timeout(RUN_TIMEOUT_S + 60)

@@ -26,8 +26,10 @@ IMPORTS = (
     "sidecar.service",
     "vllm_connector.worker",
     "vllm_connector.blockcopy",
+    "vllm_connector.ring",
     "benchmarks.kvpath",
     "tests.vllm_connector.test_blockcopy",
+    "tests.vllm_connector.test_ring",
     "tests.vllm_connector.test_worker_shm",
 )
 PROGRAM = """

@@ -1,0 +1,563 @@
+"""A bounded copy engine between host payloads and the paged KV cache, through a fixed ring.
+
+A load used to copy every piece into a fresh device tensor the size of the load, so it took
+twice its own size in GPU memory (~8 GiB for a 32k-token Llama-3-8B history). Here a load
+moves through a **ring** of a few fixed device slots allocated once (`Ring.device_bytes`):
+each *fill* is host->device DMA of whole pieces (or of a run of blocks of a piece larger
+than a slot) into one slot, then one scatter of that slot into every layer's blocks. A
+store is the mirror image: a gather into a slot, then DMA of the slot into the host payload.
+
+Three layers, so that CPU CI tests all but the last:
+
+- **the planner** (`plan`, pure Python): packs the pieces of a call into fills, each a list
+  of host byte ranges (`Span`) and of (slot row -> cache block, token range) entries,
+  splitting pieces larger than a slot and marking partial first/last blocks;
+- **the executor** (`Ring.write` / `Ring.read`, torch): runs a plan on any device; on CPU
+  the same code runs without streams or events, so tests compare it byte for byte to the
+  copier's host path;
+- **the CUDA specifics**, thin on top: two side streams (`dma` for host<->slot, `kernel` for
+  slot<->cache), one event per slot so a slot is reused only once its previous scatter (or
+  DMA out) ran — a wait on the GPU, never the host — and the scatter/gather as one Triton
+  kernel over all layers and entries (`_move_rows`: a table of layer offsets from the first
+  layer's storage, since vLLM allocates every layer's cache separately) where torch ships
+  Triton, else one `index_copy_` / `index_select` per layer.
+
+Ordering: the cache is touched only after `after` (an event the caller recorded on the
+stream that computes, vLLM's), and the returned `Copies` handle carries the event of the
+last copy, so a caller can wait on the host (`wait`), poll (`done`) or make a stream wait.
+
+torch only (Triton optional): this runs where vLLM is absent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SLOTS = 2
+DEFAULT_SLOT_BYTES = 32 << 20
+_TRITON_BLOCK = 1024  # words per Triton program (8 KiB of int64)
+
+
+class Piece(NamedTuple):
+    """One piece of a call: payload blocks `i` go to (or come from) cache block
+    `block_ids[i]`; tokens `[lo, hi)` of the piece are moved (a read moves every block).
+    The payload `[L, len(block_ids), elems]` starts `offset` bytes into item `item`'s buffer."""
+
+    block_ids: Sequence[int]
+    lo: int
+    hi: int
+    item: int
+    offset: int = 0
+
+
+@dataclass(frozen=True)
+class Span:
+    """Bytes `[host, host + nbytes)` of item `item`'s buffer <-> `[slot, slot + nbytes)` of the
+    ring slot: one DMA copy."""
+
+    item: int
+    host: int
+    slot: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One payload block of every layer: layer `l`'s row is slot row `row + l * step`; it
+    belongs to cache block `block`, tokens `[lo, hi)` of the block (`(0, N)`: all of it)."""
+
+    row: int
+    step: int
+    block: int
+    lo: int
+    hi: int
+
+
+@dataclass(frozen=True)
+class Fill:
+    """What one use of a ring slot moves: DMA `spans`, whole blocks `whole` (one scatter or
+    gather), blocks only partly moved `edges` (merged token by token), `rows` rows used."""
+
+    spans: tuple[Span, ...]
+    whole: tuple[Entry, ...]
+    edges: tuple[Entry, ...]
+    rows: int
+
+
+def plan(
+    pieces: Sequence[Piece],
+    *,
+    tokens: int,
+    layers: int,
+    row_bytes: int,
+    slot_bytes: int,
+    blocks: int,
+) -> list[Fill]:
+    """Pack `pieces` into fills of a slot of `slot_bytes` (rows of `row_bytes`, `layers` per
+    payload block, `tokens` per block, `blocks` in each layer's cache), in order. A piece
+    whose touched blocks do not fit the slot's free rows is split between blocks; a slot
+    holds at least one block of every layer, else ValueError."""
+    slot_rows = slot_bytes // row_bytes
+    if slot_rows < layers:
+        raise ValueError(f"a slot of {slot_bytes} bytes holds no block of {layers} layers")
+    fills: list[Fill] = []
+    spans: list[Span] = []
+    whole: list[Entry] = []
+    edges: list[Entry] = []
+    used = 0
+    for piece in pieces:
+        ids, lo, hi, n = piece.block_ids, piece.lo, piece.hi, tokens
+        nb = len(ids)
+        if not 0 <= lo <= hi <= nb * n:
+            raise ValueError(f"tokens [{lo}, {hi}) are not inside {nb} blocks")
+        if lo == hi:
+            continue
+        first, end = lo // n, -(-hi // n)  # the payload blocks [first, end) that are touched
+        for i in range(first, end):
+            if not 0 <= ids[i] < blocks:
+                raise ValueError(f"block {ids[i]} is not in a cache of {blocks} blocks")
+        i = first
+        while i < end:
+            room = (slot_rows - used) // layers
+            if room == 0:
+                fills.append(Fill(tuple(spans), tuple(whole), tuple(edges), used))
+                spans, whole, edges, used = [], [], [], 0
+                continue
+            k = min(end - i, room)
+            if k == nb:  # the whole payload, every layer: one range
+                spans.append(
+                    Span(piece.item, piece.offset, used * row_bytes, layers * k * row_bytes)
+                )
+            else:
+                for layer in range(layers):
+                    host = piece.offset + (layer * nb + i) * row_bytes
+                    slot = (used + layer * k) * row_bytes
+                    spans.append(Span(piece.item, host, slot, k * row_bytes))
+            for j in range(k):
+                b = i + j
+                a, z = max(lo - b * n, 0), min(hi - b * n, n)
+                entry = Entry(used + j, k, ids[b], a, z)
+                (whole if (a, z) == (0, n) else edges).append(entry)
+            used += layers * k
+            i += k
+    if used:
+        fills.append(Fill(tuple(spans), tuple(whole), tuple(edges), used))
+    return fills
+
+
+def merge_row(
+    caches: Sequence[torch.Tensor],
+    token_maps: Sequence[torch.Tensor],
+    row: torch.Tensor,
+    block: int,
+    a: int,
+    b: int,
+) -> None:
+    """Tokens [a, b) of `row` (`[L, elems]`, one payload block of every layer) into block
+    `block` of every layer's `caches` (`[blocks, elems]` views), its other tokens untouched:
+    through a mask of the elements of those tokens (`token_maps[l]`: each element's token)."""
+    maps = {id(token): token for token in token_maps}  # layers mostly share one
+    masks = {key: (token >= a) & (token < b) for key, token in maps.items()}
+    for layer, (dst, token) in enumerate(zip(caches, token_maps, strict=True)):
+        cell = dst[block]
+        torch.where(masks[id(token)], row[layer], cell, out=cell)
+
+
+class Copies:
+    """What `Ring.write` / `Ring.read` return: `event` is recorded after their last copy
+    (None on CPU, where they are complete on return). Holds the host buffers they use."""
+
+    def __init__(self, event: Any, keep: Sequence[torch.Tensor] = ()) -> None:
+        self.event = event
+        self._keep = list(keep)
+
+    def done(self) -> bool:
+        """Whether every copy ran (a non-blocking event query)."""
+        if self.event is None or self.event.query():
+            self._keep.clear()
+            return True
+        return False
+
+    def wait(self) -> None:
+        """Block the host until every copy ran."""
+        if self.event is not None:
+            self.event.synchronize()
+        self._keep.clear()
+
+
+def word_size(*byte_counts: int) -> int:
+    """The widest integer (8, 4, 2 or 1 bytes) dividing every count: the unit the Triton
+    kernel moves (an aligned int64 row lets it issue 16-byte vector loads)."""
+    for size in (8, 4, 2):
+        if all(c % size == 0 for c in byte_counts):
+            return size
+    return 1
+
+
+_WORD = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+class Ring:
+    """The ring slots, their events and the executor (module docstring).
+
+    `rows[l]` is layer `l`'s cache as `[blocks, elems]` (`BlockLayout.blocks_view`);
+    `token_maps[l]` each element's token in a block (for partial blocks). `kernel` is
+    "triton", "torch" or "auto" (Triton on CUDA where it imports, else torch).
+    """
+
+    def __init__(
+        self,
+        rows: Sequence[torch.Tensor],
+        token_maps: Sequence[torch.Tensor],
+        tokens: int,
+        *,
+        slots: int = DEFAULT_SLOTS,
+        slot_bytes: int = DEFAULT_SLOT_BYTES,
+        kernel: str = "auto",
+    ) -> None:
+        self.rows, self.token_maps, self.tokens = list(rows), list(token_maps), tokens
+        first = self.rows[0]
+        self.device, self.dtype = first.device, first.dtype
+        self.elems = int(first.shape[1])
+        self.row_bytes = self.elems * first.element_size()
+        self.blocks = int(first.shape[0])
+        need = len(self.rows) * self.row_bytes
+        if slot_bytes < need:
+            log.info("ring slots of %d bytes grown to one block of every layer", slot_bytes)
+            slot_bytes = need
+        self.slot_bytes = slot_bytes // self.row_bytes * self.row_bytes  # whole rows
+        self.slots = [
+            torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device)
+            for _ in range(slots)
+        ]
+        self._free: list[Any] = [None] * slots  # per slot: the event of its last use
+        self._next = 0
+        self.timing = False  # events with timing (benchmarks: `elapsed_time` from the handle's)
+        self._lock = threading.Lock()  # loads (a loader thread) and stores (vLLM's) share it
+        cuda = self.device.type == "cuda"
+        self._dma = torch.cuda.Stream(self.device) if cuda else None
+        self._kernel = torch.cuda.Stream(self.device) if cuda else None
+        self.kernel = _pick_kernel(kernel, self.device)
+        self._layer_words: torch.Tensor | None = None
+        if self.kernel == "triton":
+            try:
+                self._setup_triton()
+                self._check_triton()
+            except Exception:
+                if kernel == "triton":
+                    raise
+                log.warning(
+                    "the ring's Triton kernel failed its check; index_copy_ instead", exc_info=True
+                )
+                self.kernel = "torch"
+        self._index_host: torch.Tensor | None = None  # pinned (CUDA), reused between calls
+        self._index_dev: torch.Tensor | None = None
+        self._index_ready: Any = None  # the event after the last upload out of `_index_host`
+
+    @property
+    def device_bytes(self) -> int:
+        """Device memory the ring holds: its slots and its index buffer."""
+        index = self._index_dev.numel() * 8 if self._index_dev is not None else 0
+        return len(self.slots) * self.slot_bytes + index
+
+    # -- the executor -------------------------------------------------------------------
+    def write(
+        self, pieces: Sequence[Piece], bufs: Sequence[torch.Tensor], after: Any = None
+    ) -> Copies:
+        """Payloads -> cache: `pieces` (their payloads in `bufs[piece.item]`, flat uint8 on
+        the host), each block's tokens [lo, hi). The cache is touched only after `after`
+        (None: after the calling thread's current stream)."""
+        with self._lock:
+            fills = self._plan(pieces)
+            if not fills:
+                return Copies(None)
+            index = self._upload(fills)
+            self._wait_for(self._kernel, after)
+            last = None
+            for fill, at in zip(fills, index, strict=True):
+                s, slot = self._take()
+                with self._on(self._dma):
+                    self._wait_for(self._dma, self._free[s], default=False)
+                    for span in fill.spans:
+                        src = bufs[span.item][span.host : span.host + span.nbytes]
+                        slot[span.slot : span.slot + span.nbytes].copy_(src, non_blocking=True)
+                    filled = self._record(self._dma)
+                with self._on(self._kernel):
+                    self._wait_for(self._kernel, filled, default=False)
+                    self._move(slot, at, fill, gather=False)
+                    for e in fill.edges:
+                        merge_row(
+                            self.rows, self.token_maps, self._row(slot, e), e.block, e.lo, e.hi
+                        )
+                    last = self._free[s] = self._record(self._kernel)
+            return Copies(last, bufs)
+
+    def read(
+        self, pieces: Sequence[Piece], bufs: Sequence[torch.Tensor], after: Any = None
+    ) -> Copies:
+        """Cache -> payloads: every block of `pieces` into `bufs[piece.item]` (lo and hi
+        must span the piece). The cache is read only after `after` (as `write`)."""
+        with self._lock:
+            fills = self._plan(pieces)
+            if not fills:
+                return Copies(None)
+            index = self._upload(fills)
+            self._wait_for(self._kernel, after)
+            last = None
+            for fill, at in zip(fills, index, strict=True):
+                if fill.edges:
+                    raise ValueError("a read moves whole blocks")
+                s, slot = self._take()
+                with self._on(self._kernel):
+                    self._wait_for(self._kernel, self._free[s], default=False)
+                    self._move(slot, at, fill, gather=True)
+                    gathered = self._record(self._kernel)
+                with self._on(self._dma):
+                    self._wait_for(self._dma, gathered, default=False)
+                    for span in fill.spans:
+                        dst = bufs[span.item][span.host : span.host + span.nbytes]
+                        dst.copy_(slot[span.slot : span.slot + span.nbytes], non_blocking=True)
+                    last = self._free[s] = self._record(self._dma)
+            return Copies(last, bufs)
+
+    def synchronize(self) -> None:
+        """Block until every copy issued so far ran; the current stream is then ordered
+        after them too (as the copier's `wait` always did)."""
+        for stream in (self._dma, self._kernel):
+            if stream is not None:
+                stream.synchronize()
+                torch.cuda.current_stream(self.device).wait_stream(stream)
+
+    def _plan(self, pieces: Sequence[Piece]) -> list[Fill]:
+        return plan(
+            pieces,
+            tokens=self.tokens,
+            layers=len(self.rows),
+            row_bytes=self.row_bytes,
+            slot_bytes=self.slot_bytes,
+            blocks=self.blocks,
+        )
+
+    def _take(self) -> tuple[int, torch.Tensor]:
+        s = self._next
+        self._next = (s + 1) % len(self.slots)
+        return s, self.slots[s]
+
+    def _row(self, slot: torch.Tensor, e: Entry) -> torch.Tensor:
+        """Entry `e`'s rows in `slot`, `[L, elems]` (a strided view, no copy)."""
+        rows = slot.view(self.dtype)
+        return rows.as_strided(
+            (len(self.rows), self.elems), (e.step * self.elems, 1), e.row * self.elems
+        )
+
+    def _upload(self, fills: Sequence[Fill]) -> list[torch.Tensor]:
+        """Every fill's whole entries (rows, steps, blocks: `[3, n]` int64) on the device, in
+        one copy from a pinned buffer reused between calls (on the `dma` stream, before
+        the fills' DMA, whose events the kernels wait for)."""
+        total = sum(len(f.whole) for f in fills)
+        flat = [e.row for f in fills for e in f.whole]
+        flat += [e.step for f in fills for e in f.whole]
+        flat += [e.block for f in fills for e in f.whole]
+        if self.device.type != "cuda":
+            host = torch.tensor(flat, dtype=torch.long).view(3, total)
+            return _split(host, fills)
+        if self._index_ready is not None:
+            self._index_ready.synchronize()  # the last upload out of the pinned buffer ran
+        if self._index_host is None or self._index_host.numel() < 3 * total:
+            size = max(3 * total, 4096)
+            self._index_host = torch.empty(size, dtype=torch.long, pin_memory=True)
+            with self._on(self._dma):
+                self._index_dev = torch.empty(size, dtype=torch.long, device=self.device)
+        assert self._index_dev is not None and self._dma is not None and self._kernel is not None
+        self._index_host[: 3 * total].copy_(torch.tensor(flat, dtype=torch.long))
+        with self._on(self._dma):
+            # the previous call's kernels read the device buffer: they must have run
+            self._dma.wait_stream(self._kernel)
+            dev = self._index_dev[: 3 * total]
+            dev.copy_(self._index_host[: 3 * total], non_blocking=True)
+            self._index_ready = self._record(self._dma)
+        return _split(dev.view(3, total), fills)
+
+    def _move(self, slot: torch.Tensor, index: torch.Tensor, fill: Fill, *, gather: bool) -> None:
+        """Whole blocks between `slot` and every layer's cache: `index` is `[3, n]` (slot row
+        of layer 0, rows between layers, cache block)."""
+        if not fill.whole:
+            return
+        if self.kernel == "triton":
+            self._move_triton(slot, index, gather=gather)
+            return
+        slot_rows = slot.view(self.dtype).view(-1, self.elems)
+        rows, steps, blocks = index
+        for layer, cache in enumerate(self.rows):
+            src = rows + layer * steps if layer else rows
+            if gather:
+                slot_rows.index_copy_(0, src, cache.index_select(0, blocks))
+            else:
+                cache.index_copy_(0, blocks, slot_rows.index_select(0, src))
+
+    # -- the Triton kernel --------------------------------------------------------------
+    def _setup_triton(self) -> None:
+        """The word the kernel moves and each layer's offset, in words, from layer 0's
+        first block (vLLM allocates each layer's cache on its own: no common stride)."""
+        base = self.rows[0].data_ptr()
+        strides = [r.stride(0) * r.element_size() for r in self.rows]
+        if len(set(strides)) != 1:
+            raise ValueError(f"layers differ in block stride: {set(strides)}")
+        offsets = [r.data_ptr() - base for r in self.rows]
+        word = word_size(self.row_bytes, strides[0], base, self.slot_bytes, *offsets)
+        self._word = word
+        self._row_words = self.row_bytes // word
+        self._stride_words = strides[0] // word
+        self._base = torch.as_strided(self.rows[0].view(torch.uint8).view(_WORD[word]), (1,), (1,))
+        words = [o // word for o in offsets]
+        # the offsets' common power of two (up to 16 bytes): lets Triton vectorize the
+        # cache side as it does the slot's
+        self._offset_align = max(
+            a for a in (1, 2, 4, 8, 16) if a * word <= 16 and all(w % a == 0 for w in words)
+        )
+        self._layer_words = torch.tensor(
+            [o // word for o in offsets], dtype=torch.long, device=self.device
+        )
+
+    def _check_triton(self) -> None:
+        """Compile both directions at start-up (not in the first load) and check them:
+        block 0 of every layer into the first slot and back (the same bytes, before any
+        forward pass), the slot compared with torch's copy of those rows."""
+        index = torch.tensor([[0], [1], [0]], dtype=torch.long, device=self.device)
+        slot = self.slots[0]
+        self._move_triton(slot, index, gather=True)
+        self._move_triton(slot, index, gather=False)
+        got = slot[: len(self.rows) * self.row_bytes].view(self.dtype).view(len(self.rows), -1)
+        want = torch.stack([rows[0] for rows in self.rows])
+        if not torch.equal(got.view(torch.uint8), want.view(torch.uint8)):
+            raise RuntimeError("the Triton kernel moved other bytes than torch's copy")
+
+    def _move_triton(self, slot: torch.Tensor, index: torch.Tensor, *, gather: bool) -> None:
+        assert self._layer_words is not None
+        n = index.shape[1]
+        grid = (n, len(self.rows), -(-self._row_words // _TRITON_BLOCK))
+        _move_rows_kernel()[grid](
+            slot.view(_WORD[self._word]),
+            self._base,
+            self._layer_words,
+            index[0],
+            index[1],
+            index[2],
+            ROW=self._row_words,
+            STRIDE=self._stride_words,
+            BLOCK=_TRITON_BLOCK,
+            ALIGN=self._offset_align,
+            GATHER=gather,
+        )
+
+    # -- the CUDA seams (no-ops on CPU) -------------------------------------------------
+    @contextlib.contextmanager
+    def _on(self, stream: Any) -> Iterator[None]:
+        if stream is None:
+            yield
+            return
+        with torch.cuda.stream(stream):
+            yield
+
+    def _record(self, stream: Any) -> Any:
+        if stream is None:
+            return None
+        event = torch.cuda.Event(enable_timing=self.timing)
+        event.record(stream)
+        return event
+
+    def _wait_for(self, stream: Any, event: Any, *, default: bool = True) -> None:
+        """`stream` waits on the GPU for `event`; with none and `default`, for the calling
+        thread's current stream (today's behaviour without an `after`)."""
+        if stream is None:
+            return
+        if event is not None:
+            stream.wait_event(event)
+        elif default:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+
+
+def _split(index: torch.Tensor, fills: Sequence[Fill]) -> list[torch.Tensor]:
+    """`[3, total]` into one `[3, n]` view per fill."""
+    out, at = [], 0
+    for fill in fills:
+        out.append(index[:, at : at + len(fill.whole)])
+        at += len(fill.whole)
+    return out
+
+
+def _pick_kernel(kernel: str, device: torch.device) -> str:
+    if kernel not in ("auto", "triton", "torch"):
+        raise ValueError(f"kernel {kernel!r}: auto, triton or torch")
+    if kernel != "auto":
+        return kernel
+    if device.type != "cuda":
+        return "torch"
+    try:
+        _move_rows_kernel()
+    except Exception as exc:  # no Triton in this torch build, or it cannot compile here
+        log.info("no Triton (%s): ring scatters are one index_copy_ per layer", exc)
+        return "torch"
+    return "triton"
+
+
+_KERNEL: Any = None
+
+
+def _move_rows_kernel() -> Any:
+    """The scatter/gather kernel, built on first use (Triton is imported only then, so
+    `TRITON_INTERPRET` set before that first use takes effect).
+
+    One program per (entry, layer, chunk of a row): slot row `row + layer * step` <-> block
+    `block` of layer `layer`, at `base + layer_words[layer] + block * STRIDE`. ROW and
+    STRIDE are compile-time, so Triton sees the rows' alignment and vectorizes."""
+    global _KERNEL
+    if _KERNEL is not None:
+        return _KERNEL
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def move_rows(
+        slot,
+        base,
+        layer_words,
+        rows,
+        steps,
+        blocks,
+        ROW: tl.constexpr,
+        STRIDE: tl.constexpr,
+        BLOCK: tl.constexpr,
+        ALIGN: tl.constexpr,
+        GATHER: tl.constexpr,
+    ):
+        entry = tl.program_id(0)
+        layer = tl.program_id(1)
+        part = tl.program_id(2)
+        row = tl.load(rows + entry)
+        step = tl.load(steps + entry)
+        block = tl.load(blocks + entry)
+        offset = tl.multiple_of(tl.load(layer_words + layer), ALIGN)
+        cols = part * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < ROW
+        in_slot = slot + (row + layer * step) * ROW + cols
+        in_cache = base + offset + block * STRIDE + cols
+        if GATHER:
+            tl.store(in_slot, tl.load(in_cache, mask=mask), mask=mask)
+        else:
+            tl.store(in_cache, tl.load(in_slot, mask=mask), mask=mask)
+
+    _KERNEL = move_rows
+    return _KERNEL
+
+
+__all__ = ["Copies", "Entry", "Fill", "Piece", "Ring", "Span", "merge_row", "plan", "word_size"]
