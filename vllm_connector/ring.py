@@ -18,9 +18,14 @@ Three layers, so that CPU CI tests all but the last:
 - **the CUDA specifics**, thin on top: two side streams (`dma` for host<->slot, `kernel` for
   slot<->cache), one event per slot so a slot is reused only once its previous scatter (or
   DMA out) ran — a wait on the GPU, never the host — and the scatter/gather as one Triton
-  kernel over all layers and entries (`_move_rows`: a table of layer offsets from the first
-  layer's storage, since vLLM allocates every layer's cache separately) where torch ships
-  Triton, else one `index_copy_` / `index_select` per layer.
+  kernel over all layers and entries (`_move_rows_kernel`: a table of layer offsets from
+  the first layer's storage, since vLLM allocates every layer's cache separately; checked
+  against torch at start-up) where torch ships Triton, else one `index_copy_` /
+  `index_select` per layer. The block indices of a call go up in one copy from a pinned
+  buffer reused between calls (no pinned allocation per load).
+
+Within one call a cache block is written once (a load's blocks are distinct): whole blocks
+of a fill are scattered before its partial ones are merged, as in the host path.
 
 Ordering: the cache is touched only after `after` (an event the caller recorded on the
 stream that computes, vLLM's), and the returned `Copies` handle carries the event of the
@@ -35,7 +40,6 @@ import contextlib
 import logging
 import threading
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -59,8 +63,7 @@ class Piece(NamedTuple):
     offset: int = 0
 
 
-@dataclass(frozen=True)
-class Span:
+class Span(NamedTuple):
     """Bytes `[host, host + nbytes)` of item `item`'s buffer <-> `[slot, slot + nbytes)` of the
     ring slot: one DMA copy."""
 
@@ -70,8 +73,7 @@ class Span:
     nbytes: int
 
 
-@dataclass(frozen=True)
-class Entry:
+class Entry(NamedTuple):
     """One payload block of every layer: layer `l`'s row is slot row `row + l * step`; it
     belongs to cache block `block`, tokens `[lo, hi)` of the block (`(0, N)`: all of it)."""
 
@@ -82,8 +84,7 @@ class Entry:
     hi: int
 
 
-@dataclass(frozen=True)
-class Fill:
+class Fill(NamedTuple):
     """What one use of a ring slot moves: DMA `spans`, whole blocks `whole` (one scatter or
     gather), blocks only partly moved `edges` (merged token by token), `rows` rows used."""
 

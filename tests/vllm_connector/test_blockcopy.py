@@ -433,6 +433,9 @@ class TestOnCuda:
         copier = BlockCopier(caches, layouts, kernel=kernel)
         src = torch.randint(0, 256, (copier.nbytes(2 * TOKENS),), dtype=torch.uint8)
         src = src.pin_memory()
+        warm = torch.zeros_like(src).pin_memory()  # first calls allocate their index buffers
+        copier.write_many([([1, 4], src, 0, 2 * TOKENS)]).wait()
+        copier.read_many([([1, 4], warm)]).wait()
         other = torch.cuda.Stream()
         with torch.cuda.stream(other):
             torch.cuda._sleep(200_000_000)  # ~0.1 s of spinning before the writes
