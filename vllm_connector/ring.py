@@ -368,14 +368,14 @@ class Ring:
         flat = [e.row for f in fills for e in f.whole]
         flat += [e.step for f in fills for e in f.whole]
         flat += [e.block for f in fills for e in f.whole]
-        if self.device.type != "cuda":
+        if self._dma is None:  # CPU: the host index is the index
             host = torch.tensor(flat, dtype=torch.long).view(3, total)
             return _split(host, fills)
         if self._index_ready is not None:
             self._index_ready.synchronize()  # the last upload out of the pinned buffer ran
         if self._index_host is None or self._index_host.numel() < 3 * total:
             size = max(3 * total, 4096)
-            self._index_host = torch.empty(size, dtype=torch.long, pin_memory=True)
+            self._index_host = _pinned(size)
             with self._on(self._dma):
                 self._index_dev = torch.empty(size, dtype=torch.long, device=self.device)
         assert self._index_dev is not None and self._dma is not None and self._kernel is not None
@@ -485,6 +485,11 @@ class Ring:
             stream.wait_event(event)
         elif default:
             stream.wait_stream(torch.cuda.current_stream(self.device))
+
+
+def _pinned(size: int) -> torch.Tensor:
+    """A pinned int64 host buffer (the seam tests replace on a machine without CUDA)."""
+    return torch.empty(size, dtype=torch.long, pin_memory=True)
 
 
 def _split(index: torch.Tensor, fills: Sequence[Fill]) -> list[torch.Tensor]:
