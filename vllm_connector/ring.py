@@ -105,7 +105,8 @@ def plan(
 ) -> list[Fill]:
     """Pack `pieces` into fills of a slot of `slot_bytes` (rows of `row_bytes`, `layers` per
     payload block, `tokens` per block, `blocks` in each layer's cache), in order. A piece
-    whose touched blocks do not fit the slot's free rows is split between blocks; a slot
+    that fits a slot but not the rows left in this one starts the next fill; only a piece
+    larger than a slot is split between blocks (one DMA per layer for each part). A slot
     holds at least one block of every layer, else ValueError."""
     slot_rows = slot_bytes // row_bytes
     if slot_rows < layers:
@@ -129,7 +130,8 @@ def plan(
         i = first
         while i < end:
             room = (slot_rows - used) // layers
-            if room == 0:
+            # a piece that fits an empty slot is never split (one DMA, not one per layer)
+            if room == 0 or (used and end - i <= slot_rows // layers and end - i > room):
                 fills.append(Fill(tuple(spans), tuple(whole), tuple(edges), used))
                 spans, whole, edges, used = [], [], [], 0
                 continue

@@ -110,6 +110,19 @@ def test_a_piece_larger_than_a_slot_is_split_between_blocks() -> None:
     assert simulate(fills, pieces, 3, 16) == expected(pieces, 3, 16)
 
 
+def test_a_piece_that_fits_a_slot_is_never_split() -> None:
+    """Pieces of 3 blocks x 2 layers in slots of 8 rows: the second does not fit beside the
+    first, so it starts the next fill whole (one DMA), rather than being cut in two (a DMA
+    per layer for each part)."""
+    pieces = [Piece([1, 2, 3], 0, 48, item=0), Piece([4, 5, 6], 0, 48, item=1)]
+    fills = plan_of(pieces, layers=2, slot_rows=8)
+    assert [[(s.item, s.host, s.slot, s.nbytes) for s in f.spans] for f in fills] == [
+        [(0, 0, 0, 6 * ROW)],
+        [(1, 0, 0, 6 * ROW)],
+    ]
+    assert simulate(fills, pieces, 2, 16) == expected(pieces, 2, 16)
+
+
 def test_partial_first_and_last_blocks_are_edges_with_their_tokens() -> None:
     pieces = [Piece([3, 4, 5, 6], 5, 50, item=0), Piece([7, -1], 0, 9, item=1)]
     fills = plan_of(pieces, layers=2, slot_rows=64)
@@ -135,6 +148,10 @@ def test_random_pieces_land_exactly_where_they_belong() -> None:
         slot_rows = rng.randint(layers, 4 * layers * 9)
         fills = plan_of(pieces, layers, slot_rows, tokens)
         assert all(f.rows <= slot_rows for f in fills)
+        for piece in pieces:  # split (in more than one fill) only when larger than a slot
+            touched = -(-piece.hi // tokens) - piece.lo // tokens if piece.hi > piece.lo else 0
+            parts = sum(any(s.item == piece.item for s in f.spans) for f in fills)
+            assert parts == (touched > 0) or touched * layers > slot_rows
         assert simulate(fills, pieces, layers, tokens) == expected(pieces, layers, tokens)
 
 
