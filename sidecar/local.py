@@ -22,6 +22,13 @@ Requests, and what they answer:
   the slots and stores nothing
 - `{"op": "exists", "keys": [...]}` -> `{"ok", "found": [...]}`
 
+Any request may also carry **`"release": [{"lease": id, "generation": g}, ...]`**, read
+leases the client is done with (at most `MAX_LEASES`): they are released first, before the
+request itself, as if each had been its own `release` (their answers are not sent back;
+the reply says how many held, `"released": n`). A list that is not well formed refuses the
+whole request and releases nothing. `hello` answers `"release_batch": true` when this is
+understood (a client never piggybacks on a sidecar that does not say so).
+
 Any request may carry `"trace": {"traceparent": ...}` (the engine's span, tracing on): the
 sidecar's span of it (`sidecar local <op>`, with the bytes and blocks) joins that trace.
 A request that is not one of these gets `{"ok": false, "error"}`, never a closed
@@ -33,7 +40,9 @@ not to a connection, and carry random 64-bit ids (no two sidecars hand out the s
   blocks meanwhile but the slots are not reused: what the engine copies is the block as it
   was. It ends at its release, after `lease_timeout_s`, or when its client is gone; a
   release after that (or of another generation) answers `ok: false`, and the engine
-  treats its copies as a miss.
+  treats its copies as a miss. A read lease that times out first closes the connection
+  it was granted on (`expire`): a client that trusts its copies without waiting for the
+  release's answer checks that connection (`LocalClient._trusted`).
 - A **write lease** (`alloc`) gives slots to one writer. They are handed to nobody else
   until that writer can no longer write to them: its commit or abort (even after the
   lease ended, even to the next sidecar: the region's write table, `sidecar.arena`), or its
@@ -107,6 +116,7 @@ class Lease:
     lengths: list[int] = field(default_factory=list)  # (write) the requested lengths
     nbytes: int = 0  # (write) the slots' aligned sizes, counted against the client's share
     ended: bool = False  # (write) past its timeout: its commit stores nothing
+    conn: int = 0  # (read) the connection it was granted on: closed if it times out
 
 
 @dataclass
@@ -137,6 +147,7 @@ class LocalServer:
         self.silent_writer_s = max(20 * lease_timeout_s, idle_timeout_s)
         self.path = arena.directory / SOCKET_NAME
         self._started = time.monotonic()
+        self.released_batched = 0  # read leases released by a `release` list on a request
         self._leases: dict[int, Lease] = {}
         self._clients: dict[str, Client] = {}
         self._lock = threading.Lock()
@@ -182,8 +193,15 @@ class LocalServer:
                 lease = self._leases[i]
                 if lease.write:
                     lease.ended = True  # quarantined: freed by its writer or its death
-                else:
-                    del self._leases[i]
+                    continue
+                # the connection it was granted on is closed *before* its slots can go:
+                # a client that trusts a copy without a release round trip checks that
+                # this connection is still open after its copies (`LocalClient.release`)
+                conn = self._conns.get(lease.conn)
+                if conn is not None:
+                    with contextlib.suppress(OSError):
+                        conn.sock.shutdown(socket.SHUT_RDWR)
+                del self._leases[i]
             idle = [
                 c.sock
                 for c in self._conns.values()
@@ -341,6 +359,16 @@ class LocalServer:
             client = self._clients.get(token)
             if client is not None:
                 client.last_seen = time.monotonic()
+        released = None
+        if "release" in req:  # read leases the client is done with: released first
+            released = self._release_batch(token, _batch(req["release"]))
+        reply = self._traced(cid, token, req, handler)
+        if released is not None:
+            reply["released"] = released
+        return reply
+
+    def _traced(self, cid: int, token: str, req: dict[str, Any], handler: Any) -> dict[str, Any]:
+        op = req["op"]
         trace = req.get("trace")
         if not tracing.enabled() or not isinstance(trace, dict):
             return handler(cid, token, req)
@@ -371,6 +399,7 @@ class LocalServer:
             "region": str(self.arena.path),
             "size": self.arena.size,
             "lease_timeout_s": self.lease_timeout_s,
+            "release_batch": True,  # any request may carry `release` (the module's doc)
         }
 
     def _new_lease(self, lease: Lease) -> int | None:
@@ -434,7 +463,7 @@ class LocalServer:
         lease_id = 0
         if slots:
             expires = time.monotonic() + self.lease_timeout_s
-            got = self._new_lease(Lease(token, False, expires, slots))
+            got = self._new_lease(Lease(token, False, expires, slots, conn=cid))
             if got is None:
                 return {"ok": False, "error": f"too many leases (at most {MAX_LEASES})"}
             lease_id = got
@@ -450,10 +479,31 @@ class LocalServer:
         return {"ok": True, "lease": lease_id, "blocks": blocks}
 
     def _release(self, cid: int, token: str, req: dict[str, Any]) -> dict[str, Any]:
-        lease = self._take(token, req["lease"], write=False) if self._current(req) else None
-        held = lease is not None and lease.expires > time.monotonic()
+        held = self._release_one(token, req)
         tracing.annotate({"ctxcache.kv.lease_held": held})
         return {"ok": held}
+
+    def _release_one(self, token: str, req: dict[str, Any]) -> bool:
+        """End `token`'s read lease `req["lease"]`; whether it held until now."""
+        lease = self._take(token, req["lease"], write=False) if self._current(req) else None
+        return lease is not None and lease.expires > time.monotonic()
+
+    def _release_batch(self, token: str, batch: list[dict[str, Any]]) -> int:
+        """The read leases a request carried in `release`: each released as its own
+        `release` would be (a span each, joined to the trace it names); how many held."""
+        held = 0
+        for entry in batch:
+            trace = entry.get("trace")
+            if tracing.enabled() and isinstance(trace, dict):
+                carrier = {str(k): str(v) for k, v in trace.items()}
+                with tracing.span_in(carrier, "sidecar local release", server=True):
+                    ok = self._release_one(token, entry)
+                    tracing.annotate({"ctxcache.kv.lease_held": ok, "ctxcache.kv.batched": True})
+            else:
+                ok = self._release_one(token, entry)
+            held += ok
+        self.released_batched += len(batch)
+        return held
 
     def _alloc(self, cid: int, token: str, req: dict[str, Any]) -> dict[str, Any]:
         lengths = req["lengths"]
@@ -572,6 +622,21 @@ def _checked_meta(m: object) -> tuple[str, int, int, tuple[int, int, int, int]]:
         if not isinstance(x, int) or isinstance(x, bool) or not 0 <= x <= INT32:
             raise ValueError("fmt, dtype or shape out of range")
     return key, fmt, dtype, (shape[0], shape[1], shape[2], shape[3])
+
+
+def _batch(value: object) -> list[dict[str, Any]]:
+    """A request's `release` list, checked whole before any of it is acted on."""
+    if not isinstance(value, list) or len(value) > MAX_LEASES:
+        raise ValueError("release")
+    for entry in value:
+        if not isinstance(entry, dict):
+            raise TypeError("release")
+        lease, gen = entry.get("lease"), entry.get("generation")
+        if not isinstance(lease, int) or isinstance(lease, bool):
+            raise TypeError("release: lease")
+        if gen is not None and not isinstance(gen, str):
+            raise TypeError("release: generation")
+    return value
 
 
 def _client_number(token: str) -> int:

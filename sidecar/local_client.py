@@ -22,6 +22,16 @@ something failed: until then the sidecar hands its slots to nobody else (docs/si
 that drops the connection on one thread leaves every other thread's leases alone. The
 client holds `client-<token>.lock` in the directory for its life, so the sidecar sees at
 once when the process is gone. Thread-safe: one round trip at a time.
+
+**Releases off the critical path** (`defer_releases=True`, the vLLM connector): a read
+lease whose copies are done is trusted without waiting for its release's answer when it
+is still valid beyond doubt (`_trusted`: its generation is the mapped region's, the
+connection it came on is still the open one and shows no hang-up, and the copies ended
+well inside the sidecar's `lease_timeout_s` counted from before the lease was asked
+for); its release is then queued and rides on the next request to the sidecar (its
+`release` list), or goes on its own once nothing else went out for `flush_after_s`, and
+at `close`. Otherwise `release` waits for the answer, as without it. Why that is safe:
+docs/sidecar.md, "Invariants of the local path" (8).
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ import logging
 import mmap
 import os
 import secrets
+import select
 import socket
 import threading
 import time
@@ -54,6 +65,17 @@ from sidecar.protocol import Shape
 
 log = logging.getLogger(__name__)
 
+TRUST_SHARE = 0.5  # a copy is trusted unanswered only if it ended within this share of
+# the lease timeout, counted from before the lease was asked for
+FLUSH_AFTER_S = 0.005  # a queued release goes on its own after this long without a request
+_HANGUP = (
+    select.POLLIN
+    | select.POLLPRI
+    | select.POLLERR
+    | select.POLLHUP
+    | getattr(select, "POLLRDHUP", 0)
+)
+
 
 @dataclass(frozen=True, slots=True)
 class Slot:
@@ -75,6 +97,9 @@ class Lease:
     generation: str
     blocks: list[Slot | str | None]  # per key: a slot, TCP, or None (a miss)
     region: Region | None = None  # the mapping its slots are in
+    sent: float = 0.0  # (monotonic) before the lease was asked for: it holds past this
+    # + the sidecar's lease timeout
+    conn: int = 0  # the connection it came on (the client's count of its connections)
 
     def view(self, slot: Slot) -> memoryview:
         assert self.region is not None
@@ -128,9 +153,13 @@ class LocalClient:
         *,
         timeout: float = 5.0,
         fallback: Callable[[], Any] | None = None,
+        defer_releases: bool = False,
+        flush_after_s: float = FLUSH_AFTER_S,
     ) -> None:
         self.directory = Path(directory)
         self.timeout = timeout
+        self.defer_releases = defer_releases  # trust valid leases, release them later
+        self.flush_after_s = flush_after_s
         self._make_fallback = fallback
         self._fallback: Any = None
         self._sock: socket.socket | None = None
@@ -141,6 +170,16 @@ class LocalClient:
         self._unsettled: list[WriteLease] = []  # done writing, the sidecar not yet told
         self.region: Region | None = None
         self.on_map: list[Callable[[Region], None]] = []  # told when a region is (re)mapped
+        self._conn = 0  # connections opened so far: names the open one
+        self._lease_timeout: float | None = None  # the sidecar's, from its hello
+        self._batch_ok = False  # the sidecar takes a `release` list on any request
+        # read leases trusted and not yet released (sent with the next request, or flushed)
+        self._pending: list[dict[str, Any]] = []
+        self._pending_since = 0.0
+        self._wake = threading.Condition(self._lock)
+        self._flusher: threading.Thread | None = None
+        self._closed = False
+        self.trusted_releases = 0  # releases that did not wait for their answer
 
     @staticmethod
     def available(directory: str | Path) -> bool:
@@ -150,7 +189,10 @@ class LocalClient:
     def lease(self, keys: Sequence[str]) -> Lease:
         """Lease every key that is present (one round trip); read the slots in
         `lease.region`."""
-        reply, region = self._call_in({"op": "lease", "keys": list(keys)}, retry=True)
+        with self._lock:
+            sent = time.monotonic()
+            reply, region = self._call_in({"op": "lease", "keys": list(keys)}, retry=True)
+            conn = self._conn
         blocks: list[Slot | str | None] = []
         for b in reply["blocks"]:
             if isinstance(b, dict):
@@ -159,14 +201,22 @@ class LocalClient:
                 )
             else:
                 blocks.append(TCP if b == TCP else None)
-        return Lease(reply["lease"], region.generation, blocks, region)
+        return Lease(reply["lease"], region.generation, blocks, region, sent, conn)
 
-    def release(self, lease: Lease) -> bool:
-        """End the lease; True only if it held until now (the copies made under it are the
-        blocks). Never raises: an unreachable sidecar means the lease is gone."""
+    def release(self, lease: Lease, *, defer: bool = True) -> bool:
+        """End the lease once no copy reads its slots any more; True only if it held until
+        now (the copies made under it are the blocks). With `defer_releases` (and `defer`)
+        a lease that is still valid beyond doubt (`_trusted`) is vouched for at once and its
+        release queued (sent with the next request, or flushed); otherwise the answer is
+        waited for. Never raises: an unreachable sidecar means the lease is gone."""
         if not lease.id:
             return True  # nothing was leased
         req = {"op": "release", "lease": lease.id, "generation": lease.generation}
+        if defer and self.defer_releases:
+            with self._lock:
+                if self._trusted(lease):
+                    self._queue(req)
+                    return True
         try:
             with self._lock:
                 if self.region is None or self.region.generation != lease.generation:
@@ -174,6 +224,76 @@ class LocalClient:
                 return bool(self._call(req, retry=True, check=False).get("ok"))
         except LocalError:
             return False
+
+    def _trusted(self, lease: Lease) -> bool:
+        """(Under the lock, the copies done.) Whether `lease` holds now without asking: of
+        the mapped generation, granted on the connection that is still open, that
+        connection showing no hang-up (a sidecar that stops, dies or times a read lease
+        out closes it first), and young enough that it cannot have timed out."""
+        sock, region, limit = self._sock, self.region, self._lease_timeout
+        if sock is None or lease.conn != self._conn or limit is None:
+            return False
+        if region is None or lease.region is not region or region.generation != lease.generation:
+            return False
+        if time.monotonic() - lease.sent >= limit * TRUST_SHARE:
+            return False
+        poll = select.poll()
+        poll.register(sock, _HANGUP)
+        try:
+            return not poll.poll(0)
+        except OSError:
+            return False
+
+    def _queue(self, req: dict[str, Any]) -> None:
+        """(Under the lock.) A trusted lease's release, for the next request or a flush."""
+        entry = {"lease": req["lease"], "generation": req["generation"]}
+        if trace := tracing.carrier():
+            entry["trace"] = trace  # the sidecar's span of it joins the load's trace
+        if not self._pending:
+            self._pending_since = time.monotonic()
+        self._pending.append(entry)
+        self.trusted_releases += 1
+        if self._flusher is None:
+            self._flusher = threading.Thread(
+                target=self._flush_loop, name="ctxcache-release", daemon=True
+            )
+            self._flusher.start()
+        self._wake.notify()
+
+    def _flush_loop(self) -> None:
+        """(Its own thread.) Send queued releases that no request took along in time."""
+        with self._lock:
+            while not self._closed:
+                if not self._pending:
+                    self._wake.wait()
+                    continue
+                left = self._pending_since + self.flush_after_s - time.monotonic()
+                if left > 0:
+                    self._wake.wait(left)
+                    continue
+                self.flush()
+
+    def flush(self) -> None:
+        """Send the queued releases now (one round trip). Never raises: a sidecar that is
+        gone took its leases with it."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+            if self.region is not None:  # another generation's leases died with it
+                pending = [e for e in pending if e["generation"] == self.region.generation]
+            if not pending:
+                return
+            first, rest = pending[0], pending[1:]
+            reqs = [{"op": "release", **first}]
+            if rest and self._batch_ok:
+                reqs[0]["release"] = rest
+            elif rest:
+                reqs += [{"op": "release", **e} for e in rest]
+            for req in reqs:
+                try:
+                    self._call(req, retry=True, check=False)
+                except LocalError as exc:
+                    log.debug("queued releases not sent (%s): the sidecar is gone", exc)
+                    return
 
     def alloc(self, lengths: Sequence[int]) -> WriteLease | None:
         """Slots to write blocks into (one round trip), or None when the region is full or
@@ -297,6 +417,14 @@ class LocalClient:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
+            self._wake.notify_all()
+            flusher, self._flusher = self._flusher, None
+            if self._sock is not None:  # (not connected: its leases end with our lock)
+                self.flush()
+        if flusher is not None:
+            flusher.join(self.timeout)
+        with self._lock:
             self._disconnect()
             if self.region is not None:
                 self.region.close()
@@ -317,12 +445,16 @@ class LocalClient:
                 except OSError as exc:
                     raise LocalError(f"local sidecar socket in {self.directory}: {exc}") from exc
                 self._sock, self._reader = sock, sock.makefile("rb")
+                self._conn += 1
                 if self._lock_fd < 0:
                     self._lock_fd = take_client_lock(self.directory, self.token)
                 hello_req = {"op": "hello", "client": self.token, "lock": self._lock_fd >= 0}
                 try:
                     hello = self._exchange(hello_req)
                     self._map(hello)
+                    limit = hello.get("lease_timeout_s")
+                    self._lease_timeout = float(limit) if limit is not None else None
+                    self._batch_ok = hello.get("release_batch") is True
                 except (OSError, KeyError, ValueError) as exc:
                     self._disconnect()
                     raise LocalError(f"local sidecar handshake failed: {exc}") from exc
@@ -371,9 +503,13 @@ class LocalClient:
     ) -> tuple[dict[str, Any], Region]:
         """One round trip; the reply and the region it speaks of (read under the lock
         that made the trip: a reconnect on another thread cannot come in between)."""
-        if req["op"] != "hello" and (trace := tracing.carrier()):
+        if req["op"] != "hello" and "trace" not in req and (trace := tracing.carrier()):
             req = {**req, "trace": trace}  # the sidecar's span joins the caller's trace
         with self._lock:
+            if self._pending and self._batch_ok and req["op"] != "hello":
+                # queued releases ride along, released by the sidecar before `req`
+                req = {**req, "release": [*req.get("release", ()), *self._pending]}
+                self._pending = []
             for attempt in (1, 2):
                 try:
                     region = self.connect()

@@ -40,6 +40,12 @@ class ConnectorConfig(StrictModel):
         "waits in WAITING_FOR_REMOTE_KVS while the batch runs, instead of the step that "
         "schedules it waiting for its load (docs/vllm.md)",
     )
+    shm_deferred_release: bool = Field(
+        True,
+        description="(shm) trust a load whose lease is still valid beyond doubt without "
+        "waiting for its release's answer; the release rides on the next request to the "
+        "sidecar (docs/sidecar.md, invariant 8). False: every release is a round trip",
+    )
     required: bool = Field(
         False,
         description="fail vLLM's start-up when the connector cannot serve this engine (MLA, "

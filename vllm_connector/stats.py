@@ -29,7 +29,8 @@ COUNTERS: dict[str, str] = {
     "sidecar_errors": "sidecar calls that failed or timed out",
     # per data path: shm (the local sidecar's shared region) or tcp (lm://)
     "load_bytes_shm": "bytes of KV loaded through the local sidecar's shared memory",
-    "load_us_shm": "microseconds spent loading KV through shared memory (lease to release)",
+    "load_us_shm": "microseconds spent loading KV through shared memory (lease to release; "
+    "a step's sync loads share one lease, counted once)",
     "load_bytes_tcp": "bytes of KV loaded over lm:// (TCP)",
     "load_us_tcp": "microseconds spent loading KV over lm:// (GETs and writes)",
     "store_bytes_shm": "bytes of KV stored through the local sidecar's shared memory",

@@ -39,12 +39,13 @@ copies' handle is `done()`.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
@@ -75,6 +76,7 @@ log = logging.getLogger(__name__)
 _GET_GROUP = 2  # blocks per GET round trip of a TCP load (the next group arrives meanwhile)
 _POLL_S = 0.0002  # how often the loader thread asks whether its copies are done
 _PIN_JOIN_S = 30.0  # how long `close` waits for a region's pinning to finish
+_STEP_KEYS = 4096  # keys in one shared lease at most (the sidecar's `MAX_KEYS`)
 
 
 def compute_done(device: torch.device) -> Any:
@@ -150,6 +152,37 @@ class _Loaded:
     failed: set[int]
     handle: CopyHandle | None
     blocks: set[int]
+
+
+@dataclass
+class _Part:
+    """One request's part of a step's shared lease (`WorkerSide._load_step`): its span,
+    open until the shared release; what its copies from the region wrote (vouched for
+    only by that release) and everything it wrote (a TCP rest too); what it read."""
+
+    job: _Job
+    pieces: list[Piece]
+    span: Any = None
+    shm_done: int = 0
+    loaded: int = 0
+    moved: int = 0
+    blocks: int = 0
+    raised: bool = False
+
+
+def _groups(jobs: list[_Job], pieces_of: Callable[[LoadSpec], list[Piece]]) -> Iterator[list[_Job]]:
+    """A step's sync loads in groups of at most `_STEP_KEYS` keys: one lease each."""
+    group: list[_Job] = []
+    keys = 0
+    for job in jobs:
+        n = len(pieces_of(job.spec))
+        if group and keys + n > _STEP_KEYS:
+            yield group
+            group, keys = [], 0
+        group.append(job)
+        keys += n
+    if group:
+        yield group
 
 
 class WorkerSide:
@@ -254,7 +287,9 @@ class WorkerSide:
         if not LocalClient.available(where):
             log.warning("ctxcache connector: no local sidecar socket in %s; using TCP", where)
             return f"tcp ({self.config.sidecar_url}; no socket in {where})"
-        self.local = LocalClient(where, timeout=self.config.timeout_s)
+        self.local = LocalClient(
+            where, timeout=self.config.timeout_s, defer_releases=self.config.shm_deferred_release
+        )
         self.local.on_map.append(self._mapped)
         try:
             self.local.connect()
@@ -364,6 +399,7 @@ class WorkerSide:
             for spec in plan.loads:
                 self._never_ran(_Job(spec, written=spec.start), exc)
             return
+        shared: list[_Job] = []  # sync loads through shared memory: one lease for them all
         for spec in plan.loads:
             job = _Job(spec, after, background=self.config.async_loads, written=spec.start)
             if not self.enabled:  # off: a miss, reported in this step
@@ -372,8 +408,16 @@ class WorkerSide:
             if self.config.async_loads:
                 self._submit(job)
                 continue
+            if self.local is not None:
+                shared.append(job)
+                continue
             t0 = time.perf_counter()
             self._invalid.update(self._carry_out(job))
+            self.counters.add("load_ms", round((time.perf_counter() - t0) * 1e3))
+        if shared:
+            t0 = time.perf_counter()
+            for group in _groups(shared, self._pieces):
+                self._invalid.update(self._load_step(group))
             self.counters.add("load_ms", round((time.perf_counter() - t0) * 1e3))
 
     def _never_ran(self, job: _Job, exc: BaseException) -> None:
@@ -505,7 +549,7 @@ class WorkerSide:
         """Write `job`'s tokens; returns the first token not written (`job.written` follows
         it, for `_fail`)."""
         spec = job.spec
-        pieces = [p for p in spec.pieces if min(spec.end, p.end) > max(spec.start, p.begin)]
+        pieces = self._pieces(spec)
         if not job.background:
             return self._load_paths(job, spec, pieces)
         # the loader thread's stream is not vLLM's: its kernels (a KV_2LTD piece's
@@ -516,6 +560,139 @@ class WorkerSide:
         if self.copier.device.type == "cuda":
             job.handle = _EventDone(_record_event(self.copier.device))
         return done
+
+    @staticmethod
+    def _pieces(spec: LoadSpec) -> list[Piece]:
+        """The pieces with tokens of [start, end) in them."""
+        return [p for p in spec.pieces if min(spec.end, p.end) > max(spec.start, p.begin)]
+
+    def _load_step(self, jobs: list[_Job]) -> set[int]:
+        """Sync loads of one step through shared memory: one lease for all their blocks
+        (one round trip), each request's copies, one release of it all — trusted at once
+        when the lease is valid beyond doubt (`LocalClient.release`: no round trip; the
+        release rides on the next request). A release that says the lease did not hold
+        makes every load that read under it a miss. Each request keeps its own span
+        (`ctxcache.kv.load`, open until the release; the shared lease's round trip is the
+        first one's child and is annotated on each) and its own counts, as `_carry_out`
+        keeps them. Returns the blocks to recompute; never raises."""
+        assert self.local is not None
+        parts = [_Part(job, self._pieces(job.spec)) for job in jobs]
+        t0 = time.perf_counter()
+        lease: Lease | None = None
+        error: Exception | None = None
+        region: torch.Tensor | None = None
+        step: dict[str, Any] = {"ctxcache.kv.step_loads": len(parts)}
+        with contextlib.ExitStack() as open_spans:
+            for n, part in enumerate(parts):
+                spec = part.job.spec
+                self.counters.add("loads")
+                planned = {"ctxcache.kv.planned_tokens": spec.end - spec.start}
+                span = tracing.span_in(spec.trace, "ctxcache.kv.load", planned)
+                part.span = open_spans.enter_context(span)
+                part.shm_done = part.loaded = spec.start
+                if n == 0:
+                    lease, error = self._step_lease(parts, step)
+                    if lease is not None and lease.region is not None:
+                        region = self._use_region(lease.region)
+                        open_spans.callback(self._done_with_region, lease.region)
+                blocks: Sequence[Slot | str | None] = []
+                if lease is not None:
+                    first = sum(len(p.pieces) for p in parts[:n])
+                    blocks = lease.blocks[first : first + len(part.pieces)]
+                self._step_part(part, lease, region, blocks, error)
+            held = True
+            if lease is not None and lease.id:
+                raised = any(p.raised for p in parts)  # then wait for the answer
+                held = (
+                    self.local.release(lease, defer=False) if raised else self.local.release(lease)
+                )
+            failed: set[int] = set()
+            for part in parts:
+                failed |= self._step_over(part, held, step)
+        moved = sum(p.moved for p in parts)
+        if held and moved:
+            self.counters.add("load_us_shm", round((time.perf_counter() - t0) * 1e6))
+        return failed
+
+    def _step_lease(
+        self, parts: list[_Part], step: dict[str, Any]
+    ) -> tuple[Lease | None, Exception | None]:
+        """The step's one lease (in the first request's span). No lease: the local sidecar
+        failed (every load goes over TCP), or the error that every load fails with (a
+        sidecar that answers nonsense, a key this worker cannot name: a miss each)."""
+        assert self.local is not None
+        t0 = time.perf_counter()
+        ids = ", ".join(p.job.spec.req_id for p in parts)
+        try:
+            keys = [self.key(p.key) for part in parts for p in part.pieces]
+            lease = self.local.lease(keys)
+        except LocalError as exc:
+            self.counters.add("sidecar_errors")
+            log.warning("requests %s: local sidecar failed (%s); over TCP", ids, exc)
+            return None, None
+        except Exception as exc:
+            return None, exc
+        step["ctxcache.kv.step_lease_us"] = round((time.perf_counter() - t0) * 1e6)
+        step["ctxcache.kv.step_lease_keys"] = len(keys)
+        return lease, None
+
+    def _step_part(
+        self,
+        part: _Part,
+        lease: Lease | None,
+        region: torch.Tensor | None,
+        blocks: Sequence[Slot | str | None],
+        error: Exception | None = None,
+    ) -> None:
+        """One request's copies under the step's lease (its TCP rest after them); a
+        failure (`error`: the lease's) is logged and counted (`_fail`) and leaves what the
+        part wrote."""
+        job, spec = part.job, part.job.spec
+        try:
+            if error is not None:
+                raise error
+            if lease is None:
+                part.loaded = self._load_tcp(job, spec, part.pieces)
+                return
+            if region is None:
+                return
+            done, part.moved, rest, part.blocks = self._copy_blocks(
+                job, part.pieces, blocks, region
+            )
+            part.shm_done = part.loaded = job.written = done
+            if rest:  # blocks the region could not hold: the rest over lm:// (rare)
+                part.loaded = self._load_tcp(job, replace(spec, start=done), rest)
+        except Exception as exc:
+            part.raised = True
+            self._fail(job, exc)
+            part.loaded = job.written
+
+    def _step_over(self, part: _Part, held: bool, step: dict[str, Any]) -> set[int]:
+        """A part's outcome once the step's lease is released: counted and annotated on
+        its span; its blocks to recompute."""
+        spec = part.job.spec
+        loaded = part.loaded
+        attrs = dict(step)
+        if part.moved and not held:
+            loaded = spec.start
+            attrs["ctxcache.kv.lease_race"] = True
+            self.counters.add("load_races")
+            log.warning(
+                "request %s: the step's lease ended before its copies did; recomputing",
+                spec.req_id,
+            )
+        elif part.moved:
+            self.counters.add("load_bytes_shm", part.moved)
+            attrs["ctxcache.kv.bytes_shm"] = part.moved
+            attrs["ctxcache.kv.blocks_shm"] = part.blocks
+        attrs["ctxcache.kv.loaded_tokens"] = loaded - spec.start
+        if part.span is not None:
+            part.span.set_attributes(attrs)
+        self.counters.add("loaded_tokens", loaded - spec.start)
+        if loaded >= spec.end:
+            return set()
+        self.counters.add("load_failures")
+        return self._blocks_of(spec.block_ids, loaded, spec.end)
 
     def _load_paths(self, job: _Job, spec: LoadSpec, pieces: list[Piece]) -> int:
         if self.local is not None:
@@ -552,14 +729,43 @@ class WorkerSide:
         self, job: _Job, pieces: list[Piece], lease: Lease, region: torch.Tensor, t0: float
     ) -> tuple[int, list[Piece]]:
         """The copies of a lease's blocks, whole before its release: a sync load waits on
-        the host (the release confirms the lease held through them), the loader thread
-        polls their handle. Should they raise, the lease goes back once none runs."""
-        assert self.local is not None and self.copier is not None
+        the host, the loader thread polls their handle; the release (trusted at once if the
+        lease is valid beyond doubt, `LocalClient.release`) says the lease held through
+        them. Should they raise, the lease goes back once none runs."""
+        assert self.local is not None
+        spec = job.spec
+        try:
+            done, moved, rest, blocks = self._copy_blocks(job, pieces, lease.blocks, region)
+        except BaseException:
+            self.local.release(lease, defer=False)  # what was written is recomputed
+            raise
+        if not self.local.release(lease):
+            tracing.annotate({"ctxcache.kv.lease_race": True})
+            self.counters.add("load_races")
+            log.warning("request %s: the lease ended before the copy did; recomputing", spec.req_id)
+            return spec.start, []
+        self.counters.add("load_bytes_shm", moved)
+        self.counters.add("load_us_shm", round((time.perf_counter() - t0) * 1e6))
+        tracing.annotate({"ctxcache.kv.bytes_shm": moved, "ctxcache.kv.blocks_shm": blocks})
+        return done, rest
+
+    def _copy_blocks(
+        self,
+        job: _Job,
+        pieces: list[Piece],
+        blocks: Sequence[Slot | str | None],
+        region: torch.Tensor,
+    ) -> tuple[int, int, list[Piece], int]:
+        """Write `pieces` from their leased `blocks`, the copies done when this returns.
+        Returns the first token written past, the bytes read, the pieces to get over TCP
+        (from a block the sidecar holds but could not place in the region) and how many
+        blocks went in the engine's layout. Should a copy raise, it raises once none runs."""
+        assert self.copier is not None
         spec = job.spec
         done, moved, rest = spec.start, 0, []
         batch: list[tuple[list[int], torch.Tensor, int, int]] = []  # engine-layout pieces
         try:
-            for i, (piece, block) in enumerate(zip(pieces, lease.blocks, strict=True)):
+            for i, (piece, block) in enumerate(zip(pieces, blocks, strict=True)):
                 lo, hi = max(done, piece.begin), min(spec.end, piece.end)
                 if block == TCP:
                     rest = pieces[i:]
@@ -578,17 +784,8 @@ class WorkerSide:
             self._settle(self._copy(self.copier.write_many, batch, job.after), job.background)
         except BaseException:
             self._quiesce(spec.req_id)  # no copy reads the leased slots any more
-            self.local.release(lease)  # they go back; what was written is recomputed
             raise
-        if not self.local.release(lease):
-            tracing.annotate({"ctxcache.kv.lease_race": True})
-            self.counters.add("load_races")
-            log.warning("request %s: the lease ended before the copy did; recomputing", spec.req_id)
-            return spec.start, []
-        self.counters.add("load_bytes_shm", moved)
-        self.counters.add("load_us_shm", round((time.perf_counter() - t0) * 1e6))
-        tracing.annotate({"ctxcache.kv.bytes_shm": moved, "ctxcache.kv.blocks_shm": len(batch)})
-        return done, rest
+        return done, moved, rest, len(batch)
 
     def _copy(self, copy: Callable[..., Any], items: list[Any], after: Any) -> CopyHandle:
         """Issue the copier's `write_many`/`read_many` of `items` after the compute stream's
