@@ -18,49 +18,41 @@ from tests.utils import check_png, require_vllm
 
 @pytest.mark.timeout(300)
 def test_kvpath_times_both_paths_against_a_plain_copy(tmp_path: Path) -> None:
+    """Both paths, and `--block-tokens 64,128`: every row once per kernel block size, named
+    in a column (one run: a bench run costs seconds)."""
     data = run_bench(
         "kvpath",
         tmp_path / "kvpath",
-        *("--shapes", "small", "--rounds", "1", "--tokens", "512", "--paths", "tcp,shm"),
-    )
-    rows = data["results"]
-    cases = {(r["path"], r["op"]) for r in rows}  # tcp also times its GETs alone
-    assert cases == {(p, op) for p in ("tcp", "shm") for op in ("load", "store")} | {("tcp", "get")}
-    for r in rows:
-        assert r["tokens"] == 512 and r["bytes"] > 0
-        assert r["vs_copy"] > 0 and r["gbps"] > 0, r
-    shm = next(r for r in rows if (r["path"], r["op"]) == ("shm", "load"))
-    assert shm["counters"]["load_bytes_shm"] > 0  # the shm rows went through shared memory
-
-    assert all(r["block_tokens"] == 128 for r in rows)  # CPU's default: vLLM's CPU backend
-    assert (
-        "gpu_seconds" not in shm
-        and "On the GPU" not in (tmp_path / "kvpath" / "kvpath.md").read_text()
-    )
-
-
-@pytest.mark.timeout(300)
-def test_kvpath_runs_each_kernel_block_size_as_a_case(tmp_path: Path) -> None:
-    """`--block-tokens 64,128`: every row twice, once per block size, named in a column."""
-    data = run_bench(
-        "kvpath",
-        tmp_path / "kvpath",
-        *("--shapes", "small", "--rounds", "1", "--tokens", "300", "--paths", "shm"),
+        *("--shapes", "small", "--rounds", "1", "--tokens", "300", "--paths", "tcp,shm"),
         *("--block-tokens", "64,128"),
     )
     rows = data["results"]
     assert data["meta"]["block_tokens"] == [64, 128]
-    assert sorted((r["block_tokens"], r["op"]) for r in rows) == [
-        (64, "load"),
-        (64, "store"),
-        (128, "load"),
-        (128, "store"),
-    ]
-    assert all(r["vs_copy"] > 0 and r["counters"]["load_bytes_shm"] > 0 for r in rows)
+    cases = {(p, op) for p in ("tcp", "shm") for op in ("load", "store")} | {("tcp", "get")}
+    for n in (64, 128):  # tcp also times its GETs alone
+        assert {(r["path"], r["op"]) for r in rows if r["block_tokens"] == n} == cases
+    for r in rows:
+        assert r["tokens"] == 300 and r["bytes"] > 0
+        assert r["vs_copy"] > 0 and r["gbps"] > 0, r
+    for r in rows:
+        if r["path"] == "shm":  # the shm rows went through shared memory
+            assert r["counters"]["load_bytes_shm"] > 0, r
     table = (tmp_path / "kvpath" / "kvpath.md").read_text()
     assert (
         "| N |" in table.replace("KV shape | N", "| N |") and "64,128-token kernel blocks" in table
     )
+    assert "gpu_seconds" not in rows[0] and "On the GPU" not in table
+
+
+def test_the_default_kernel_block_sizes_follow_the_device() -> None:
+    """CPU: vLLM's CPU backend's 128; CUDA: the GPU default 16 beside 128."""
+    import torch
+
+    from benchmarks.kvpath import block_sizes
+
+    assert block_sizes(None, torch.device("cpu")) == [128]
+    assert block_sizes(None, torch.device("cuda")) == [16, 128]
+    assert block_sizes("16, 64", torch.device("cpu")) == [16, 64]
 
 
 def test_the_gpu_table_puts_peak_memory_beside_the_ring() -> None:
