@@ -46,6 +46,20 @@ class ConnectorConfig(StrictModel):
         "waiting for its release's answer; the release rides on the next request to the "
         "sidecar (docs/sidecar.md, invariant 8). False: every release is a round trip",
     )
+    ring_slots: int = Field(
+        2,
+        ge=1,
+        le=16,
+        description="(CUDA) device slots of the copy ring every shm load and store goes "
+        "through, allocated once at start-up (docs/vllm.md)",
+    )
+    ring_slot_mib: int = Field(
+        32,
+        ge=1,
+        le=1024,
+        description="(CUDA) MiB per ring slot: the largest piece fits one slot unsplit "
+        "(a 256-token Llama-3-8B bf16 chunk is 32 MiB); a load takes no more device memory",
+    )
     required: bool = Field(
         False,
         description="fail vLLM's start-up when the connector cannot serve this engine (MLA, "

@@ -40,7 +40,6 @@ copies' handle is `done()`.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 import math
 import threading
@@ -102,21 +101,6 @@ class CopyHandle(Protocol):
     def done(self) -> bool: ...
 
     def wait(self) -> None: ...
-
-
-class _Done:
-    """Copies that are complete (CPU copies, or ones waited for on the host)."""
-
-    event = None
-
-    def done(self) -> bool:
-        return True
-
-    def wait(self) -> None:
-        return None
-
-
-_DONE = _Done()
 
 
 class _EventDone:
@@ -209,7 +193,6 @@ class WorkerSide:
         self._loaded_lock = threading.Lock()
         self._loaded: dict[str, _Loaded] = {}  # (async) loads over on the host
         self.off: str | None = None  # why this worker cannot load or store (register failed)
-        self._copier_orders = False  # the copier takes `after=` and returns handles
         self._pin_regions = False  # (CUDA) pin each mapped region, on its own thread
         self._pinning: list[threading.Thread] = []
 
@@ -255,10 +238,12 @@ class WorkerSide:
         self.caches, self.layouts = caches, layouts
         shape = KVShape(len(caches), first.heads, first.head_dim, caches[0].dtype)
         self.shape = shape
-        self.copier = BlockCopier(caches, layouts)
-        # today's copier orders its copies after the calling thread's stream and is waited
-        # for as a whole; the bounded ring takes the event and returns a handle per call
-        self._copier_orders = "after" in inspect.signature(self.copier.write_many).parameters
+        self.copier = BlockCopier(
+            caches,
+            layouts,
+            ring_slots=self.config.ring_slots,
+            slot_bytes=self.config.ring_slot_mib << 20,
+        )
         self._pin_regions = caches[0].is_cuda
         self.sidecar = SidecarKV(
             kv_client_factory(self.config.sidecar_url, self.config.timeout_s),
@@ -787,21 +772,11 @@ class WorkerSide:
             raise
         return done, moved, rest, len(batch)
 
-    def _copy(self, copy: Callable[..., Any], items: list[Any], after: Any) -> CopyHandle:
-        """Issue the copier's `write_many`/`read_many` of `items` after the compute stream's
-        event `after`; their handle. Today's copier (no `after`, no handle) orders its side
-        stream after the calling thread's stream, which is made to wait for `after` first,
-        and is waited for on the host."""
-        assert self.copier is not None
-        if self._copier_orders:
-            handle = copy(items, after=after)
-            if handle is not None:
-                return handle
-        else:
-            self._order_after(after)
-            copy(items)
-        self.copier.wait()
-        return _DONE
+    @staticmethod
+    def _copy(copy: Callable[..., CopyHandle], items: list[Any], after: Any) -> CopyHandle:
+        """Issue the copier's `write_many`/`read_many` of `items`, touching the cache only
+        after the compute stream's event `after`; their handle (`BlockCopier`)."""
+        return copy(items, after=after)
 
     def _order_after(self, after: Any) -> None:
         """Make the calling thread's current stream wait for `after` (the loader thread's

@@ -238,6 +238,7 @@ def check_gateway_rows(
             assert r["ttft_ms"] is None
 
 
+@pytest.mark.slow  # a benchmark's run end to end, 10-20 s: make test-slow (docs/testing.md)
 @pytest.mark.timeout(300)
 def test_bench_worker_reuses_cached_history(tmp_path: Path, tiny_model: Path) -> None:
     contexts = (40, 300)

@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 import httpx
+import pytest
 
 from tests.faults.conftest import REDIS_TIMEOUT_S, Conversation, FaultStack, stopped
 
@@ -59,6 +60,7 @@ def test_redis_killed_gives_store_unavailable_then_recovers(fstack: FaultStack) 
         assert conv.info()["turns"] == before["turns"] + 1
 
 
+@pytest.mark.slow  # waits out socket timeouts and a lock hand-back, 14 s: docs/testing.md
 def test_stalled_redis_is_a_bounded_503_and_leaves_the_session_usable(
     fstack: FaultStack,
 ) -> None:

@@ -327,6 +327,7 @@ def turn_when_free(http: httpx.Client, sid: str, question: str, within_s: float)
         time.sleep(int(r.headers["retry-after-ms"]) / 1000)
 
 
+@pytest.mark.slow  # a configuration of its own (a Cluster, a Sentinel set) failing over
 def test_a_cluster_master_killed_mid_run_fails_over_losing_no_acknowledged_turn(
     fstack: FaultStack, cluster: RedisClusterServers
 ) -> None:
@@ -343,6 +344,7 @@ def test_a_cluster_master_killed_mid_run_fails_over_losing_no_acknowledged_turn(
     cluster.wait_ok()  # a replica took over: three masters again
 
 
+@pytest.mark.slow  # a configuration of its own (a Cluster, a Sentinel set) failing over
 def test_a_sentinel_master_killed_mid_run_fails_over_losing_no_acknowledged_turn(
     fstack: FaultStack, sentinel: RedisSentinelServers
 ) -> None:

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from ctxcache.redis_server import RedisServer
-from tests.utils import ServiceProcess, SidecarProcess
+from tests.utils import ServiceProcess, SidecarProcess, start_all
 
 SDK = Callable[..., openai.OpenAI]
 KEYS = {"key-a": "tenant-a", "key-b": "tenant-b", "key-c": "tenant-c", "key-d": "tenant-d"}
@@ -72,9 +72,17 @@ class Stack:
         )
 
     def restart_worker(self, i: int) -> None:
-        old = self.workers[i]
-        old.stop()
-        self.workers[i] = self.worker_proc(i, port=old.port).start()
+        self.restart_workers([i])
+
+    def restart_workers(self, indices: list[int]) -> None:
+        """Stop these workers, then start them again on their ports side by side."""
+        old = [self.workers[i] for i in indices]
+        for proc in old:
+            proc.stop()
+        again = [self.worker_proc(i, port=p.port) for i, p in zip(indices, old, strict=True)]
+        new = start_all(again)
+        for i, proc in zip(indices, new, strict=True):
+            self.workers[i] = proc
 
     def client(self, key: str = "key-a", **kw: object) -> httpx.Client:
         return httpx.Client(
@@ -95,10 +103,7 @@ def stack(
     s = Stack(root=root, redis=redis_server, model_dir=tiny_model)
     try:
         s.start_sidecar()
-        procs = [s.worker_proc(i) for i in range(2)]
-        for p in procs:  # start both, then wait: they load the model in parallel
-            p.startup_timeout = 120
-        s.workers = [p.start() for p in procs]
+        s.workers = start_all([s.worker_proc(i) for i in range(2)])
         argv = ["gateway", "--redis-url", redis_server.url]
         for w in s.workers:
             argv += ["--worker", f"{w.url}={s.sidecar_url}"]

@@ -120,8 +120,7 @@ def test_fork_reads_its_parents_blocks_from_the_sidecar(stack: Stack, sdk: SDK) 
     the parent's KV tag."""
     client = sdk()
     r1, _ = chain(client, QUESTIONS[:2])
-    for i in range(len(stack.workers)):
-        stack.restart_worker(i)
+    stack.restart_workers(list(range(len(stack.workers))))
     deadline = time.time() + 60
     while time.time() < deadline:  # the gateway sees both workers again
         with stack.client() as http:

@@ -273,7 +273,6 @@ def ordering_copier(
             return handle
 
         monkeypatch.setattr(side.copier, name, ordered)
-    monkeypatch.setattr(side, "_copier_orders", True)
     return calls
 
 
