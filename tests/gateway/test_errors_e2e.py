@@ -6,6 +6,7 @@ import time
 from typing import Any
 
 import httpx
+import redis
 
 from ctxcache.lmcache_keys import session_key
 from ctxcache.net import free_port
@@ -293,33 +294,40 @@ def test_delete_drops_the_sessions_kv(stack: Stack) -> None:
 
 
 def test_worker_killed_mid_conversation(stack: Stack) -> None:
-    """Kill each worker in turn (one of them is the session's affine worker)."""
+    """Kill the session's affine worker (as Redis records it: the worker its KV is warm
+    on) between turns: the next turn runs on the other one, with the same answer."""
     with stack.client() as a:
         r = a.post(
             "/v1/context", json={"model": "tiny", "prompt": DOC, "max_tokens": 4, "temperature": 0}
         )
         sid = r.json()["session_id"]
         text = DOC + r.json()["choices"][0]["text"]
-        for victim in range(len(stack.workers)):
-            stack.workers[victim].kill()
-            try:
-                r = turn(a, sid, temperature=0, max_tokens=4)
-                assert r.status_code == 200, r.text
-                text += " and"
-                want = a.post(
-                    "/v1/completions",
-                    json={"model": "tiny", "prompt": text, "max_tokens": 4, "temperature": 0},
-                )
-                assert r.json()["choices"][0]["text"] == want.json()["choices"][0]["text"]
-                text += r.json()["choices"][0]["text"]
-            finally:
-                stack.restart_worker(victim)
-            assert wait_for(
-                lambda: (
-                    a.get("/ready").status_code == 200 and a.get("/ready").json()["workers"] == 2
-                ),
-                30,
+        r = turn(a, sid, temperature=0, max_tokens=4)  # a turn records the affinity
+        assert r.status_code == 200, r.text
+        text += " and" + r.json()["choices"][0]["text"]
+        store = redis.Redis(port=stack.redis.port)
+        try:
+            affine = store.hget(f"ctx:{{{sid}}}", "affinity")
+        finally:
+            store.close()
+        assert affine is not None and affine.decode() in ("w0", "w1"), affine
+        victim = int(affine.decode()[1:])  # the gateway names its workers w0, w1 in order
+        stack.workers[victim].kill()
+        try:
+            r = turn(a, sid, temperature=0, max_tokens=4)
+            assert r.status_code == 200, r.text
+            text += " and"
+            want = a.post(
+                "/v1/completions",
+                json={"model": "tiny", "prompt": text, "max_tokens": 4, "temperature": 0},
             )
+            assert r.json()["choices"][0]["text"] == want.json()["choices"][0]["text"]
+        finally:
+            stack.restart_worker(victim)
+        assert wait_for(
+            lambda: a.get("/ready").status_code == 200 and a.get("/ready").json()["workers"] == 2,
+            30,
+        )
 
 
 def test_backend_and_store_failures_map_to_the_table(stack: Stack) -> None:
