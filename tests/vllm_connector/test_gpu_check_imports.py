@@ -25,6 +25,10 @@ ABSENT = (
 IMPORTS = (
     "sidecar.service",
     "vllm_connector.worker",
+    "vllm_connector.loads",
+    "vllm_connector.stores",
+    "vllm_connector.ordering",
+    "vllm_connector.regions",
     "vllm_connector.blockcopy",
     "vllm_connector.ring",
     "benchmarks.kvpath",

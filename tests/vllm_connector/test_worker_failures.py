@@ -17,7 +17,9 @@ from typing import Any
 import pytest
 import torch
 
-import vllm_connector.worker as worker_mod
+import vllm_connector.loads as loads_mod
+import vllm_connector.ordering as ordering_mod
+import vllm_connector.regions as regions_mod
 from sidecar.service import Sidecar
 from sidecar.settings import SidecarSettings
 from tests.utils import local_dir_fixture  # noqa: F401 (the local_dir fixture)
@@ -112,7 +114,7 @@ def test_a_tcp_load_that_raises_midway_keeps_what_it_wrote(
     try:
         ps = pieces("tcp-oom")  # 64-token pieces: the second one fails
         store(side, ps)
-        write = side._write_2ltd
+        write = loads_mod.write_2ltd
         calls = []
 
         def second_fails(*args: Any) -> None:
@@ -121,7 +123,7 @@ def test_a_tcp_load_that_raises_midway_keeps_what_it_wrote(
                 raise OOM
             write(*args)
 
-        monkeypatch.setattr(side, "_write_2ltd", second_fails)
+        monkeypatch.setattr(loads_mod, "write_2ltd", second_fails)
         assert load(side, ps) == blocks_from(64)
         assert torch.equal(kv(side, DST, 64), kv(side, SRC, 64))
         counts = side.counters.drain()
@@ -177,7 +179,7 @@ def test_a_step_whose_compute_event_cannot_be_recorded_loads_nothing_and_goes_on
     try:
         ps = pieces("no-event")
         store(side, ps)
-        monkeypatch.setattr(worker_mod, "compute_done", raising(RuntimeError("CUDA error")))
+        monkeypatch.setattr(ordering_mod, "compute_done", raising(RuntimeError("CUDA error")))
         plan = [LoadSpec("x", 0, TOKENS, ps, DST), LoadSpec("y", 0, 32, ps[:1], [5, 6])]
         side.load(StepPlan(loads=plan))
         assert side.take_invalid() == set(DST) | {5, 6}
@@ -284,7 +286,7 @@ def test_loads_and_stores_wait_for_the_event_recorded_on_vllms_thread(
     side = worker(sidecar, local_dir)
     try:
         recorder = Recorder()
-        monkeypatch.setattr(worker_mod, "compute_done", recorder)
+        monkeypatch.setattr(ordering_mod, "compute_done", recorder)
         handle = FakeHandle()
         handle.ready.set()
         calls = ordering_copier(side, monkeypatch, handle)
@@ -311,7 +313,7 @@ def test_an_async_load_carries_the_submitting_steps_event_and_is_reported_when_d
         ps = pieces("async-ordered")
         store(side, ps)
         recorder = Recorder()
-        monkeypatch.setattr(worker_mod, "compute_done", recorder)
+        monkeypatch.setattr(ordering_mod, "compute_done", recorder)
         handle = FakeHandle()  # the device has not finished the copies
         calls = ordering_copier(side, monkeypatch, handle)
         side.load(StepPlan(loads=[LoadSpec("a", 0, TOKENS, ps, DST)]))
@@ -357,13 +359,13 @@ def test_a_restarted_sidecars_region_is_pinned_beside_the_loads(
         unpinned.append(view)
         return True
 
-    monkeypatch.setattr(worker_mod, "register_host", slow_register)
-    monkeypatch.setattr(worker_mod, "unregister_host", unregister)
+    monkeypatch.setattr(regions_mod, "register_host", slow_register)
+    monkeypatch.setattr(regions_mod, "unregister_host", unregister)
     settings = SidecarSettings(port=0, memory_bytes=64 << 20, local_dir=local_dir)
     first = Sidecar(settings).start()
     side = worker(first, local_dir)
     try:
-        side._pin_regions = True  # as on a GPU (the region mapped at start-up was not)
+        side.regions.pin = True  # as on a GPU (the region mapped at start-up was not)
         first.stop()
         second = Sidecar(settings.model_copy(update={"port": first.port})).start()
         try:
@@ -377,9 +379,9 @@ def test_a_restarted_sidecars_region_is_pinned_beside_the_loads(
             assert len(pinning) == 1 and pinning[0][0] == "ctxcache-pin"
             assert not release.is_set() and not unpinned  # still pinning, beside the loads
             release.set()
-            for thread in side._pinning:
+            for thread in side.regions._pinning:
                 thread.join(10)
-            assert [pinned for _, pinned in side._regions.values()] == [True]
+            assert [pinned for _, pinned in side.regions._views.values()] == [True]
             side.close()
             assert len(unpinned) == 1 and unpinned[0] is pinning[0][1]
         finally:
@@ -395,12 +397,12 @@ def test_a_region_that_cannot_be_pinned_is_used_unpinned(
     def broken_register(view: torch.Tensor) -> bool:
         raise RuntimeError("cudaHostRegister: out of memory")
 
-    monkeypatch.setattr(worker_mod, "register_host", broken_register)
+    monkeypatch.setattr(regions_mod, "register_host", broken_register)
     settings = SidecarSettings(port=0, memory_bytes=64 << 20, local_dir=local_dir)
     first = Sidecar(settings).start()
     side = worker(first, local_dir)
     try:
-        side._pin_regions = True
+        side.regions.pin = True
         first.stop()
         second = Sidecar(settings.model_copy(update={"port": first.port})).start()
         try:
@@ -408,10 +410,10 @@ def test_a_region_that_cannot_be_pinned_is_used_unpinned(
             store(side, ps)
             assert load(side, ps) == set()
             assert torch.equal(kv(side, DST), kv(side, SRC))
-            for thread in side._pinning:
+            for thread in side.regions._pinning:
                 thread.join(10)
             assert "copies from it stay pageable" in caplog.text
-            assert [pinned for _, pinned in side._regions.values()] == [False]
+            assert [pinned for _, pinned in side.regions._views.values()] == [False]
         finally:
             second.stop()
     finally:

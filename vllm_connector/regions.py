@@ -1,0 +1,134 @@
+"""The local sidecar's shared regions as the connector's worker half sees them
+(`vllm_connector.worker.WorkerSide` owns one `Regions`).
+
+Each region a `LocalClient` maps is viewed as bytes, per generation (a restarted sidecar
+maps a new one). On a GPU each is pinned for DMA on a thread of its own
+(`cudaHostRegister` of a large region takes seconds; copies from it run unpinned, slower
+but correct, meanwhile). A lease's copies hold its region (`use` … `done_with`); an
+earlier generation's region goes, unpinned, once no copy uses it (`let_go`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import torch
+
+from sidecar.local_client import Region
+from vllm_connector.blockcopy import register_host, unregister_host
+
+# the connector's worker half logs as one (operators' settings name this logger)
+log = logging.getLogger("vllm_connector.worker")
+
+_PIN_JOIN_S = 30.0  # how long `close` waits for a region's pinning to finish
+
+
+class Regions:
+    def __init__(self) -> None:
+        # the local sidecars' regions as bytes, per generation: (tensor, pinned for DMA);
+        # an earlier generation's goes (unpinned) once no copy uses it (`let_go`)
+        self._views: dict[str, tuple[torch.Tensor, bool]] = {}
+        self._users: dict[str, int] = {}
+        self._generation: str | None = None
+        self._lock = threading.Lock()
+        self.pin = False  # (CUDA) pin each mapped region, on its own thread
+        self._pinning: list[threading.Thread] = []
+
+    def mapped(self, region: Region) -> None:
+        """A (new) region is mapped: view it as bytes, and on a GPU pin it for DMA on a
+        thread of its own (`cudaHostRegister` of a large region takes seconds: the load
+        that noticed the new region, and those after it, copy from it unpinned meanwhile,
+        slower but correct). The earlier one is let go once no copy uses it."""
+        view = torch.frombuffer(region.map, dtype=torch.uint8)
+        with self._lock:
+            self._views[region.generation] = (view, False)
+            self._generation = region.generation
+        self.let_go()
+        if self.pin:
+            pin = threading.Thread(
+                target=self._pin_one,
+                args=(region.generation, view),
+                name="ctxcache-pin",
+                daemon=True,
+            )
+            self._pinning = [t for t in self._pinning if t.is_alive()] + [pin]
+            pin.start()
+
+    def _pin_one(self, generation: str, view: torch.Tensor) -> None:
+        """(On its own thread.) Pin a region; a failure leaves it pageable (a log line). A
+        region let go while it was being pinned is unpinned here."""
+        t0 = time.perf_counter()
+        try:
+            pinned = register_host(view)
+        except Exception:
+            log.exception("pinning the shared region failed; copies from it stay pageable")
+            return
+        if not pinned:
+            log.warning("the shared region (%s) stays pageable: slower copies", generation)
+            return
+        with self._lock:
+            entry = self._views.get(generation)
+            kept = entry is not None and entry[0] is view
+            if kept:
+                self._views[generation] = (view, True)
+        if not kept:
+            self._unpin(view)
+            return
+        log.info(
+            "pinned the shared region (%s, %d MiB) in %.1f s",
+            generation,
+            view.numel() >> 20,
+            time.perf_counter() - t0,
+        )
+
+    @staticmethod
+    def _unpin(view: torch.Tensor) -> None:
+        try:
+            unregister_host(view)
+        except Exception:
+            log.exception("unpinning a shared region failed")
+
+    def use(self, region: Region | None) -> torch.Tensor:
+        """The bytes of the region a lease is in, held until `done_with`."""
+        assert region is not None
+        with self._lock:
+            if region.generation not in self._views:  # (mapped before we listened)
+                self._views[region.generation] = (
+                    torch.frombuffer(region.map, dtype=torch.uint8),
+                    False,
+                )
+            gen = region.generation
+            self._users[gen] = self._users.get(gen, 0) + 1
+            return self._views[gen][0]
+
+    def done_with(self, region: Region | None) -> None:
+        assert region is not None
+        with self._lock:
+            self._users[region.generation] -= 1
+        self.let_go()
+
+    def let_go(self, everything: bool = False) -> None:
+        """Unpin and drop the earlier sidecars' regions no copy uses (all, at close): the
+        mapping itself goes with the last reference to it."""
+        with self._lock:
+            gone = [
+                gen
+                for gen in self._views
+                if everything or (gen != self._generation and not self._users.get(gen))
+            ]
+            views = [self._views.pop(gen) for gen in gone]
+            for gen in gone:
+                self._users.pop(gen, None)
+        for view, pinned in views:
+            if pinned:
+                self._unpin(view)
+
+    def close(self) -> None:
+        """Wait for the pinning threads (a region let go meanwhile is unpinned by its
+        thread), then unpin and drop every region."""
+        for pin in self._pinning:
+            pin.join(_PIN_JOIN_S)
+        self._pinning = []
+        self.let_go(everything=True)
