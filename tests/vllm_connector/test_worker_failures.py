@@ -137,8 +137,7 @@ def test_an_async_load_that_raises_is_reported_failed_with_its_blocks(
     local_dir: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    side = worker(sidecar, local_dir)
-    side.config = side.config.model_copy(update={"async_loads": True})
+    side = worker(sidecar, local_dir, async_loads=True)
     try:
         ps = pieces("async-oom")
         store(side, ps)
@@ -307,8 +306,7 @@ def test_an_async_load_carries_the_submitting_steps_event_and_is_reported_when_d
     local_dir: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    side = worker(sidecar, local_dir)
-    side.config = side.config.model_copy(update={"async_loads": True})
+    side = worker(sidecar, local_dir, async_loads=True)
     try:
         ps = pieces("async-ordered")
         store(side, ps)

@@ -61,12 +61,18 @@ def sidecar(local_dir: Path) -> Iterator[Sidecar]:
 
 
 def worker(
-    sidecar: Sidecar, local: Path | None, *, transposed: bool = False, chunk: int = 64
+    sidecar: Sidecar,
+    local: Path | None,
+    *,
+    transposed: bool = False,
+    chunk: int = 64,
+    async_loads: bool = False,
 ) -> WorkerSide:
     config = ConnectorConfig(
         sidecar_url=f"lm://127.0.0.1:{sidecar.port}",
         local_dir=str(local) if local else None,
         chunk_size=chunk,
+        async_loads=async_loads,
     )
     side = WorkerSide(config, N)
     write = plain_writer if transposed else flash_writer_of(N, DIM)
