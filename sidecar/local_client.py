@@ -137,9 +137,12 @@ class Region:
         self.view = memoryview(self.map)
 
     def close(self) -> None:
-        with contextlib.suppress(BufferError):  # views still exported: unmapped when they go
+        """Let the mapping go: it is unmapped when the last reference to it does. Never
+        `mmap.close()` here: `torch.frombuffer` (the connector's view of the region) keeps
+        a reference to the mmap but no buffer export, so an explicit close would unmap
+        memory a live tensor still points into (a segfault at its next use)."""
+        with contextlib.suppress(BufferError):  # slices of it still exported
             self.view.release()
-            self.map.close()
 
 
 class LocalError(ConnectionError):

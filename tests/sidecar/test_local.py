@@ -335,6 +335,40 @@ def test_the_sidecar_process_killed_during_a_load_is_a_miss_and_its_files_are_re
         client.close()
 
 
+_VIEW_OUTLIVES_CLOSE = """
+import sys
+import torch
+from sidecar.local_client import LocalClient, Slot
+
+client = LocalClient(sys.argv[1])
+lease = client.lease([sys.argv[2]])
+slot = lease.blocks[0]
+assert isinstance(slot, Slot)
+region = torch.frombuffer(client.region.map, dtype=torch.uint8)  # the connector's view
+client.release(lease)
+client.close()
+sys.stdout.write(bytes(region[slot.offset : slot.offset + 4].tolist()).hex())
+"""
+
+
+def test_a_tensor_over_the_region_outlives_the_clients_close(
+    local: Sidecar, local_dir: Path
+) -> None:
+    """Mechanism: `Region.close` never unmaps. `torch.frombuffer` holds the mmap object but
+    no buffer export, so `mmap.close()` would succeed under a live tensor, and the
+    tensor's next read would segfault (here: in a child process, so the crash is a
+    failure and not pytest's end)."""
+    put_tcp(local, key(1), payload(1000, 7))
+    out = subprocess.run(
+        [sys.executable, "-c", _VIEW_OUTLIVES_CLOSE, str(local_dir), key(1)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout == "07" * 4
+
+
 def _wait(cond: object, timeout: float = 5.0) -> None:
     import time
 
