@@ -1,5 +1,9 @@
-"""The local sidecar's shared regions as the connector's worker half sees them
+"""The local sidecar as the connector's worker half sees it
 (`vllm_connector.worker.WorkerSide` owns one `Regions`).
+
+Found at start-up (`open_local`) when its socket is in `local_dir`; a sidecar that starts
+after vLLM (a pod's containers start side by side) is looked for again every
+`LOOK_FOR_SOCKET_S` while the worker is on TCP (`find_local`), and used once there.
 
 Each region a `LocalClient` maps is viewed as bytes, per generation (a restarted sidecar
 maps a new one). On a GPU each is pinned for DMA on a thread of its own
@@ -13,16 +17,56 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
-from sidecar.local_client import Region
+from sidecar.local_client import LocalClient, LocalError, Region
 from vllm_connector.blockcopy import register_host, unregister_host
+
+if TYPE_CHECKING:
+    from vllm_connector.worker import WorkerSide
 
 # the connector's worker half logs as one (operators' settings name this logger)
 log = logging.getLogger("vllm_connector.worker")
 
 _PIN_JOIN_S = 30.0  # how long `close` waits for a region's pinning to finish
+LOOK_FOR_SOCKET_S = 5.0  # on TCP for want of the local sidecar's socket: looked for this often
+
+
+def open_local(side: WorkerSide) -> str:
+    """Use the local sidecar's shared memory when its socket is there; say which path."""
+    where = side.config.local_dir
+    if where is None:
+        return f"tcp ({side.config.sidecar_url})"
+    if not LocalClient.available(where):  # looked for again while on TCP (`find_local`)
+        log.warning(
+            "ctxcache connector: no local sidecar socket in %s; using TCP until it appears",
+            where,
+        )
+        side.look_at = time.monotonic() + LOOK_FOR_SOCKET_S
+        return f"tcp ({side.config.sidecar_url}; no socket in {where})"
+    side.local = LocalClient(
+        where, timeout=side.config.timeout_s, defer_releases=side.config.shm_deferred_release
+    )
+    side.local.on_map.append(side.regions.mapped)
+    try:
+        side.local.connect()
+    except LocalError as exc:  # tried again at each load; TCP meanwhile
+        log.warning("ctxcache connector: local sidecar not answering yet (%s)", exc)
+    return f"shm ({where})"
+
+
+def find_local(side: WorkerSide) -> None:
+    """(On the model-runner thread: `load`, `save`.) While on TCP for want of the socket,
+    look for it every `LOOK_FOR_SOCKET_S`; once it is there, loads and stores take shared
+    memory. A loader thread reads `side.local` as None or the client, never in between."""
+    if side.look_at is None or time.monotonic() < side.look_at or not side.enabled:
+        return
+    side.look_at = None
+    path = open_local(side)
+    if side.local is not None:
+        log.info("ctxcache connector: the local sidecar's socket appeared; KV path %s", path)
 
 
 class Regions:

@@ -7,7 +7,8 @@ and reports them, and hands stores to their path. What it uses:
   loads) and tcp (docs/vllm.md, "KV paths");
 - `vllm_connector.stores`: copying finished requests' blocks out, into the shared region
   or PUT over TCP;
-- `vllm_connector.regions`: the local sidecar's shared regions, mapped and pinned;
+- `vllm_connector.regions`: the local sidecar, found (also when it starts after vLLM)
+  and its shared regions mapped and pinned;
 - `vllm_connector.ordering`: the copies ordered after vLLM's compute stream, their handles.
 
 By default loads are synchronous (the step's forward attends over them); with `async_loads`
@@ -39,7 +40,7 @@ import torch
 
 from ctxcache import tracing
 from ctxcache.lmcache_keys import parse_key
-from sidecar.local_client import LocalClient, LocalError
+from sidecar.local_client import LocalClient
 from vllm_connector import loads, ordering, stores
 from vllm_connector.blockcopy import BlockCopier, kernel_blocks
 from vllm_connector.config import ConnectorConfig
@@ -47,7 +48,7 @@ from vllm_connector.layout import BlockLayout, CacheWriter, probe_layout
 from vllm_connector.loads import Job
 from vllm_connector.ordering import CopyHandle
 from vllm_connector.plan import LoadSpec, Piece
-from vllm_connector.regions import Regions
+from vllm_connector.regions import Regions, find_local, open_local
 from vllm_connector.scheduler import StepPlan
 from vllm_connector.stats import Counters
 from worker.kv.layout import KVShape
@@ -101,6 +102,7 @@ class WorkerSide:
         self._loaded_lock = threading.Lock()
         self._loaded: dict[str, _Loaded] = {}  # (async) loads over on the host
         self.off: str | None = None  # why this worker cannot load or store (register failed)
+        self.look_at: float | None = None  # (monotonic) when to look for the local socket again
 
     @property
     def enabled(self) -> bool:
@@ -158,7 +160,7 @@ class WorkerSide:
             max_pending_bytes=self.config.max_pending_store_bytes,
             on_error=lambda op: self.counters.add("sidecar_errors"),
         )
-        path = self._open_local()
+        path = open_local(self)
         log.info(
             "ctxcache connector: %d layers, %d kv heads x %d, %s, %d-token kernel blocks; "
             "KV path %s",
@@ -170,29 +172,12 @@ class WorkerSide:
             path,
         )
 
-    def _open_local(self) -> str:
-        """Use the local sidecar's shared memory when its socket is there; say which path."""
-        where = self.config.local_dir
-        if where is None:
-            return f"tcp ({self.config.sidecar_url})"
-        if not LocalClient.available(where):
-            log.warning("ctxcache connector: no local sidecar socket in %s; using TCP", where)
-            return f"tcp ({self.config.sidecar_url}; no socket in {where})"
-        self.local = LocalClient(
-            where, timeout=self.config.timeout_s, defer_releases=self.config.shm_deferred_release
-        )
-        self.local.on_map.append(self.regions.mapped)
-        try:
-            self.local.connect()
-        except LocalError as exc:  # tried again at each load; TCP meanwhile
-            log.warning("ctxcache connector: local sidecar not answering yet (%s)", exc)
-        return f"shm ({where})"
-
     # -- loads ----------------------------------------------------------------------------
     def load(self, plan: StepPlan) -> None:
         """This step's loads: carried out now, or with `async_loads` started (each is
         reported by `take_loaded` once whole, or failed). On vLLM's model-runner thread:
         the event the copies wait on is recorded here, on the stream it computes on."""
+        find_local(self)
         if not plan.loads:
             return
         try:
@@ -390,6 +375,7 @@ class WorkerSide:
         """Copy the finished requests' blocks out (`stores.save`: on vLLM's model-runner
         thread, after the forward pass). Never raises: a store that fails is dropped,
         counted and logged."""
+        find_local(self)
         stores.save(self, plan)
 
     def take_sent(self) -> set[str]:

@@ -17,10 +17,12 @@ import pytest
 import torch
 
 from benchmarks.kvpath import flash_writer as flash_writer_of
+from ctxcache.net import free_port
 from sidecar.local_client import Lease
 from sidecar.service import Sidecar
 from sidecar.settings import SidecarSettings
 from tests.utils import local_dir_fixture  # noqa: F401 (the local_dir fixture)
+from vllm_connector import regions
 from vllm_connector.config import ConnectorConfig
 from vllm_connector.layout import gather, token_slots
 from vllm_connector.plan import LoadSpec, Piece, StoreSpec
@@ -200,6 +202,41 @@ def test_without_a_local_socket_the_connector_uses_tcp_and_says_so(
         assert load(side, ps) == set()
         assert torch.equal(kv(side, DST), kv(side, SRC))
         assert side.counters.drain()["load_bytes_tcp"] > 0
+    finally:
+        side.close()
+
+
+def test_a_local_sidecar_that_starts_after_vllm_is_found_and_its_shared_memory_used(
+    local_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """On a GPU node vLLM and the sidecar start side by side: a worker that found no
+    socket at start-up looks for it again (`LOOK_FOR_SOCKET_S`, here at once) and moves
+    to shared memory once it is there, without a restart."""
+    caplog.set_level(logging.INFO, logger="vllm_connector.worker")
+    monkeypatch.setattr(regions, "LOOK_FOR_SOCKET_S", 0.0)
+    port = free_port()
+    config = ConnectorConfig(sidecar_url=f"lm://127.0.0.1:{port}", local_dir=str(local_dir))
+    side = WorkerSide(config, N)
+    write = flash_writer_of(N, DIM)
+    side.register(caches(), {k: (write, HEADS, DIM) for k in caches()})
+    try:
+        assert side.enabled and side.local is None
+        ps = pieces("g")
+        assert load(side, ps) == set(DST)  # no sidecar at all yet: a miss
+        assert side.local is None  # (looked for, not there)
+        late = Sidecar(SidecarSettings(port=port, memory_bytes=64 << 20, local_dir=local_dir))
+        late.start()
+        try:
+            store(side, ps)
+            assert side.local is not None
+            assert load(side, ps) == set()
+            assert torch.equal(kv(side, DST), kv(side, SRC))
+            counts = side.counters.drain()
+            assert counts["store_bytes_shm"] > 0 and counts["load_bytes_shm"] > 0
+            assert "store_bytes_tcp" not in counts
+            assert "socket appeared; KV path shm" in caplog.text
+        finally:
+            late.stop()
     finally:
         side.close()
 
