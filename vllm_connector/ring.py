@@ -18,11 +18,10 @@ Three layers, so that CPU CI tests all but the last:
 - **the CUDA specifics**, thin on top: two side streams (`dma` for host<->slot, `kernel` for
   slot<->cache), one event per slot so a slot is reused only once its previous scatter (or
   DMA out) ran — a wait on the GPU, never the host — and the scatter/gather as one Triton
-  kernel over all layers and entries (`_move_rows_kernel`: a table of layer offsets from
-  the first layer's storage, since vLLM allocates every layer's cache separately; checked
-  against torch at start-up) where torch ships Triton, else one `index_copy_` /
-  `index_select` per layer. The block indices of a call go up in one copy from a pinned
-  buffer reused between calls (no pinned allocation per load).
+  kernel over all layers and entries (`vllm_connector.ring_kernel`, checked against torch
+  at start-up) where torch ships Triton, else one `index_copy_` / `index_select` per
+  layer. The block indices of a call go up in one copy from a pinned buffer reused
+  between calls (no pinned allocation per load).
 
 Within one call a cache block is written once (a load's blocks are distinct): whole blocks
 of a fill are scattered before its partial ones are merged, as in the host path.
@@ -44,11 +43,12 @@ from typing import Any, NamedTuple
 
 import torch
 
+from vllm_connector.ring_kernel import TritonMove, pick_kernel
+
 log = logging.getLogger(__name__)
 
 DEFAULT_SLOTS = 2
 DEFAULT_SLOT_BYTES = 32 << 20
-_TRITON_BLOCK = 1024  # words per Triton program (8 KiB of int64)
 
 
 class Piece(NamedTuple):
@@ -197,18 +197,6 @@ class Copies:
         self._keep.clear()
 
 
-def word_size(*byte_counts: int) -> int:
-    """The widest integer (8, 4, 2 or 1 bytes) dividing every count: the unit the Triton
-    kernel moves (an aligned int64 row lets it issue 16-byte vector loads)."""
-    for size in (8, 4, 2):
-        if all(c % size == 0 for c in byte_counts):
-            return size
-    return 1
-
-
-_WORD = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
-
-
 class Ring:
     """The ring slots, their events and the executor (module docstring).
 
@@ -249,12 +237,12 @@ class Ring:
         cuda = self.device.type == "cuda"
         self._dma = torch.cuda.Stream(self.device) if cuda else None
         self._kernel = torch.cuda.Stream(self.device) if cuda else None
-        self.kernel = _pick_kernel(kernel, self.device)
-        self._layer_words: torch.Tensor | None = None
+        self.kernel = pick_kernel(kernel, self.device)
+        self._triton: TritonMove | None = None
         if self.kernel == "triton":
             try:
-                self._setup_triton()
-                self._check_triton()
+                self._triton = TritonMove(self.rows, self.slot_bytes)
+                self._triton.check(self.slots[0])
             except Exception:
                 if kernel == "triton":
                     raise
@@ -262,6 +250,7 @@ class Ring:
                     "the ring's Triton kernel failed its check; index_copy_ instead", exc_info=True
                 )
                 self.kernel = "torch"
+                self._triton = None
         self._index_host: torch.Tensor | None = None  # pinned (CUDA), reused between calls
         self._index_dev: torch.Tensor | None = None
         self._index_ready: Any = None  # the event after the last upload out of `_index_host`
@@ -395,8 +384,8 @@ class Ring:
         of layer 0, rows between layers, cache block)."""
         if not fill.whole:
             return
-        if self.kernel == "triton":
-            self._move_triton(slot, index, gather=gather)
+        if self._triton is not None:
+            self._triton(slot, index, gather=gather)
             return
         slot_rows = slot.view(self.dtype).view(-1, self.elems)
         rows, steps, blocks = index
@@ -406,61 +395,6 @@ class Ring:
                 slot_rows.index_copy_(0, src, cache.index_select(0, blocks))
             else:
                 cache.index_copy_(0, blocks, slot_rows.index_select(0, src))
-
-    # -- the Triton kernel --------------------------------------------------------------
-    def _setup_triton(self) -> None:
-        """The word the kernel moves and each layer's offset, in words, from layer 0's
-        first block (vLLM allocates each layer's cache on its own: no common stride)."""
-        base = self.rows[0].data_ptr()
-        strides = [r.stride(0) * r.element_size() for r in self.rows]
-        if len(set(strides)) != 1:
-            raise ValueError(f"layers differ in block stride: {set(strides)}")
-        offsets = [r.data_ptr() - base for r in self.rows]
-        word = word_size(self.row_bytes, strides[0], base, self.slot_bytes, *offsets)
-        self._word = word
-        self._row_words = self.row_bytes // word
-        self._stride_words = strides[0] // word
-        self._base = torch.as_strided(self.rows[0].view(torch.uint8).view(_WORD[word]), (1,), (1,))
-        words = [o // word for o in offsets]
-        # the offsets' common power of two (up to 16 bytes): lets Triton vectorize the
-        # cache side as it does the slot's
-        self._offset_align = max(
-            a for a in (1, 2, 4, 8, 16) if a * word <= 16 and all(w % a == 0 for w in words)
-        )
-        self._layer_words = torch.tensor(
-            [o // word for o in offsets], dtype=torch.long, device=self.device
-        )
-
-    def _check_triton(self) -> None:
-        """Compile both directions at start-up (not in the first load) and check them:
-        block 0 of every layer into the first slot and back (the same bytes, before any
-        forward pass), the slot compared with torch's copy of those rows."""
-        index = torch.tensor([[0], [1], [0]], dtype=torch.long, device=self.device)
-        slot = self.slots[0]
-        self._move_triton(slot, index, gather=True)
-        self._move_triton(slot, index, gather=False)
-        got = slot[: len(self.rows) * self.row_bytes].view(self.dtype).view(len(self.rows), -1)
-        want = torch.stack([rows[0] for rows in self.rows])
-        if not torch.equal(got.view(torch.uint8), want.view(torch.uint8)):
-            raise RuntimeError("the Triton kernel moved other bytes than torch's copy")
-
-    def _move_triton(self, slot: torch.Tensor, index: torch.Tensor, *, gather: bool) -> None:
-        assert self._layer_words is not None
-        n = index.shape[1]
-        grid = (n, len(self.rows), -(-self._row_words // _TRITON_BLOCK))
-        _move_rows_kernel()[grid](
-            slot.view(_WORD[self._word]),
-            self._base,
-            self._layer_words,
-            index[0],
-            index[1],
-            index[2],
-            ROW=self._row_words,
-            STRIDE=self._stride_words,
-            BLOCK=_TRITON_BLOCK,
-            ALIGN=self._offset_align,
-            GATHER=gather,
-        )
 
     # -- the CUDA seams (no-ops on CPU) -------------------------------------------------
     @contextlib.contextmanager
@@ -503,69 +437,4 @@ def _split(index: torch.Tensor, fills: Sequence[Fill]) -> list[torch.Tensor]:
     return out
 
 
-def _pick_kernel(kernel: str, device: torch.device) -> str:
-    if kernel not in ("auto", "triton", "torch"):
-        raise ValueError(f"kernel {kernel!r}: auto, triton or torch")
-    if kernel != "auto":
-        return kernel
-    if device.type != "cuda":
-        return "torch"
-    try:
-        _move_rows_kernel()
-    except Exception as exc:  # no Triton in this torch build, or it cannot compile here
-        log.info("no Triton (%s): ring scatters are one index_copy_ per layer", exc)
-        return "torch"
-    return "triton"
-
-
-_KERNEL: Any = None
-
-
-def _move_rows_kernel() -> Any:
-    """The scatter/gather kernel, built on first use (Triton is imported only then, so
-    `TRITON_INTERPRET` set before that first use takes effect).
-
-    One program per (entry, layer, chunk of a row): slot row `row + layer * step` <-> block
-    `block` of layer `layer`, at `base + layer_words[layer] + block * STRIDE`. ROW and
-    STRIDE are compile-time, so Triton sees the rows' alignment and vectorizes."""
-    global _KERNEL
-    if _KERNEL is not None:
-        return _KERNEL
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def move_rows(
-        slot,
-        base,
-        layer_words,
-        rows,
-        steps,
-        blocks,
-        ROW: tl.constexpr,
-        STRIDE: tl.constexpr,
-        BLOCK: tl.constexpr,
-        ALIGN: tl.constexpr,
-        GATHER: tl.constexpr,
-    ):
-        entry = tl.program_id(0)
-        layer = tl.program_id(1)
-        part = tl.program_id(2)
-        row = tl.load(rows + entry)
-        step = tl.load(steps + entry)
-        block = tl.load(blocks + entry)
-        offset = tl.multiple_of(tl.load(layer_words + layer), ALIGN)
-        cols = part * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < ROW
-        in_slot = slot + (row + layer * step) * ROW + cols
-        in_cache = base + offset + block * STRIDE + cols
-        if GATHER:
-            tl.store(in_slot, tl.load(in_cache, mask=mask), mask=mask)
-        else:
-            tl.store(in_cache, tl.load(in_slot, mask=mask), mask=mask)
-
-    _KERNEL = move_rows
-    return _KERNEL
-
-
-__all__ = ["Copies", "Entry", "Fill", "Piece", "Ring", "Span", "merge_row", "plan", "word_size"]
+__all__ = ["Copies", "Entry", "Fill", "Piece", "Ring", "Span", "merge_row", "plan"]

@@ -31,6 +31,7 @@ IMPORTS = (
     "vllm_connector.regions",
     "vllm_connector.blockcopy",
     "vllm_connector.ring",
+    "vllm_connector.ring_kernel",
     "benchmarks.kvpath",
     "tests.vllm_connector.test_blockcopy",
     "tests.vllm_connector.test_ring",

@@ -23,7 +23,8 @@ from tests.vllm_connector.test_blockcopy import LAYERS, learned, random_caches, 
 from tests.vllm_connector.test_layout import BLOCKS, CASES, DIM, HEADS, TOKENS, cpu_cache
 from vllm_connector.blockcopy import BlockCopier
 from vllm_connector.layout import BlockLayout, probe_layout
-from vllm_connector.ring import Fill, Piece, plan, word_size
+from vllm_connector.ring import Fill, Piece, plan
+from vllm_connector.ring_kernel import word_size
 
 Make = Callable[[torch.dtype], torch.Tensor]
 ROOT = Path(__file__).resolve().parents[2]  # the repository (the GPU check has no yaml)
@@ -316,7 +317,7 @@ def test_the_triton_kernel_compiles_for_a_hopper_gpu_with_16_byte_accesses() -> 
         from triton.backends.compiler import GPUTarget
     except ImportError:
         pytest.skip("no Triton in this environment")
-    from vllm_connector.ring import _move_rows_kernel
+    from vllm_connector.ring_kernel import _move_rows_kernel
 
     signature = dict.fromkeys(("slot", "base", "layer_words", "rows", "steps", "blocks"), "*i64")
     signature |= dict.fromkeys(("ROW", "STRIDE", "BLOCK", "ALIGN", "GATHER"), "constexpr")
