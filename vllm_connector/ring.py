@@ -354,7 +354,7 @@ class Ring:
     def _upload(self, fills: Sequence[Fill]) -> list[torch.Tensor]:
         """Every fill's whole entries (rows, steps, blocks: `[3, n]` int64) on the device, in
         one copy from a pinned buffer reused between calls (on the `dma` stream, before
-        the fills' DMA, whose events the kernels wait for)."""
+        the fills' DMA; the `kernel` stream waits for it)."""
         total = sum(len(f.whole) for f in fills)
         flat = [e.row for f in fills for e in f.whole]
         flat += [e.step for f in fills for e in f.whole]
@@ -377,6 +377,8 @@ class Ring:
             dev = self._index_dev[: 3 * total]
             dev.copy_(self._index_host[: 3 * total], non_blocking=True)
             self._index_ready = self._record(self._dma)
+        # ... and this call's kernels read it: a read's gather waits for no DMA of its own
+        self._kernel.wait_event(self._index_ready)
         return _split(dev.view(3, total), fills)
 
     def _move(self, slot: torch.Tensor, index: torch.Tensor, fill: Fill, *, gather: bool) -> None:

@@ -462,6 +462,27 @@ class TestOnCuda:
         copier.read_many([([1, 4], out)], after=written).wait()
         assert bool((out.view(torch.bfloat16) == 3).all())
 
+    @pytest.mark.parametrize("kernel", ["auto", "torch"])
+    def test_a_read_gathers_with_its_own_block_indices(self, kernel: str) -> None:
+        """A call's block indices go up on the DMA stream; a read's gathers run on the other
+        stream and wait for no DMA of their own, so they must wait for that upload. With
+        the DMA stream held back by a spin, a read right after a read of other blocks
+        gathering too early would use the earlier read's indices (still in the buffer)."""
+        layouts = self.on_cuda(learned("flash", torch.bfloat16, flash_cache))
+        caches = [c.cuda() for c in random_caches(flash_cache, torch.bfloat16, seed=36)]
+        copier = BlockCopier(caches, layouts, kernel=kernel)
+        assert copier.ring is not None and copier.ring._dma is not None
+        first, second = (
+            torch.zeros(copier.nbytes(2 * TOKENS), dtype=torch.uint8).pin_memory() for _ in range(2)
+        )
+        copier.read_many([([1, 4], first)]).wait()
+        with torch.cuda.stream(copier.ring._dma):
+            torch.cuda._sleep(200_000_000)  # ~0.1 s before this read's indices go up
+        copier.read_many([([2, 5], second)]).wait()
+        for out, ids in ((first, [1, 4]), (second, [2, 5])):
+            want = rows(caches, layouts, ids).cpu().contiguous().view(torch.uint8).flatten()
+            assert torch.equal(out, want), f"blocks {ids}"
+
     def test_the_triton_kernel_is_chosen_where_torch_ships_triton(self) -> None:
         """ "auto" is Triton where it imports: a fallback here means the kernel failed its
         start-up check against torch's copy (logged), not that it is absent."""

@@ -1,9 +1,10 @@
 """The ring's CUDA ordering, on a machine without CUDA: its two streams and its events are
 replaced by fakes that log every wait and record (the bytes still move, on CPU), so the
 protocol itself is checked — the caches are touched only after `after`, a slot is refilled
-only after the event of its previous use, each scatter waits for its own fill's DMA, the
-handle carries the last copy's event, the index buffer is reused only after its upload ran
-— and the data still equals the host path's."""
+only after the event of its previous use, each scatter waits for its own fill's DMA, every
+kernel (a read's gathers too, which wait for no DMA of their own) waits for the upload of
+the block indices it reads, the handle carries the last copy's event, the index buffer is
+reused only after its upload ran — and the data still equals the host path's."""
 
 from __future__ import annotations
 
@@ -120,6 +121,7 @@ def test_a_load_is_ordered_after_its_event_and_slots_after_their_last_use(
     assert symbolic(trace.ops) == [
         "wait stream dma kernel",  # the index buffer: the last call's kernels read it
         "record dma E0",  # ... its upload
+        "wait kernel E0",  # ... which this call's kernels read
         "wait kernel e1",  # nothing touches the caches before `after`
         "record dma E1",  # fill 0 (slot 0): DMA
         "wait kernel E1",
@@ -156,8 +158,9 @@ def test_a_store_gathers_after_its_event_and_its_handle_follows_the_last_dma(
         "host waits e1",  # the pinned index buffer is rewritten only after its last upload
         "wait stream dma kernel",
         "record dma E0",
+        "wait kernel E0",  # the gathers read the block indices: only once they are up
         "wait stream kernel current",  # after=None: after the calling thread's stream
-        "gather kernel",  # slot 1: nothing to wait for
+        "gather kernel",  # slot 1: no earlier use to wait for
         "record kernel E1",
         "wait dma E1",  # the DMA out waits for its gather
         "record dma E2",
