@@ -6,7 +6,8 @@ CUDA, where torch ships Triton, it does so with `_move_rows_kernel`: one program
 `layer`. vLLM allocates each layer's cache on its own, so there is no common stride between
 layers: the kernel takes a table of each layer's offset, in words, from the first layer's
 storage (`TritonMove`). It is compiled and checked against torch's copy at start-up
-(`TritonMove.check`), not in the first load; one that fails the check is not used.
+(`TritonMove.check`, with a pattern of its own), not in the first load; one that fails
+the check is not used.
 
 torch only, Triton imported on first use: this runs where vLLM (and Triton) are absent.
 """
@@ -63,17 +64,34 @@ class TritonMove:
         self.layer_words = torch.tensor(words, dtype=torch.long, device=first.device)
 
     def check(self, slot: torch.Tensor) -> None:
-        """Compile both directions at start-up (not in the first load) and check them:
-        block 0 of every layer into `slot` and back (the same bytes, before any forward
-        pass), the slot compared with torch's copy of those rows."""
-        layers = len(self.rows)
-        index = torch.tensor([[0], [1], [0]], dtype=torch.long, device=slot.device)
-        self(slot, index, gather=True)
-        self(slot, index, gather=False)
-        got = slot[: layers * self.row_bytes].view(layers, -1)
-        want = torch.stack([rows[0].view(torch.uint8) for rows in self.rows])
-        if not torch.equal(got, want):
-            raise RuntimeError("the Triton kernel moved other bytes than torch's copy")
+        """Compile both directions at start-up (not in the first load) and check them
+        against torch's copy, with bytes of our own: vLLM allocates its caches zeroed
+        (`vllm/v1/worker/utils.py`, `allocate_kv_cache`), so moving the caches' own bytes
+        would compare zeros with zeros whatever the kernel read or wrote. The last block of
+        every layer gets a pattern (a different one per layer), is gathered into `slot`,
+        zeroed and scattered back from it; then it gets its bytes back."""
+        layers, nbytes = len(self.rows), len(self.rows) * self.row_bytes
+        last = int(self.rows[0].shape[0]) - 1
+        cells = [rows[last].view(torch.uint8) for rows in self.rows]
+        saved = torch.stack(cells)
+        pattern = (torch.arange(nbytes, device=slot.device) % 251 + 1).to(torch.uint8)
+        pattern = pattern.view(layers, -1)
+        index = torch.tensor([[0], [1], [last]], dtype=torch.long, device=slot.device)
+        try:
+            for cell, want in zip(cells, pattern, strict=True):
+                cell.copy_(want)
+            self(slot, index, gather=True)
+            gathered = torch.equal(slot[:nbytes].view(layers, -1), pattern)
+            for cell in cells:
+                cell.zero_()
+            self(slot, index, gather=False)
+            scattered = torch.equal(torch.stack(cells), pattern)
+        finally:
+            for cell, old in zip(cells, saved, strict=True):
+                cell.copy_(old)
+        if not (gathered and scattered):
+            what = "gathered" if not gathered else "scattered"
+            raise RuntimeError(f"the Triton kernel {what} other bytes than torch's copy")
 
     def __call__(self, slot: torch.Tensor, index: torch.Tensor, *, gather: bool) -> None:
         """Whole blocks between `slot` (flat uint8) and every layer's cache: `index` is

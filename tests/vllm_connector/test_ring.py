@@ -1,8 +1,8 @@
 """The bounded copy engine (`vllm_connector.ring`): the planner on its own, then the
 executor on CPU (the same code as on CUDA, minus streams and events) against the copier's
-host path byte for byte, for every layout test_layout.py learns; the Triton kernel under
-Triton's interpreter, in a subprocess (the interpreter must be chosen before triton is
-imported)."""
+host path byte for byte, for every layout test_layout.py learns; the Triton kernel
+(`vllm_connector.ring_kernel`) and its start-up check under Triton's interpreter, in a
+subprocess (the interpreter must be chosen before triton is imported)."""
 
 from __future__ import annotations
 
@@ -279,6 +279,25 @@ TRITON_PROGRAM = textwrap.dedent(
         host.read_many([([1, 5, 3, 0], outs[0])])
         ring.read_many([([1, 5, 3, 0], outs[1])])
         assert torch.equal(outs[0], outs[1]) and outs[0].any(), "read"
+
+    # the start-up check: it leaves the caches as they were, and on zeroed caches (vLLM's)
+    # it still fails a kernel that moves the wrong bytes (here: every layer as layer 0)
+    from vllm_connector.ring_kernel import TritonMove
+    big = torch.randn(LAYERS, BLOCKS, TOKENS, HEADS, 64)
+    before = big.clone()
+    rows = [layout.blocks_view(big[l].transpose(1, 2)) for l in range(LAYERS)]
+    slot = torch.zeros(2 * LAYERS * rows[0][0].numel() * 4, dtype=torch.uint8)
+    move = TritonMove(rows, slot.numel())
+    move.check(slot)
+    assert torch.equal(big, before), "the check changed the caches"
+    big.zero_()
+    move.layer_words = torch.zeros_like(move.layer_words)
+    try:
+        move.check(slot)
+    except RuntimeError as exc:
+        assert "other bytes" in str(exc), exc
+    else:
+        raise AssertionError("a kernel that moves layer 0 for every layer passed the check")
     print("triton interpreter: ok")
     """
 )
