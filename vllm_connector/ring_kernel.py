@@ -131,6 +131,7 @@ def pick_kernel(kernel: str, device: torch.device) -> str:
 
 
 _KERNEL: Any = None
+INDEX_ARGS = ("layer_words", "rows", "steps", "blocks")  # read a word at a time
 
 
 def _move_rows_kernel() -> Any:
@@ -139,14 +140,21 @@ def _move_rows_kernel() -> Any:
 
     One program per (entry, layer, chunk of a row): slot row `row + layer * step` <-> block
     `block` of layer `layer`, at `base + layer_words[layer] + block * STRIDE`. ROW and
-    STRIDE are compile-time, so Triton sees the rows' alignment and vectorizes."""
+    STRIDE are compile-time, so Triton sees the rows' alignment and vectorizes.
+
+    Triton compiles a variant per 16-byte alignment of each pointer argument. `slot` and
+    `base` keep that (their accesses are the vectors; both are fixed for a ring's life),
+    but the index rows are views into one buffer at offsets that change from call to call,
+    and the kernel reads one word of each per program: they (and the layer table) are
+    not specialized on alignment, so the two variants the start-up check compiles are the
+    only ones a ring ever uses (none is compiled during a load)."""
     global _KERNEL
     if _KERNEL is not None:
         return _KERNEL
     import triton
     import triton.language as tl
 
-    @triton.jit
+    @triton.jit(do_not_specialize_on_alignment=INDEX_ARGS)
     def move_rows(
         slot,
         base,

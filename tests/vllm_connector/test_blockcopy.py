@@ -491,6 +491,30 @@ class TestOnCuda:
         copier = BlockCopier([flash_cache(torch.bfloat16).cuda() for _ in range(LAYERS)], layouts)
         assert copier.ring is not None and copier.ring.kernel == "triton"
 
+    def test_loads_and_stores_compile_no_triton_kernel(self) -> None:
+        """The start-up check compiles both directions; calls whose block indices sit at
+        other alignments in the index buffer (odd and even piece counts, fills at odd
+        offsets) reuse them: nothing is compiled during a load or a store."""
+        pytest.importorskip("triton")
+        from vllm_connector.ring_kernel import _move_rows_kernel
+
+        layouts = self.on_cuda(learned("flash", torch.bfloat16, flash_cache))
+        caches = [c.cuda() for c in random_caches(flash_cache, torch.bfloat16, seed=37)]
+        copier = BlockCopier(caches, layouts, slot_bytes=3 * LAYERS * caches[0][0].nbytes)
+        assert copier.ring is not None and copier.ring.kernel == "triton"
+        caches_of = getattr(_move_rows_kernel(), "device_caches", None)
+        if caches_of is None:
+            pytest.skip("this Triton keeps its compiled kernels elsewhere")
+        compiled = caches_of[torch.cuda.current_device()][0]
+        before = len(compiled)
+        src = torch.randint(0, 256, (copier.nbytes(5 * TOKENS),), dtype=torch.uint8)
+        for ids in ([1], [2, 5], [0, 3, 4], [5, 1, 2, 0, 4], [4, 0, 1, 2, 3]):
+            copier.write_many([(ids, src, 0, len(ids) * TOKENS)]).wait()
+            out = torch.zeros(copier.nbytes(len(ids) * TOKENS), dtype=torch.uint8)
+            copier.read_many([(ids, out)]).wait()
+            assert torch.equal(out, src[: out.numel()])
+        assert len(compiled) == before, "a load or store compiled a Triton kernel"
+
     @pytest.mark.parametrize("kernel", ["auto", "torch"])
     def test_a_32k_token_load_takes_no_more_device_memory_than_the_ring(self, kernel: str) -> None:
         """A 32k-token history (4 layers of Llama-3-8B's heads, 16-token blocks: 512 MiB)

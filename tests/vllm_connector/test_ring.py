@@ -357,3 +357,31 @@ def test_the_triton_kernel_compiles_for_a_hopper_gpu_with_16_byte_accesses() -> 
                 raise
         accesses = set(re.findall(r"(?:ld|st)\.global[.\w]*", ptx))
         assert accesses == {"ld.global.b64", "ld.global.v2.b64", "st.global.v2.b64"}, accesses
+
+
+def test_the_index_rows_alignment_compiles_no_new_variant() -> None:
+    """Triton keys a compiled variant on each pointer argument's 16-byte alignment (its
+    binder calls `native_specialize_impl` with each parameter's `do_not_specialize*`
+    flags). The index rows are views at offsets that change from call to call: they must
+    not be in the key, or loads would compile new variants (the start-up check compiles
+    the ones a ring uses); `slot` and `base` keep theirs (their accesses are vectors)."""
+    try:
+        from triton.backends.compiler import BaseBackend
+        from triton.runtime.jit import native_specialize_impl
+    except ImportError:
+        pytest.skip("no Triton (or another Triton API) in this environment")
+    from vllm_connector.ring_kernel import INDEX_ARGS, _move_rows_kernel
+
+    words = torch.zeros(8, dtype=torch.long)
+    aligned, odd = words[0:], words[1:]
+    assert aligned.data_ptr() % 16 == 0 and odd.data_ptr() % 16 == 8
+    pointers = [p for p in _move_rows_kernel().params if not p.is_constexpr]
+    assert [p.name for p in pointers] == ["slot", "base", *INDEX_ARGS]
+    for p in pointers:
+        keys = {
+            native_specialize_impl(
+                BaseBackend, t, False, not p.do_not_specialize, not p.do_not_specialize_on_alignment
+            )
+            for t in (aligned, odd)
+        }
+        assert len(keys) == (1 if p.name in INDEX_ARGS else 2), (p.name, keys)
