@@ -40,9 +40,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         help="payload bytes a timed phase moves over all rounds (default 1 GiB; 256 MiB --quick)",
     )
+    a(
+        "--leases",
+        action="store_true",
+        help="instead: the local path's lease + release round trip by key count "
+        "(benchmarks/sidecar_leases.py)",
+    )
+    a("--lease-keys", default="1,16,256,2048", help="(--leases) key counts per lease")
+    a("--lease-rounds", type=int, default=7, help="(--leases) interleaved rounds")
+    a("--against", help="(--leases) another checkout to time beside this one, e.g. a worktree")
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.leases:
+        from benchmarks.sidecar_leases import run
+
+        return run(args)
     import logging
 
     from tqdm import tqdm
