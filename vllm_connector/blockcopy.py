@@ -38,14 +38,8 @@ from typing import Any
 import torch
 
 from vllm_connector.layout import BlockLayout, TokenSlots, gather, scatter, to_blocks
-from vllm_connector.ring import (
-    DEFAULT_SLOT_BYTES,
-    DEFAULT_SLOTS,
-    Copies,
-    Piece,
-    Ring,
-    merge_row,
-)
+from vllm_connector.ordering import Copies
+from vllm_connector.ring import DEFAULT_SLOT_BYTES, DEFAULT_SLOTS, Piece, Ring, merge_row
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,5 @@
-"""Ordering the connector's copies against vLLM's compute, and their handles.
+"""Ordering the connector's copies against vLLM's compute, and their handles (`Copies`:
+the copier's; `EventDone`: copies on a CUDA stream of the caller's).
 
 On CUDA the copies wait for an event recorded on the stream vLLM computes on, read on the
 thread that calls `load`/`save` (vLLM's model-runner thread: `compute_done`), never on the
@@ -14,7 +15,7 @@ through this module (`ordering.compute_done`).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -45,6 +46,29 @@ class CopyHandle(Protocol):
     def done(self) -> bool: ...
 
     def wait(self) -> None: ...
+
+
+class Copies:
+    """What the copier's ring returns (`vllm_connector.ring`: `Ring.write` / `Ring.read`):
+    `event` is recorded after their last copy (None on CPU, where they are complete on
+    return). Holds the host buffers they use until then."""
+
+    def __init__(self, event: Any, keep: Sequence[torch.Tensor] = ()) -> None:
+        self.event = event
+        self._keep = list(keep)
+
+    def done(self) -> bool:
+        """Whether every copy ran (a non-blocking event query)."""
+        if self.event is None or self.event.query():
+            self._keep.clear()
+            return True
+        return False
+
+    def wait(self) -> None:
+        """Block the host until every copy ran."""
+        if self.event is not None:
+            self.event.synchronize()
+        self._keep.clear()
 
 
 class EventDone:

@@ -43,7 +43,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from vllm_connector.ring_kernel import TritonMove, pick_kernel
+from vllm_connector.ordering import Copies
+from vllm_connector.ring_kernel import TritonMove, triton_move
 
 log = logging.getLogger(__name__)
 
@@ -175,28 +176,6 @@ def merge_row(
         torch.where(masks[id(token)], row[layer], cell, out=cell)
 
 
-class Copies:
-    """What `Ring.write` / `Ring.read` return: `event` is recorded after their last copy
-    (None on CPU, where they are complete on return). Holds the host buffers they use."""
-
-    def __init__(self, event: Any, keep: Sequence[torch.Tensor] = ()) -> None:
-        self.event = event
-        self._keep = list(keep)
-
-    def done(self) -> bool:
-        """Whether every copy ran (a non-blocking event query)."""
-        if self.event is None or self.event.query():
-            self._keep.clear()
-            return True
-        return False
-
-    def wait(self) -> None:
-        """Block the host until every copy ran."""
-        if self.event is not None:
-            self.event.synchronize()
-        self._keep.clear()
-
-
 class Ring:
     """The ring slots, their events and the executor (module docstring).
 
@@ -237,20 +216,8 @@ class Ring:
         cuda = self.device.type == "cuda"
         self._dma = torch.cuda.Stream(self.device) if cuda else None
         self._kernel = torch.cuda.Stream(self.device) if cuda else None
-        self.kernel = pick_kernel(kernel, self.device)
-        self._triton: TritonMove | None = None
-        if self.kernel == "triton":
-            try:
-                self._triton = TritonMove(self.rows, self.slot_bytes)
-                self._triton.check(self.slots[0])
-            except Exception:
-                if kernel == "triton":
-                    raise
-                log.warning(
-                    "the ring's Triton kernel failed its check; index_copy_ instead", exc_info=True
-                )
-                self.kernel = "torch"
-                self._triton = None
+        self._triton: TritonMove | None = triton_move(kernel, self.rows, self.slots[0])
+        self.kernel = "triton" if self._triton is not None else "torch"
         self._index_host: torch.Tensor | None = None  # pinned (CUDA), reused between calls
         self._index_dev: torch.Tensor | None = None
         self._index_ready: Any = None  # the event after the last upload out of `_index_host`

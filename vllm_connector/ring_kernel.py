@@ -113,6 +113,24 @@ class TritonMove:
         )
 
 
+def triton_move(kernel: str, rows: Sequence[torch.Tensor], slot: torch.Tensor) -> TritonMove | None:
+    """The Triton mover for `kernel` ("auto", "triton" or "torch"), compiled and checked
+    (`TritonMove.check`, in `slot`); None where torch's `index_copy_` is to be used: asked
+    for, or "auto" where Triton is absent or the kernel fails its check (logged).
+    "triton" that fails raises."""
+    if pick_kernel(kernel, slot.device) != "triton":
+        return None
+    try:
+        move = TritonMove(rows, slot.numel())
+        move.check(slot)
+    except Exception:
+        if kernel == "triton":
+            raise
+        log.warning("the ring's Triton kernel failed its check; index_copy_ instead", exc_info=True)
+        return None
+    return move
+
+
 def pick_kernel(kernel: str, device: torch.device) -> str:
     """`kernel` ("auto", "triton" or "torch") as the one to use: "auto" is Triton on CUDA
     where it imports, else torch's `index_copy_`."""
@@ -188,4 +206,4 @@ def _move_rows_kernel() -> Any:
     return _KERNEL
 
 
-__all__ = ["TritonMove", "pick_kernel", "word_size"]
+__all__ = ["TritonMove", "pick_kernel", "triton_move", "word_size"]
