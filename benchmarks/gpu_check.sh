@@ -51,8 +51,10 @@ tests=3
 if [ -n "$need_tests" ]; then
     echo "step 1 skipped: missing $need_tests" | tee "$out/tests.log"
 else
-    # -c /dev/null: not the project's pytest settings (they name plugins this machine lacks)
+    # -c /dev/null: not the project's pytest settings (they name plugins this machine lacks);
+    # a test still running after 60 s has every thread's stack written to the log
     timeout 240 "$py" -m pytest -q -rs -p no:cacheprovider --noconftest -c /dev/null --rootdir . \
+        -o faulthandler_timeout=60 \
         tests/vllm_connector/test_blockcopy.py tests/vllm_connector/test_ring.py \
         tests/vllm_connector/test_worker_shm.py \
         2>&1 | tee "$out/tests.log"
