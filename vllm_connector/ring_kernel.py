@@ -68,14 +68,15 @@ class TritonMove:
         against torch's copy, with bytes of our own: vLLM allocates its caches zeroed
         (`vllm/v1/worker/utils.py`, `allocate_kv_cache`), so moving the caches' own bytes
         would compare zeros with zeros whatever the kernel read or wrote. The last block of
-        every layer gets a pattern (a different one per layer), is gathered into `slot`,
-        zeroed and scattered back from it; then it gets its bytes back."""
+        every layer gets random bytes (none zero), is gathered into `slot`, zeroed and
+        scattered back from it; then it gets its own bytes back."""
         layers, nbytes = len(self.rows), len(self.rows) * self.row_bytes
         last = int(self.rows[0].shape[0]) - 1
         cells = [rows[last].view(torch.uint8) for rows in self.rows]
         saved = torch.stack(cells)
-        pattern = (torch.arange(nbytes, device=slot.device) % 251 + 1).to(torch.uint8)
-        pattern = pattern.view(layers, -1)
+        gen = torch.Generator(device=slot.device).manual_seed(0)
+        shape = (layers, self.row_bytes)  # bytes 1..255: none is a zeroed cache's
+        pattern = torch.randint(1, 256, shape, dtype=torch.uint8, device=slot.device, generator=gen)
         index = torch.tensor([[0], [1], [last]], dtype=torch.long, device=slot.device)
         try:
             for cell, want in zip(cells, pattern, strict=True):
