@@ -86,14 +86,15 @@ class _SlotOwner:
     """What a slot's arrays hang from: numpy makes every view of a view point at the first
     object that is not an array, so a view of a slot keeps this alive, and with it the slot."""
 
-    __slots__ = ("__array_interface__", "__weakref__", "_keep")
+    __slots__ = ("__array_interface__", "__weakref__", "_keep", "n", "start")
 
-    def __init__(self, base: np.ndarray, start: int, n: int) -> None:
+    def __init__(self, base: np.ndarray, address: int, start: int, n: int) -> None:
         self._keep = base  # the region's bytes, mapped
+        self.start, self.n = start, n  # where the slot lies in the region
         self.__array_interface__ = {
             "shape": (n,),
             "typestr": "|u1",
-            "data": (int(base.ctypes.data) + start, False),
+            "data": (address + start, False),
             "version": 3,
         }
 
@@ -127,6 +128,7 @@ class Arena:
             raise
         os.close(fd)
         self._bytes = np.frombuffer(self._map, dtype=np.uint8)
+        self._address = int(self._bytes.ctypes.data)  # (a mapping never moves)
         self._lock = threading.Lock()
         # free extents as two parallel sorted lists: starts and sizes
         self._starts: list[int] = [HEADER_BYTES]
@@ -163,17 +165,30 @@ class Arena:
                     break
             else:
                 return None
-        owner = _SlotOwner(self._bytes, start, n)
+        owner = _SlotOwner(self._bytes, self._address, start, n)
         weakref.finalize(owner, self._free, start, need)
         return np.asarray(owner)
 
     def offset(self, slot: np.ndarray) -> int | None:
         """Where `slot` (or any array over this region) starts in it; None if elsewhere."""
-        at = int(slot.ctypes.data) - int(self._bytes.ctypes.data)
+        owner = slot.base
+        if (
+            type(owner) is _SlotOwner
+            and owner._keep is self._bytes
+            and slot.ndim == 1
+            and slot.nbytes == owner.n
+            and slot.strides[0] == slot.itemsize
+        ):
+            return owner.start  # a slot, whole: its bytes are all of its owner's, in order
+        at = int(slot.ctypes.data) - self._address  # (`ctypes` costs a microsecond)
         return at if 0 <= at < self.size else None
 
+    def place(self, data: object) -> int | None:
+        """`offset(data)` if `data` is an array over this region (a block's slot), else None."""
+        return self.offset(data) if isinstance(data, np.ndarray) else None
+
     def holds(self, data: object) -> bool:
-        return isinstance(data, np.ndarray) and self.offset(data) is not None
+        return self.place(data) is not None
 
     @property
     def capacity(self) -> int:
@@ -230,7 +245,8 @@ class Arena:
                 return False
             taken = [self._free_records.pop() for _ in slots]
             for rec, slot in zip(taken, slots, strict=True):
-                start = int(slot.ctypes.data) - int(self._bytes.ctypes.data)
+                start = self.offset(slot)
+                assert start is not None  # (slots of this region, from `alloc`)
                 size = round_up(max(len(slot), 1), ALIGN)
                 RECORD.pack_into(
                     self._map, TABLE_OFFSET + rec * RECORD.size, start, size, lease, client

@@ -1,38 +1,8 @@
 """The local data path: a Unix socket that hands out places in the shared region.
 
 An engine on this node (same pod, same compose project) maps the region (`sidecar.arena`)
-once and talks to this socket; the payload never crosses it. One JSON document per line
-each way, answered in order:
-
-Requests, and what they answer:
-- `{"op": "hello", "client": token, "lock": bool}` -> `{"ok", "generation", "region",
-  "size", "lease_timeout_s"}`; `client` (16 hex digits) names the engine's client across
-  its connections, `lock` says it holds `client-<token>.lock` (`sidecar.arena`)
-- `{"op": "lease", "keys": [...]}` -> `{"ok", "lease": id, "blocks": [...]}`, a block being
-  null (a miss), "tcp" (present but no slot could be had: GET it over lm://) or
-  `{"offset", "length", "fmt", "dtype", "shape"}`
-- `{"op": "release", "lease": id, "generation": g}` -> `{"ok": true}` only if the lease held
-  until now: then every byte copied under it was the block's
-- `{"op": "alloc", "lengths": [...]}` -> `{"ok", "lease": id, "offsets": [...]}`, or
-  `{"ok": false, "error": "full"}`
-- `{"op": "commit", "lease": id, "generation": g, "blocks": [{"key", "fmt", "dtype",
-  "shape"} or null]}` -> `{"ok", "stored": n}`: the allocated slots become blocks (null:
-  the slot is given up); `ok: false` and `stored: 0` if the lease had ended
-- `{"op": "abort", "lease": id, "generation": g}` -> `{"ok"}`: the writer is done with
-  the slots and stores nothing
-- `{"op": "exists", "keys": [...]}` -> `{"ok", "found": [...]}`
-
-Any request may also carry **`"release": [{"lease": id, "generation": g}, ...]`**, read
-leases the client is done with (at most `MAX_LEASES`): they are released first, before the
-request itself, as if each had been its own `release` (their answers are not sent back;
-the reply says how many held, `"released": n`). A list that is not well formed refuses the
-whole request and releases nothing. `hello` answers `"release_batch": true` when this is
-understood (a client never piggybacks on a sidecar that does not say so).
-
-Any request may carry `"trace": {"traceparent": ...}` (the engine's span, tracing on): the
-sidecar's span of it (`sidecar local <op>`, with the bytes and blocks) joins that trace.
-A request that is not one of these gets `{"ok": false, "error"}`, never a closed
-connection.
+once and talks to this socket; the payload never crosses it. Its messages (one JSON
+document per line each way) are `sidecar.local_protocol`'s.
 
 **Leases** (docs/sidecar.md, "Invariants of the local path") belong to the engine's client,
 not to a connection, and carry random 64-bit ids (no two sidecars hand out the same one).
@@ -54,10 +24,8 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
 import logging
 import os
-import re
 import secrets
 import socket
 import threading
@@ -76,20 +44,28 @@ from sidecar.arena import (
     round_up,
 )
 from sidecar.blocks import BlockMeta
+from sidecar.local_protocol import (
+    MAX_KEYS,
+    MAX_LEASES,
+    MAX_LINE,
+    TOKEN,
+    Placed,
+    checked_meta,
+    client_number,
+    decode,
+    encode,
+    lease_answer,
+    release_list,
+    strings,
+)
 from sidecar.metrics import SidecarMetrics
-from sidecar.protocol import MAX_KEY_LENGTH
 from sidecar.store import BlockStore
 
 log = logging.getLogger(__name__)
 
-MAX_LINE = 1 << 20  # a request line longer than this closes the connection
-MAX_KEYS = 4096  # keys or slots in one request
 MAX_CONNECTIONS = 256  # past it, the longest idle connection is closed for a new one
-MAX_LEASES = 256  # leases one client may hold at once
 CLIENT_SHARE = 0.5  # of the region, allocated to one client's writes at most
 IDLE_TIMEOUT_S = 600.0  # a connection silent this long is closed (its leases stay)
-INT32 = 2**31 - 1  # fmt, dtype and shape are int32 in lm:// and in the disk header
-TOKEN = re.compile(r"[0-9a-f]{16}")
 
 
 class LocalDirInUse(RuntimeError):
@@ -290,7 +266,7 @@ class LocalServer:
                     conn = self._conns[cid]
                     conn.busy = True
                 reply = self._answer(cid, line)
-                sock.sendall(json.dumps(reply, separators=(",", ":")).encode() + b"\n")
+                sock.sendall(encode(reply))
                 with self._lock:
                     conn.busy, conn.last = False, time.monotonic()
         except OSError as exc:
@@ -333,10 +309,7 @@ class LocalServer:
     def _answer(self, cid: int, line: bytes) -> dict[str, Any]:
         """One request's reply; whatever the request, an answer (never an exception)."""
         try:
-            req = json.loads(line, parse_constant=_no_constant)
-            if not isinstance(req, dict):
-                raise TypeError("not an object")
-            return self._handle(cid, req)
+            return self._handle(cid, decode(line))
         except Exception as exc:  # a malformed request: refused, the connection serves on
             return {"ok": False, "error": f"bad request: {type(exc).__name__}"}
 
@@ -361,7 +334,7 @@ class LocalServer:
                 client.last_seen = time.monotonic()
         released = None
         if "release" in req:  # read leases the client is done with: released first
-            released = self._release_batch(token, _batch(req["release"]))
+            released = self._release_batch(token, release_list(req["release"]))
         reply = self._traced(cid, token, req, handler)
         if released is not None:
             reply["released"] = released
@@ -435,31 +408,17 @@ class LocalServer:
         return gen is None or gen == self.arena.generation
 
     def _lease(self, cid: int, token: str, req: dict[str, Any]) -> dict[str, Any]:
-        keys = _strings(req["keys"])
-        slots: list[Any] = []
-        blocks: list[Any] = []
+        keys = strings(req["keys"])
+        slots: list[Any] = []  # what the lease holds
+        placed: list[Placed] = []  # per key: the block and its offset, False (tcp) or None
         leased = 0
-        for key in keys:
-            found = self.store.lease(key)
-            if found is None:
-                blocks.append(None)
-                continue
-            if found is False:
-                blocks.append("tcp")
-                continue
-            meta, slot = found  # type: ignore[misc]
-            offset = self.arena.offset(slot)  # type: ignore[arg-type]
-            slots.append(slot)
-            leased += meta.length
-            blocks.append(
-                {
-                    "offset": offset,
-                    "length": meta.length,
-                    "fmt": meta.fmt,
-                    "dtype": meta.dtype,
-                    "shape": list(meta.shape),
-                }
-            )
+        for found in self.store.lease_many(keys):
+            if found:
+                meta, slot, offset = found  # type: ignore[misc]
+                slots.append(slot)
+                leased += meta.length
+                found = (meta, offset)
+            placed.append(found)  # type: ignore[arg-type]
         lease_id = 0
         if slots:
             expires = time.monotonic() + self.lease_timeout_s
@@ -472,11 +431,12 @@ class LocalServer:
             {
                 "ctxcache.kv.keys": len(keys),
                 "ctxcache.kv.blocks_shm": len(slots),
-                "ctxcache.kv.blocks_tcp": blocks.count("tcp"),
+                "ctxcache.kv.blocks_tcp": placed.count(False),
                 "ctxcache.kv.bytes_shm": leased,
             }
         )
-        return {"ok": True, "lease": lease_id, "blocks": blocks}
+        answer = lease_answer(placed, columns=req.get("columns") is True)
+        return {"ok": True, "lease": lease_id, **answer}
 
     def _release(self, cid: int, token: str, req: dict[str, Any]) -> dict[str, Any]:
         held = self._release_one(token, req)
@@ -535,7 +495,7 @@ class LocalServer:
         lease_id = self._new_lease(Lease(token, True, expires, slots, lengths, need))
         if lease_id is None:
             return {"ok": False, "error": f"too many leases (at most {MAX_LEASES})"}
-        if not self.arena.claim(lease_id, _client_number(token), slots):
+        if not self.arena.claim(lease_id, client_number(token), slots):
             with self._lock:
                 del self._leases[lease_id]
             return {"ok": False, "error": "full", "reason": "too many slots in flight"}
@@ -550,7 +510,7 @@ class LocalServer:
         metas = req["blocks"]
         if not isinstance(metas, list):
             raise ValueError("blocks")
-        checked = [None if m is None else _checked_meta(m) for m in metas]
+        checked = [None if m is None else checked_meta(m) for m in metas]
         if not self._current(req):  # a writer of an earlier generation is done
             self._end_inherited(token, req["lease"])
             return {"ok": False, "error": "stale generation", "stored": 0}
@@ -589,7 +549,7 @@ class LocalServer:
         return self.arena.end_inherited(lease_id)  # type: ignore[arg-type]
 
     def _exists(self, cid: int, token: str, req: dict[str, Any]) -> dict[str, Any]:
-        return {"ok": True, "found": [self.store.exists(k) for k in _strings(req["keys"])]}
+        return {"ok": True, "found": [self.store.exists(k) for k in strings(req["keys"])]}
 
 
 def claim_directory(directory: Path) -> int:
@@ -607,52 +567,6 @@ def claim_directory(directory: Path) -> int:
             f"another sidecar serves {directory}; give each sidecar its own --local-dir"
         ) from None
     return fd
-
-
-def _checked_meta(m: object) -> tuple[str, int, int, tuple[int, int, int, int]]:
-    """A committed block's header, refused unless lm:// and the disk header can hold it."""
-    if not isinstance(m, dict):
-        raise TypeError("block")
-    key, fmt, dtype, shape = m["key"], m["fmt"], m["dtype"], m["shape"]
-    if not isinstance(key, str) or not key or len(key.encode()) > MAX_KEY_LENGTH:
-        raise ValueError("key")
-    if not isinstance(shape, list) or len(shape) != 4:
-        raise ValueError("shape")
-    for x in (fmt, dtype, *shape):
-        if not isinstance(x, int) or isinstance(x, bool) or not 0 <= x <= INT32:
-            raise ValueError("fmt, dtype or shape out of range")
-    return key, fmt, dtype, (shape[0], shape[1], shape[2], shape[3])
-
-
-def _batch(value: object) -> list[dict[str, Any]]:
-    """A request's `release` list, checked whole before any of it is acted on."""
-    if not isinstance(value, list) or len(value) > MAX_LEASES:
-        raise ValueError("release")
-    for entry in value:
-        if not isinstance(entry, dict):
-            raise TypeError("release")
-        lease, gen = entry.get("lease"), entry.get("generation")
-        if not isinstance(lease, int) or isinstance(lease, bool):
-            raise TypeError("release: lease")
-        if gen is not None and not isinstance(gen, str):
-            raise TypeError("release: generation")
-    return value
-
-
-def _client_number(token: str) -> int:
-    return int(token, 16) if TOKEN.fullmatch(token) else 0
-
-
-def _no_constant(name: str) -> float:
-    raise ValueError(f"{name} is not JSON")
-
-
-def _strings(value: object) -> list[str]:
-    if not isinstance(value, list) or len(value) > MAX_KEYS:
-        raise ValueError("keys")
-    if not all(isinstance(k, str) for k in value):
-        raise TypeError("keys")
-    return value
 
 
 __all__ = ["LocalDirInUse", "LocalServer", "claim_directory"]

@@ -37,7 +37,6 @@ docs/sidecar.md, "Invariants of the local path" (8).
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import mmap
 import os
@@ -61,6 +60,7 @@ from sidecar.arena import (
     take_client_lock,
 )
 from sidecar.client import KVBlock
+from sidecar.local_protocol import TCP, Slot, decode, encode, lease_blocks
 from sidecar.protocol import Shape
 
 log = logging.getLogger(__name__)
@@ -75,20 +75,6 @@ _HANGUP = (
     | select.POLLHUP
     | getattr(select, "POLLRDHUP", 0)
 )
-
-
-@dataclass(frozen=True, slots=True)
-class Slot:
-    """Where a leased block (or an allocated slot) lies in the region, and its header."""
-
-    offset: int
-    length: int
-    fmt: int = 0
-    dtype: int = 0
-    shape: Shape = (0, 0, 0, 0)
-
-
-TCP = "tcp"  # a lease answer: the block is there, but read it over lm://
 
 
 @dataclass
@@ -181,6 +167,7 @@ class LocalClient:
         self._pending_since = 0.0
         self._wake = threading.Condition(self._lock)
         self._flusher: threading.Thread | None = None
+        self._flush_at: float | None = None  # when the flusher looks next (None: at a queue)
         self._closed = False
         self.trusted_releases = 0  # releases that did not wait for their answer
 
@@ -194,17 +181,10 @@ class LocalClient:
         `lease.region`."""
         with self._lock:
             sent = time.monotonic()
-            reply, region = self._call_in({"op": "lease", "keys": list(keys)}, retry=True)
+            req = {"op": "lease", "keys": list(keys), "columns": True}
+            reply, region = self._call_in(req, retry=True)
             conn = self._conn
-        blocks: list[Slot | str | None] = []
-        for b in reply["blocks"]:
-            if isinstance(b, dict):
-                blocks.append(
-                    Slot(b["offset"], b["length"], b["fmt"], b["dtype"], tuple(b["shape"]))  # type: ignore[arg-type]
-                )
-            else:
-                blocks.append(TCP if b == TCP else None)
-        return Lease(reply["lease"], region.generation, blocks, region, sent, conn)
+        return Lease(reply["lease"], region.generation, lease_blocks(reply), region, sent, conn)
 
     def release(self, lease: Lease, *, defer: bool = True) -> bool:
         """End the lease once no copy reads its slots any more; True only if it held until
@@ -261,20 +241,32 @@ class LocalClient:
                 target=self._flush_loop, name="ctxcache-release", daemon=True
             )
             self._flusher.start()
-        self._wake.notify()
+        if self._flush_at is None:  # the flusher waits for work: tell it when to look
+            self._flush_at = self._pending_since + self.flush_after_s
+            self._wake.notify()
 
     def _flush_loop(self) -> None:
-        """(Its own thread.) Send queued releases that no request took along in time."""
+        """(Its own thread.) Send queued releases that no request took along in time. It
+        looks at `_flush_at`, never earlier than the oldest queued release is due: loads
+        whose requests keep taking the queue along wake it once per `flush_after_s`, not
+        once per load (a thread switch and a contended lock each, measured: +15 µs a load)."""
         with self._lock:
             while not self._closed:
-                if not self._pending:
+                if self._flush_at is None:
                     self._wake.wait()
                     continue
-                left = self._pending_since + self.flush_after_s - time.monotonic()
+                left = self._flush_at - time.monotonic()
                 if left > 0:
                     self._wake.wait(left)
                     continue
-                self.flush()
+                due = self._pending_since + self.flush_after_s
+                if not self._pending:  # requests took them along: wait for the next queue
+                    self._flush_at = None
+                elif due > time.monotonic():  # queued again since
+                    self._flush_at = due
+                else:
+                    self._flush_at = None
+                    self.flush()
 
     def flush(self) -> None:
         """Send the queued releases now (one round trip). Never raises: a sidecar that is
@@ -528,14 +520,11 @@ class LocalClient:
 
     def _exchange(self, req: dict[str, Any]) -> dict[str, Any]:
         assert self._sock is not None
-        self._sock.sendall(json.dumps(req, separators=(",", ":")).encode() + b"\n")
+        self._sock.sendall(encode(req))
         line = self._reader.readline()
         if not line:
             raise ConnectionResetError("the sidecar closed the local connection")
-        reply = json.loads(line)
-        if not isinstance(reply, dict):
-            raise ValueError("reply is not an object")
-        return reply
+        return decode(line)
 
     def _disconnect(self) -> None:
         if self._reader is not None:

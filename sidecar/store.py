@@ -251,6 +251,38 @@ class BlockStore:
                 self.mem_region += e.size
         return meta, slot  # type: ignore[return-value]
 
+    def lease_many(self, keys: list[str]) -> list[tuple[BlockMeta, Buffer, int] | bool | None]:
+        """`lease` of each key, with the slot's offset in the region. Misses and blocks
+        already in a slot (a load's usual keys) are found under one lock and counted once;
+        the rest go through `lease`."""
+        assert self.arena is not None
+        found: list[tuple[BlockMeta, Buffer, int] | bool | None] = []
+        rest, hits, misses = [], 0, 0
+        with self._lock:
+            for i, key in enumerate(keys):
+                e = self._blocks.get(key)
+                if e is None:
+                    misses += 1
+                    found.append(None)
+                elif e.in_mem and (at := self.arena.place(e.data)) is not None:
+                    self._mem[e.pinned].move_to_end(key)
+                    hits += 1
+                    found.append((e.meta, e.data, at))  # type: ignore[arg-type]
+                else:
+                    rest.append(i)
+                    found.append(None)
+        if misses:
+            self.metrics.misses.inc(misses)
+        if hits:
+            self._memory_hits.inc(hits)
+        for i in rest:
+            got = self.lease(keys[i])
+            if got:
+                meta, slot = got  # type: ignore[misc]
+                got = (meta, slot, self.arena.place(slot))  # type: ignore[assignment]
+            found[i] = got  # type: ignore[assignment]
+        return found
+
     def keys(self) -> list[str]:
         with self._lock:
             return list(self._blocks)
