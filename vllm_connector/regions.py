@@ -77,7 +77,8 @@ class Regions:
         self._users: dict[str, int] = {}
         self._generation: str | None = None
         self._lock = threading.Lock()
-        self.pin = False  # (CUDA) pin each mapped region, on its own thread
+        # (CUDA) the device each mapped region is pinned for, on a thread of its own
+        self.pin: torch.device | None = None
         self._pinning: list[threading.Thread] = []
 
     def mapped(self, region: Region) -> None:
@@ -90,21 +91,25 @@ class Regions:
             self._views[region.generation] = (view, False)
             self._generation = region.generation
         self.let_go()
-        if self.pin:
+        if self.pin is not None:
             pin = threading.Thread(
                 target=self._pin_one,
-                args=(region.generation, view),
+                args=(region.generation, view, self.pin),
                 name="ctxcache-pin",
                 daemon=True,
             )
             self._pinning = [t for t in self._pinning if t.is_alive()] + [pin]
             pin.start()
 
-    def _pin_one(self, generation: str, view: torch.Tensor) -> None:
-        """(On its own thread.) Pin a region; a failure leaves it pageable (a log line). A
-        region let go while it was being pinned is unpinned here."""
+    def _pin_one(self, generation: str, view: torch.Tensor, device: torch.device) -> None:
+        """(On its own thread.) Pin a region for this rank's GPU; a failure leaves it
+        pageable (a log line). A region let go while it was being pinned is unpinned here.
+        The thread's device is set first, as vLLM's copy threads do: a new thread's is
+        GPU 0, and a tensor-parallel rank would otherwise make a CUDA context there."""
         t0 = time.perf_counter()
         try:
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
             pinned = register_host(view)
         except Exception:
             log.exception("pinning the shared region failed; copies from it stay pageable")

@@ -152,7 +152,7 @@ class WorkerSide:
             ring_slots=self.config.ring_slots,
             slot_bytes=self.config.ring_slot_mib << 20,
         )
-        self.regions.pin = caches[0].is_cuda
+        self.regions.pin = caches[0].device if caches[0].is_cuda else None
         self.sidecar = SidecarKV(
             kv_client_factory(self.config.sidecar_url, self.config.timeout_s),
             shape,

@@ -343,12 +343,14 @@ def test_a_restarted_sidecars_region_is_pinned_beside_the_loads(
     local_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`cudaHostRegister` of a large region takes seconds: loads go on with it unpinned
-    while a thread pins it; a region pinned is unpinned at close."""
+    while a thread pins it, for the rank's own GPU (its device set first); a region pinned
+    is unpinned at close."""
     release = threading.Event()
     pinning: list[tuple[str, torch.Tensor]] = []
     unpinned: list[torch.Tensor] = []
 
     def slow_register(view: torch.Tensor) -> bool:
+        assert devices == [gpu]  # the thread's device is the rank's, set before
         pinning.append((threading.current_thread().name, view))
         release.wait(30)
         return True
@@ -357,13 +359,16 @@ def test_a_restarted_sidecars_region_is_pinned_beside_the_loads(
         unpinned.append(view)
         return True
 
+    gpu = torch.device("cuda", 3)  # a tensor-parallel rank's (set_device faked: no GPU)
+    devices: list[torch.device] = []
     monkeypatch.setattr(regions_mod, "register_host", slow_register)
     monkeypatch.setattr(regions_mod, "unregister_host", unregister)
+    monkeypatch.setattr(regions_mod.torch.cuda, "set_device", devices.append)
     settings = SidecarSettings(port=0, memory_bytes=64 << 20, local_dir=local_dir)
     first = Sidecar(settings).start()
     side = worker(first, local_dir)
     try:
-        side.regions.pin = True  # as on a GPU (the region mapped at start-up was not)
+        side.regions.pin = gpu  # as on a GPU (the region mapped at start-up was not)
         first.stop()
         second = Sidecar(settings.model_copy(update={"port": first.port})).start()
         try:
@@ -400,7 +405,7 @@ def test_a_region_that_cannot_be_pinned_is_used_unpinned(
     first = Sidecar(settings).start()
     side = worker(first, local_dir)
     try:
-        side.regions.pin = True
+        side.regions.pin = torch.device("cpu")  # (no device to set)
         first.stop()
         second = Sidecar(settings.model_copy(update={"port": first.port})).start()
         try:
