@@ -39,11 +39,10 @@ A request that is not one of these (NaN, nesting past 1,024 levels, wrong types)
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from typing import Any
-
-import orjson
 
 from sidecar.blocks import BlockMeta
 from sidecar.protocol import MAX_KEY_LENGTH, Shape
@@ -54,6 +53,11 @@ MAX_LEASES = 256  # leases one client may hold at once
 INT32 = 2**31 - 1  # fmt, dtype and shape are int32 in lm:// and in the disk header
 TOKEN = re.compile(r"[0-9a-f]{16}")
 TCP = "tcp"  # a lease answer's block: present, but read it over lm://
+
+try:  # (a dependency of ctxcache; the GPU check's machine has torch and a few wheels only)
+    import orjson
+except ModuleNotFoundError:  # (then the standard library: tests/sidecar/test_local_wire.py)
+    orjson = None  # type: ignore[assignment]
 
 Placed = tuple[BlockMeta, int] | bool | None  # a block and its offset, False (tcp), None
 
@@ -70,17 +74,27 @@ class Slot:
 
 
 def encode(message: dict[str, Any]) -> bytes:
-    """One message, as its line."""
-    return orjson.dumps(message, option=orjson.OPT_APPEND_NEWLINE)
+    """One message, as its line (orjson: a 2,048-key lease's request and answer encode in
+    0.07 ms, the standard library's json takes 0.9 ms)."""
+    if orjson is not None:
+        return orjson.dumps(message, option=orjson.OPT_APPEND_NEWLINE)
+    return json.dumps(message, separators=(",", ":")).encode() + b"\n"
 
 
 def decode(line: bytes) -> dict[str, Any]:
-    """One line's message; ValueError when it is not one (orjson refuses NaN, Infinity,
-    invalid UTF-8 and nesting past 1,024 levels)."""
-    message = orjson.loads(line)
+    """One line's message; ValueError (or RecursionError) when it is not one: NaN,
+    Infinity, invalid UTF-8 and nesting past 1,024 levels are refused."""
+    if orjson is not None:
+        message = orjson.loads(line)
+    else:
+        message = json.loads(line, parse_constant=_no_constant)
     if not isinstance(message, dict):
         raise ValueError("not an object")
     return message
+
+
+def _no_constant(name: str) -> float:
+    raise ValueError(f"{name} is not JSON")
 
 
 def lease_answer(placed: list[Placed], *, columns: bool) -> dict[str, Any]:

@@ -13,7 +13,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
+from sidecar import local_protocol
 from sidecar.arena import SOCKET_NAME, Arena
 from sidecar.blocks import BlockMeta
 from sidecar.local_client import TCP, LocalClient, Slot
@@ -46,6 +48,29 @@ def test_both_answer_forms_give_the_same_blocks() -> None:
     assert lease_blocks(columns) == want
     assert lease_blocks(lease_answer(placed, columns=False)) == want  # type: ignore[arg-type]
     assert lease_blocks(json.loads(json.dumps(columns))) == want
+
+
+def test_without_orjson_the_standard_library_reads_and_refuses_the_same(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A machine without orjson (the GPU check's) speaks the same lines: what one encodes
+    the other decodes alike, and NaN, Infinity and a top level that is not an object are
+    refused by both."""
+    message = {"op": "lease", "keys": ["m@1@0@1@bfloat16", "é"], "columns": True, "n": 2**62}
+    fast = local_protocol.encode(message)
+    monkeypatch.setattr(local_protocol, "orjson", None)
+    slow = local_protocol.encode(message)
+    assert slow.endswith(b"\n") and slow.count(b"\n") == 1
+    for line in (fast, slow):
+        assert local_protocol.decode(line) == message
+    for bad in (b'{"keys": [NaN]}', b'{"n": Infinity}', b"[1]", b"[" * 5000 + b"]" * 5000):
+        with pytest.raises((ValueError, RecursionError)):
+            local_protocol.decode(bad)
+    monkeypatch.undo()
+    assert local_protocol.decode(slow) == message
+    for bad in (b'{"keys": [NaN]}', b'{"n": Infinity}', b"[1]", b"[" * 5000 + b"]" * 5000):
+        with pytest.raises(ValueError):
+            local_protocol.decode(bad)
 
 
 def test_a_lease_without_columns_is_answered_as_before(local_dir: Path) -> None:
