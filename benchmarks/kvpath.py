@@ -19,6 +19,9 @@ GPU time of a pinned host<->device copy of the same bytes, the wall time split i
 (or alloc), copies and release (or commit), and the peak device memory a load or store
 took beyond what was allocated before it (`torch.cuda.max_memory_allocated`), beside the
 ring's size (`device_bytes`): a bounded copier keeps the first within the second.
+
+Here: the shapes, the sidecar process and one case's rounds. The CUDA probe is
+`benchmarks.kvpath_cuda`; the rows, tables and plot are `benchmarks.kvpath_report`.
 """
 
 from __future__ import annotations
@@ -26,7 +29,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -37,6 +39,10 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from benchmarks.kvpath_cuda import CudaProbe
+from benchmarks.kvpath_report import cuda_markdown as cuda_markdown  # (re-exported)
+from benchmarks.kvpath_report import markdown, plot, rows_of
 
 if TYPE_CHECKING:
     import torch
@@ -336,121 +342,6 @@ def run_case(
     return rows
 
 
-# the local client's round trips, as the phase of a load or store they are
-_PHASES = {"lease": "lease", "alloc": "lease", "release": "release", "commit": "release"}
-
-
-class CudaProbe:
-    """(CUDA) What a load or store costs beyond its wall time: the copies' GPU time from
-    events, the wall time of the sidecar's round trips (wrapped methods of the worker's
-    local client; the copies are the rest), and peak device memory. Measured against a
-    pinned host<->device copy's GPU time, in the same run."""
-
-    def __init__(self, side: WorkerSide, nbytes: int, device: torch.device) -> None:
-        import torch
-
-        self.side, self.device = side, device
-        self.samples: dict[str, list[dict[str, float]]] = {}
-        self.ring_bytes = side.copier.device_bytes if side.copier is not None else 0
-        self._round: dict[str, float] = {}
-        self._gpu: list[tuple[Any, Any]] = []
-        copier = side.copier
-        if copier is not None and copier.ring is not None:
-            copier.ring.timing = True
-            for name in ("write_many", "read_many"):
-                setattr(copier, name, self._timed_copies(getattr(copier, name)))
-        if side.local is not None:
-            for name in _PHASES:
-                setattr(side.local, name, self._timed_phase(name, getattr(side.local, name)))
-        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        self.copy_gpu = {
-            "load": self._gpu_time(lambda: dev.copy_(host, non_blocking=True)),
-            "store": self._gpu_time(lambda: host.copy_(dev, non_blocking=True)),
-        }
-
-    def _gpu_time(self, fn: Callable[[], object]) -> float:
-        """The median GPU time of `fn` over 5 runs, from events on the current stream."""
-        import torch
-
-        times = []
-        for _ in range(5):
-            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        return statistics.median(times)
-
-    def _timed_copies(self, copy: Callable[..., Any]) -> Callable[..., Any]:
-        import torch
-
-        def run(*args: Any, **kwargs: Any) -> Any:
-            start = torch.cuda.Event(enable_timing=True)
-            start.record()
-            handle = copy(*args, **kwargs)
-            if handle is not None and handle.event is not None:
-                self._gpu.append((start, handle.event))
-            return handle
-
-        return run
-
-    def _timed_phase(self, name: str, call: Callable[..., Any]) -> Callable[..., Any]:
-        def run(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return call(*args, **kwargs)
-            finally:
-                phase = _PHASES[name]
-                self._round[phase] = self._round.get(phase, 0.0) + time.perf_counter() - t0
-
-        return run
-
-    def start(self) -> None:
-        import torch
-
-        torch.cuda.synchronize(self.device)
-        self._round, self._gpu = {"t0": time.perf_counter()}, []
-        torch.cuda.reset_peak_memory_stats(self.device)
-        self._base = torch.cuda.memory_allocated(self.device)
-
-    def stop(self, op: str) -> None:
-        import torch
-
-        torch.cuda.synchronize(self.device)
-        wall = time.perf_counter() - self._round.pop("t0")
-        lease, release = self._round.get("lease", 0.0), self._round.get("release", 0.0)
-        self.samples.setdefault(op, []).append(
-            {
-                "gpu": sum(a.elapsed_time(b) for a, b in self._gpu) / 1e3,
-                "lease": lease,
-                "release": release,
-                "copies": wall - lease - release,
-                "peak": torch.cuda.max_memory_allocated(self.device) - self._base,
-            }
-        )
-
-    def summary(self, op: str) -> dict[str, Any]:
-        """Medians over the rounds (peak memory: the largest)."""
-        got = self.samples[op]
-
-        def med(key: str) -> float:
-            return statistics.median(s[key] for s in got)
-
-        gpu = med("gpu")
-        return {
-            "gpu_seconds": gpu,
-            "gpu_copy_seconds": self.copy_gpu[op],
-            "gpu_vs_copy": self.copy_gpu[op] / gpu if gpu > 0 else None,
-            "lease_seconds": med("lease"),
-            "copies_seconds": med("copies"),
-            "release_seconds": med("release"),
-            "peak_device_bytes": max(s["peak"] for s in got),
-            "ring_bytes": self.ring_bytes,
-        }
-
-
 def _store(side: WorkerSide, plan: Any) -> None:
     side.save(plan)
     side.take_sent()
@@ -496,162 +387,6 @@ def check_equal(side: WorkerSide, src: list[int], dst: list[int], tokens: int, n
     b = gather(side.caches, side.layouts, token_slots(dst, n, n, 0, tokens))
     if not bool((a == b).all()):
         raise AssertionError("the loaded KV differs from the stored KV")
-
-
-def rows_of(
-    shape: Shape,
-    tokens: int,
-    path: str,
-    layout: str,
-    nbytes: int,
-    s: dict[str, list[float]],
-    counters: dict[str, int],
-) -> list[dict[str, Any]]:
-    def ratio(op: str, ref: str) -> float:
-        return statistics.median(c / t for t, c in zip(s[op], s[ref], strict=True))
-
-    out = []
-    for op, ref in (("load", "copy_load"), ("store", "copy_store"), ("get", "copy_load")):
-        if not s[op]:
-            continue
-        t = statistics.median(s[op])
-        row = {
-            "shape": shape.name,
-            "layers": shape.layers,
-            "kv_heads": shape.kv_heads,
-            "head_dim": shape.head_dim,
-            "tokens": tokens,
-            "bytes": nbytes,
-            "layout": layout,
-            "path": path,
-            "op": op,
-            "seconds": t,
-            "round_seconds": s[op],
-            "gbps": nbytes / t / 1e9,
-            "ms_per_1k_tokens": t * 1e3 * 1000 / tokens,
-            "copy_gbps": nbytes / statistics.median(s[ref]) / 1e9,
-            "vs_copy": ratio(op, ref),
-            "counters": counters,
-        }
-        if op == "load" and s["get"]:
-            row["vs_get"] = statistics.median(
-                g / t for t, g in zip(s["load"], s["get"], strict=True)
-            )
-        out.append(row)
-    return out
-
-
-def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
-    from benchmarks.util import markdown_table
-
-    where = "pinned host↔device" if meta["device"] == "cuda" else "torch host"
-    head = [
-        "KV shape",
-        "tokens",
-        "MB",
-        "path",
-        "op",
-        "GB/s",
-        "ms / 1k tokens",
-        f"plain copy GB/s ({where})",
-        "÷ plain copy",
-        "load ÷ its GET",
-    ]
-    body = [
-        [
-            r["shape"],
-            r["tokens"],
-            r["bytes"] / 1e6,
-            r["path"],
-            r["op"] if r["op"] != "get" else "GET alone",
-            r["gbps"],
-            r["ms_per_1k_tokens"],
-            r["copy_gbps"],
-            f"{r['vs_copy']:.3f}",
-            f"{r['vs_get']:.2f}" if "vs_get" in r else "",
-        ]
-        for r in rows
-    ]
-    if isinstance(meta["block_tokens"], list):  # several kernel block sizes: a column
-        head.insert(1, "N")
-        for line, r in zip(body, rows, strict=True):
-            line.insert(1, r.get("block_tokens", ""))
-    layouts = sorted({r["layout"] for r in rows})
-    block_tokens = meta["block_tokens"]
-    if isinstance(block_tokens, list):
-        block_tokens = ",".join(map(str, block_tokens))
-    return (
-        markdown_table(head, body)
-        + f"\n\nCache layout: {', '.join(layouts)}; {block_tokens}-token kernel blocks, "
-        f"{meta['chunk_tokens']}-token chunks, {meta['dtype']}, device {meta['device']}"
-        + (f" ({meta['device_name']})" if meta.get("device_name") else "")
-        + f"; medians of {meta['rounds']} rounds, ratios paired per round.\n"
-        + cuda_markdown(rows)
-    )
-
-
-def cuda_markdown(rows: list[dict[str, Any]]) -> str:
-    """(CUDA) The copies' GPU time against a pinned copy's, the wall time's parts, and peak
-    device memory beside the ring's size; empty where no row has them (CPU)."""
-    from benchmarks.util import markdown_table
-
-    cuda = [r for r in rows if "gpu_seconds" in r]
-    if not cuda:
-        return ""
-    head = [
-        "KV shape",
-        "N",
-        "path",
-        "op",
-        "GPU ms (events)",
-        "pinned copy GPU ms",
-        "copy ÷ GPU time",
-        "lease ms",
-        "copies ms",
-        "release ms",
-        "peak device MiB",
-        "ring MiB",
-    ]
-    body = [
-        [
-            r["shape"],
-            r["block_tokens"],
-            r["path"],
-            r["op"],
-            r["gpu_seconds"] * 1e3,
-            r["gpu_copy_seconds"] * 1e3,
-            f"{r['gpu_vs_copy']:.3f}" if r["gpu_vs_copy"] else "",
-            r["lease_seconds"] * 1e3,
-            r["copies_seconds"] * 1e3,
-            r["release_seconds"] * 1e3,
-            r["peak_device_bytes"] / 2**20,
-            r["ring_bytes"] / 2**20,
-        ]
-        for r in cuda
-    ]
-    return (
-        "\n**On the GPU** (lease = `lease` or `alloc`, release = `release` or `commit`: the "
-        "sidecar's round trips; copies = the rest of the wall time; peak device memory "
-        "beyond what was allocated before the operation):\n\n" + markdown_table(head, body) + "\n"
-    )
-
-
-def plot(rows: list[dict[str, Any]], path: Path, meta: dict[str, Any]) -> None:
-    from benchmarks.util import bar_plot
-
-    cases = [r for r in rows if r["op"] in ("load", "store")]
-    labels = sorted({f"{r['shape']} {r['op']}" for r in cases})
-    series: dict[str, list[float]] = {}
-    for p in sorted({r["path"] for r in cases}):
-        by = {f"{r['shape']} {r['op']}": r["vs_copy"] for r in cases if r["path"] == p}
-        series[p] = [by.get(label, 0.0) for label in labels]
-    bar_plot(
-        path,
-        f"KV load/store through the connector ÷ a plain copy of the same bytes ({meta['device']})",
-        labels,
-        series,
-        "fraction of a plain copy (1.0 = memory speed)",
-    )
 
 
 if __name__ == "__main__":  # `python -m benchmarks.kvpath`: no CLI (a GPU box without vLLM)

@@ -37,6 +37,8 @@ IMPORTS = (
     "vllm_connector.ring",
     "vllm_connector.ring_kernel",
     "benchmarks.kvpath",
+    "benchmarks.kvpath_cuda",
+    "benchmarks.kvpath_report",
     "benchmarks.util",  # (kvpath's main imports these two when it runs)
     "ctxcache.logs",
     "tests.vllm_connector.test_blockcopy",
