@@ -13,16 +13,17 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ctxcache import tracing
-from sidecar.local_client import LocalError
+from sidecar.local_client import LocalError, WriteLease
 from sidecar.protocol import FMT_ENGINE_BLOCKS
 from vllm_connector import ordering
 from vllm_connector.layout import gather, token_slots
-from vllm_connector.ordering import issue_copies
+from vllm_connector.ordering import CopyHandle, issue_copies
 from vllm_connector.plan import StoreSpec
 from vllm_connector.scheduler import StepPlan
 from worker.kv.sidecar import StoreJob
@@ -54,44 +55,87 @@ def save(side: WorkerSide, plan: StepPlan) -> None:
     for spec in plan.stores:
         t0 = time.perf_counter()
         tokens = {"ctxcache.kv.store_tokens": sum(p.length for p in spec.pieces)}
+        saved: bool | Storing = False
         try:
             with tracing.span_in(spec.trace, "ctxcache.kv.store", tokens):
                 saved = side.enabled and store(side, spec, after)
-                tracing.annotate({"ctxcache.kv.stored": saved})
+                tracing.annotate({"ctxcache.kv.stored": saved is not False})
             if not saved:
                 side.counters.add("store_drops")
         except Exception as exc:
-            side.counters.add("store_drops")
-            side.counters.add("store_errors")
-            log.warning(
-                "request %s: storing its KV failed (%s: %s); dropped",
-                spec.req_id,
-                type(exc).__name__,
-                exc,
-                exc_info=not isinstance(exc, torch.OutOfMemoryError),
-            )
+            _dropped(side, spec, exc)
         finally:
-            side._sent.add(spec.req_id)  # the copy is made (or given up): free the blocks
+            if isinstance(saved, Storing):  # its blocks are held until it is committed
+                side.storing.append(saved)
+            else:  # the copy is made (or given up): free the blocks
+                side._sent.add(spec.req_id)
             side.counters.add("store_copy_ms", round((time.perf_counter() - t0) * 1e3))
 
 
-def store(side: WorkerSide, spec: StoreSpec, after: Any = None) -> bool:
+def settle(side: WorkerSide, *, wait: bool = False) -> None:
+    """Commit the stores whose copies into the shared region are done (every one, with
+    `wait`: at close); their requests' blocks are then reported sent. On vLLM's
+    model-runner thread (`take_sent`, each step), like `save`. Never raises."""
+    still: list[Storing] = []
+    for pending in side.storing:
+        spec = pending.spec
+        try:
+            if not wait and not pending.handle.done():
+                still.append(pending)
+                continue
+            if not _committed(side, pending):
+                side.counters.add("store_drops")
+        except Exception as exc:
+            _dropped(side, spec, exc)
+        side._sent.add(spec.req_id)
+    side.storing = still
+
+
+def _dropped(side: WorkerSide, spec: StoreSpec, exc: Exception) -> None:
+    side.counters.add("store_drops")
+    side.counters.add("store_errors")
+    log.warning(
+        "request %s: storing its KV failed (%s: %s); dropped",
+        spec.req_id,
+        type(exc).__name__,
+        exc,
+        exc_info=not isinstance(exc, torch.OutOfMemoryError),
+    )
+
+
+def store(side: WorkerSide, spec: StoreSpec, after: Any = None) -> bool | Storing:
+    """Store `spec` through shared memory, else over TCP: True when done, a `Storing`
+    whose copies still run (CUDA), False when dropped."""
     if side.local is not None:
         try:
-            if save_local(side, spec, after):
-                return True
+            saved = save_local(side, spec, after)
+            if saved:
+                return saved
         except LocalError as exc:
             side.counters.add("sidecar_errors")
             log.warning("request %s: local sidecar failed (%s); over TCP", spec.req_id, exc)
     return save_tcp(side, spec)
 
 
-def save_local(side: WorkerSide, spec: StoreSpec, after: Any = None) -> bool:
+@dataclass
+class Storing:
+    """A store whose copies into the region's slots were issued: committed once they are
+    done (`settle`), its request's blocks held until then. On CPU the copies are done
+    when issued, and it is committed at once."""
+
+    spec: StoreSpec
+    lease: WriteLease
+    handle: CopyHandle
+    t0: float
+
+
+def save_local(side: WorkerSide, spec: StoreSpec, after: Any = None) -> bool | Storing:
     """Copy the blocks into slots the sidecar allocated, then commit them (two round
-    trips). False when the region is full (the caller stores over TCP). Copies that
-    raise end the lease with an abort, once none of them writes into its slots; if
-    that cannot be known (a broken CUDA context) the slots stay the sidecar's until this
-    process ends (docs/sidecar.md, invariant 2)."""
+    trips): at once when the copies are done, else once they are (`settle`: on a GPU the
+    model-runner thread does not wait for them). False when the region is full (the
+    caller stores over TCP). Copies that raise end the lease with an abort, once none of
+    them writes into its slots; if that cannot be known (a broken CUDA context) the slots
+    stay the sidecar's until this process ends (docs/sidecar.md, invariant 2)."""
     assert side.local is not None and side.copier is not None
     t0 = time.perf_counter()
     lease = side.local.alloc([side.copier.nbytes(p.length) for p in spec.pieces])
@@ -107,8 +151,20 @@ def save_local(side: WorkerSide, spec: StoreSpec, after: Any = None) -> bool:
             )
             for piece, slot in zip(spec.pieces, lease.slots, strict=True)
         ]
-        issue_copies(side.copier.read_many, items, after).wait()  # the commit needs them
+        handle = issue_copies(side.copier.read_many, items, after)
     except BaseException:
+        _give_up(side, spec, lease)
+        raise
+    pending = Storing(spec, lease, handle, t0)
+    if handle.done():
+        return _committed(side, pending, fallback=False)
+    return pending
+
+
+def _give_up(side: WorkerSide, spec: StoreSpec, lease: WriteLease) -> None:
+    """The lease's copies failed: abort it once nothing more is written into it."""
+    assert side.local is not None
+    try:
         if side._quiesce(spec.req_id):
             side.local.abort(lease)  # nothing more is written: the slots can go back
         else:
@@ -117,22 +173,42 @@ def save_local(side: WorkerSide, spec: StoreSpec, after: Any = None) -> bool:
                 "stay the sidecar's until this process ends",
                 spec.req_id,
             )
-        raise
     finally:
         side.regions.done_with(lease.region)
+
+
+def _committed(side: WorkerSide, pending: Storing, *, fallback: bool = True) -> bool:
+    """Commit a store whose copies are done; with `fallback` (a later step's `settle`),
+    a commit the sidecar did not take, or a sidecar that failed, goes over TCP (`store`
+    does that for a store committed at once)."""
+    assert side.local is not None and side.copier is not None
+    spec, lease = pending.spec, pending.lease
+    try:
+        pending.handle.wait()  # done: returns at once (and lets go of what it kept)
+    except BaseException:
+        _give_up(side, spec, lease)
+        raise
+    side.regions.done_with(lease.region)
     tag, elems, layers = side.copier.tag, side.copier.elems, len(side.caches)
-    stored = side.local.commit(
-        lease,
-        [
-            (
-                side.key(p.key),
-                FMT_ENGINE_BLOCKS,
-                side.shape.dtype_code,
-                (layers, p.length, elems, tag),
-            )
-            for p in spec.pieces
-        ],
-    )
+    try:
+        stored = side.local.commit(
+            lease,
+            [
+                (
+                    side.key(p.key),
+                    FMT_ENGINE_BLOCKS,
+                    side.shape.dtype_code,
+                    (layers, p.length, elems, tag),
+                )
+                for p in spec.pieces
+            ],
+        )
+    except LocalError as exc:
+        if not fallback:
+            raise
+        side.counters.add("sidecar_errors")
+        log.warning("request %s: local sidecar failed (%s); over TCP", spec.req_id, exc)
+        return save_tcp(side, spec)
     nbytes = sum(s.length for s in lease.slots)
     if stored < len(spec.pieces):  # not taken (the lease ended, the store refused)
         side.counters.add("store_failures_shm")
@@ -142,11 +218,11 @@ def save_local(side: WorkerSide, spec: StoreSpec, after: Any = None) -> bool:
             stored,
             len(spec.pieces),
         )
-        return False
+        return save_tcp(side, spec) if fallback else False
     side.counters.add("stored_blocks", stored)
     side.counters.add("stored_tokens", sum(p.length for p in spec.pieces))
     side.counters.add("store_bytes_shm", nbytes)
-    side.counters.add("store_us_shm", round((time.perf_counter() - t0) * 1e6))
+    side.counters.add("store_us_shm", round((time.perf_counter() - pending.t0) * 1e6))
     tracing.annotate({"ctxcache.kv.bytes_shm": nbytes})
     return True
 

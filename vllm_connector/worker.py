@@ -96,6 +96,7 @@ class WorkerSide:
         self.local: LocalClient | None = None
         self.regions = Regions()  # the local sidecars' regions, mapped and (CUDA) pinned
         self._sent: set[str] = set()
+        self.storing: list[stores.Storing] = []  # stores whose copies run (CUDA): `settle`
         self._invalid: set[int] = set()
         self._loader: ThreadPoolExecutor | None = None  # (async_loads) started on first use
         self._prefetch: ThreadPoolExecutor | None = None  # TCP loads' GETs, started on first use
@@ -379,10 +380,13 @@ class WorkerSide:
         stores.save(self, plan)
 
     def take_sent(self) -> set[str]:
+        """Requests whose stores are over: committed (their copies done) or dropped."""
+        stores.settle(self)
         out, self._sent = self._sent, set()
         return out
 
     def close(self) -> None:
+        stores.settle(self, wait=True)
         if self._loader is not None:
             self._loader.shutdown(wait=True)
             self._loader = None
