@@ -18,6 +18,10 @@ not to a connection, and carry random 64-bit ids (no two sidecars hand out the s
   lease ended, even to the next sidecar: the region's write table, `sidecar.arena`), or its
   process gone (its lock let go). A lease past its timeout only stops its commit from
   storing anything.
+
+Here: the socket, its connections and clients (`hello`), the dispatch of requests and the
+periodic sweep (`expire`). The lease requests themselves, and the records of leases and
+clients, are `sidecar.local_leases` (`LeaseOps`, a base of `LocalServer`).
 """
 
 from __future__ import annotations
@@ -26,7 +30,6 @@ import contextlib
 import fcntl
 import logging
 import os
-import secrets
 import socket
 import threading
 import time
@@ -41,20 +44,13 @@ from sidecar.arena import (
     Arena,
     client_alive,
     ensure_directory,
-    round_up,
 )
-from sidecar.blocks import BlockMeta
+from sidecar.local_leases import Client, Lease, LeaseOps
 from sidecar.local_protocol import (
-    MAX_KEYS,
-    MAX_LEASES,
     MAX_LINE,
     TOKEN,
-    Placed,
-    checked_meta,
-    client_number,
     decode,
     encode,
-    lease_answer,
     release_list,
     strings,
 )
@@ -64,35 +60,11 @@ from sidecar.store import BlockStore
 log = logging.getLogger(__name__)
 
 MAX_CONNECTIONS = 256  # past it, the longest idle connection is closed for a new one
-CLIENT_SHARE = 0.5  # of the region, allocated to one client's writes at most
 IDLE_TIMEOUT_S = 600.0  # a connection silent this long is closed (its leases stay)
 
 
 class LocalDirInUse(RuntimeError):
     """Another live sidecar uses this directory."""
-
-
-@dataclass
-class Client:
-    """An engine's client, across its connections."""
-
-    token: str
-    lock: bool = False  # holds client-<token>.lock: its death is seen at once
-    conns: int = 0
-    last_seen: float = field(default_factory=time.monotonic)
-    write_bytes: int = 0  # allocated to its write leases, ended ones included
-
-
-@dataclass
-class Lease:
-    client: str
-    write: bool
-    expires: float
-    slots: list[Any] = field(default_factory=list)  # references that keep the slots
-    lengths: list[int] = field(default_factory=list)  # (write) the requested lengths
-    nbytes: int = 0  # (write) the slots' aligned sizes, counted against the client's share
-    ended: bool = False  # (write) past its timeout: its commit stores nothing
-    conn: int = 0  # (read) the connection it was granted on: closed if it times out
 
 
 @dataclass
@@ -103,7 +75,7 @@ class Conn:
     busy: bool = False
 
 
-class LocalServer:
+class LocalServer(LeaseOps):
     def __init__(
         self,
         store: BlockStore,
@@ -374,179 +346,6 @@ class LocalServer:
             "lease_timeout_s": self.lease_timeout_s,
             "release_batch": True,  # any request may carry `release` (the module's doc)
         }
-
-    def _new_lease(self, lease: Lease) -> int | None:
-        """Register `lease`; None when its client holds too many already."""
-        with self._lock:
-            held = sum(1 for x in self._leases.values() if x.client == lease.client)
-            if held >= MAX_LEASES:
-                return None
-            lease_id = secrets.randbits(63) or 1
-            while lease_id in self._leases or lease_id in self.arena.inherited:
-                lease_id = secrets.randbits(63) or 1
-            self._leases[lease_id] = lease
-        return lease_id
-
-    def _take(self, token: str, lease_id: object, *, write: bool) -> Lease | None:
-        """Remove and return `token`'s lease `lease_id` of that kind (None: no such)."""
-        if not isinstance(lease_id, int) or isinstance(lease_id, bool):
-            return None
-        with self._lock:
-            lease = self._leases.get(lease_id)
-            if lease is None or lease.client != token or lease.write != write:
-                return None
-            del self._leases[lease_id]
-            if write:
-                client = self._clients.get(token)
-                if client is not None:
-                    client.write_bytes -= lease.nbytes
-        return lease
-
-    def _current(self, req: dict[str, Any]) -> bool:
-        """Whether the request is of this sidecar's generation (or does not say)."""
-        gen = req.get("generation")
-        return gen is None or gen == self.arena.generation
-
-    def _lease(self, cid: int, token: str, req: dict[str, Any]) -> dict[str, Any]:
-        keys = strings(req["keys"])
-        slots: list[Any] = []  # what the lease holds
-        placed: list[Placed] = []  # per key: the block and its offset, False (tcp) or None
-        leased = 0
-        for found in self.store.lease_many(keys):
-            if found:
-                meta, slot, offset = found  # type: ignore[misc]
-                slots.append(slot)
-                leased += meta.length
-                found = (meta, offset)
-            placed.append(found)  # type: ignore[arg-type]
-        lease_id = 0
-        if slots:
-            expires = time.monotonic() + self.lease_timeout_s
-            got = self._new_lease(Lease(token, False, expires, slots, conn=cid))
-            if got is None:
-                return {"ok": False, "error": f"too many leases (at most {MAX_LEASES})"}
-            lease_id = got
-        self.metrics.local_bytes.labels("load").inc(leased)
-        tracing.annotate(
-            {
-                "ctxcache.kv.keys": len(keys),
-                "ctxcache.kv.blocks_shm": len(slots),
-                "ctxcache.kv.blocks_tcp": placed.count(False),
-                "ctxcache.kv.bytes_shm": leased,
-            }
-        )
-        answer = lease_answer(placed, columns=req.get("columns") is True)
-        return {"ok": True, "lease": lease_id, **answer}
-
-    def _release(self, cid: int, token: str, req: dict[str, Any]) -> dict[str, Any]:
-        held = self._release_one(token, req)
-        tracing.annotate({"ctxcache.kv.lease_held": held})
-        return {"ok": held}
-
-    def _release_one(self, token: str, req: dict[str, Any]) -> bool:
-        """End `token`'s read lease `req["lease"]`; whether it held until now."""
-        lease = self._take(token, req["lease"], write=False) if self._current(req) else None
-        return lease is not None and lease.expires > time.monotonic()
-
-    def _release_batch(self, token: str, batch: list[dict[str, Any]]) -> int:
-        """The read leases a request carried in `release`: each released as its own
-        `release` would be (a span each, joined to the trace it names); how many held."""
-        held = 0
-        for entry in batch:
-            trace = entry.get("trace")
-            if tracing.enabled() and isinstance(trace, dict):
-                carrier = {str(k): str(v) for k, v in trace.items()}
-                with tracing.span_in(carrier, "sidecar local release", server=True):
-                    ok = self._release_one(token, entry)
-                    tracing.annotate({"ctxcache.kv.lease_held": ok, "ctxcache.kv.batched": True})
-            else:
-                ok = self._release_one(token, entry)
-            held += ok
-        self.released_batched += len(batch)
-        return held
-
-    def _alloc(self, cid: int, token: str, req: dict[str, Any]) -> dict[str, Any]:
-        lengths = req["lengths"]
-        if not isinstance(lengths, list) or not 0 < len(lengths) <= MAX_KEYS:
-            raise ValueError("lengths")
-        for n in lengths:
-            if not isinstance(n, int) or isinstance(n, bool) or not 0 < n <= self.max_block_bytes:
-                raise ValueError("length")
-        if token.startswith("conn-"):  # a writer must be one we can tell is alive
-            return {"ok": False, "error": "say hello with a client token first"}
-        need = sum(round_up(n, 4096) for n in lengths)
-        share = int(self.arena.capacity * CLIENT_SHARE)
-        with self._lock:
-            client = self._clients.get(token)
-            mine = client.write_bytes if client is not None else 0
-        if mine + need > share:
-            self.metrics.region_full.inc()
-            return {"ok": False, "error": "full", "reason": "over one engine's share"}
-        if need > self.arena.free_bytes() + self.store.mem_region:
-            self.metrics.region_full.inc()  # evicting everything would not make it fit
-            return {"ok": False, "error": "full", "reason": "larger than the region can free"}
-        slots = []
-        for n in lengths:
-            slot = self.store.alloc_slot(n)
-            if slot is None:
-                return {"ok": False, "error": "full"}  # the slots taken so far go with `slots`
-            slots.append(slot)
-        expires = time.monotonic() + self.lease_timeout_s
-        lease_id = self._new_lease(Lease(token, True, expires, slots, lengths, need))
-        if lease_id is None:
-            return {"ok": False, "error": f"too many leases (at most {MAX_LEASES})"}
-        if not self.arena.claim(lease_id, client_number(token), slots):
-            with self._lock:
-                del self._leases[lease_id]
-            return {"ok": False, "error": "full", "reason": "too many slots in flight"}
-        with self._lock:
-            if token in self._clients:
-                self._clients[token].write_bytes += need
-        offsets = [self.arena.offset(s) for s in slots]
-        tracing.annotate({"ctxcache.kv.slots": len(slots), "ctxcache.kv.bytes_shm": sum(lengths)})
-        return {"ok": True, "lease": lease_id, "offsets": offsets}
-
-    def _commit(self, cid: int, token: str, req: dict[str, Any]) -> dict[str, Any]:
-        metas = req["blocks"]
-        if not isinstance(metas, list):
-            raise ValueError("blocks")
-        checked = [None if m is None else checked_meta(m) for m in metas]
-        if not self._current(req):  # a writer of an earlier generation is done
-            self._end_inherited(token, req["lease"])
-            return {"ok": False, "error": "stale generation", "stored": 0}
-        lease = self._take(token, req["lease"], write=True)
-        if lease is None:
-            self._end_inherited(token, req["lease"])
-            return {"ok": False, "error": "no such lease", "stored": 0}
-        self.arena.unclaim(req["lease"])  # the writer is done, stored or not
-        if lease.ended or lease.expires <= time.monotonic():
-            return {"ok": False, "error": "lease expired", "stored": 0}
-        if len(checked) != len(lease.slots):
-            return {"ok": False, "error": "bad request: blocks", "stored": 0}
-        stored = 0
-        for slot, n, m in zip(lease.slots, lease.lengths, checked, strict=True):
-            if m is None:
-                continue
-            key, fmt, dtype, shape = m
-            if self.store.put(BlockMeta(key, n, fmt, dtype, shape), slot):
-                stored += 1
-                self.metrics.local_bytes.labels("store").inc(n)
-        tracing.annotate({"ctxcache.kv.stored_blocks": stored})
-        return {"ok": True, "stored": stored}
-
-    def _abort(self, cid: int, token: str, req: dict[str, Any]) -> dict[str, Any]:
-        lease = self._take(token, req["lease"], write=True) if self._current(req) else None
-        if lease is None:
-            return {"ok": self._end_inherited(token, req["lease"])}
-        self.arena.unclaim(req["lease"])
-        return {"ok": True}
-
-    def _end_inherited(self, token: str, lease_id: object) -> bool:
-        """An earlier generation's writer says it is done with `lease_id`."""
-        held = self.arena.inherited.get(lease_id) if isinstance(lease_id, int) else None
-        if held is None or f"{held[0]:016x}" != token:
-            return False
-        return self.arena.end_inherited(lease_id)  # type: ignore[arg-type]
 
     def _exists(self, cid: int, token: str, req: dict[str, Any]) -> dict[str, Any]:
         return {"ok": True, "found": [self.store.exists(k) for k in strings(req["keys"])]}
