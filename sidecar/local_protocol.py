@@ -1,6 +1,8 @@
-"""The local socket's messages: what `sidecar.local` answers and `sidecar.local_client`
-sends and reads (`Slot`, `lease_blocks`). One JSON document per line each way (orjson at
-both ends), answered in order.
+"""The local socket's messages: what `sidecar.local` (its lease requests:
+`sidecar.local_leases`) answers and `sidecar.local_client` sends and reads (`Slot`,
+`lease_blocks`; `LocalError`, what the client raises when the socket is unreachable or
+answers out of protocol). One JSON document per line each way (orjson at both ends),
+answered in order.
 
 Requests, and what they answer:
 - `{"op": "hello", "client": token, "lock": bool}` -> `{"ok", "generation", "region",
@@ -71,6 +73,10 @@ class Slot:
     fmt: int = 0
     dtype: int = 0
     shape: Shape = (0, 0, 0, 0)
+
+
+class LocalError(ConnectionError):
+    """The local socket is unreachable or answered out of protocol."""
 
 
 def encode(message: dict[str, Any]) -> bytes:
