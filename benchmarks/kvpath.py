@@ -343,7 +343,12 @@ def run_case(
 
 
 def _store(side: WorkerSide, plan: Any) -> None:
+    """A store until the sidecar has it: on CUDA `save` leaves a shared-memory store's
+    commit to a later step (`stores.settle`), which the timed store waits for here."""
+    from vllm_connector.stores import settle
+
     side.save(plan)
+    settle(side, wait=True)
     side.take_sent()
     if side.sidecar is not None:
         side.sidecar.drain()  # tcp: PUTs have no reply; until the sidecar has them
