@@ -25,6 +25,7 @@ import json
 import os
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -96,12 +97,12 @@ def _rows(
         for mode in MODES:
             row: dict[str, Any] = {"keys": n, "mode": mode}
             for tree in trees:
-                per_round = [_median(t) * 1e6 for t in times[(tree, mode, n)]]
-                row[f"{tree}_us"] = round(_median(per_round), 1)
+                per_round = [statistics.median(t) * 1e6 for t in times[(tree, mode, n)]]
+                row[f"{tree}_us"] = round(statistics.median(per_round), 1)
                 row[f"{tree}_round_us"] = [round(x, 1) for x in per_round]
             if "against" in trees:
                 pairs = zip(row["against_round_us"], row["this_round_us"], strict=True)
-                row["speedup"] = round(_median([a / b for a, b in pairs]), 2)
+                row["speedup"] = round(statistics.median([a / b for a, b in pairs]), 2)
             rows.append(row)
     return rows
 
@@ -119,33 +120,24 @@ def _markdown(rows: list[dict[str, Any]], trees: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _median(values: list[float]) -> float:
-    s = sorted(values)
-    return s[len(s) // 2]
-
-
 class Probe:
     """One checkout's sidecar, echo server and client, each a child process."""
 
     def __init__(self, tree: Path) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="leasebench-", dir=_shm()))
-        env = {**os.environ, "PYTHONPATH": str(tree)}
-        cmd = [sys.executable, "-P", str(Path(__file__).resolve())]  # (-P: not benchmarks/)
         self.client: subprocess.Popen[str] | None = None
-        self.server = subprocess.Popen(
-            [*cmd, "serve", str(self.dir)],
-            env=env,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
+        self.server = self._start("serve", tree)
         assert self.server.stdout is not None
         if self.server.stdout.readline().strip() != "ready":
             self.close()
             raise RuntimeError(f"the sidecar of {tree} did not start")
-        self.client = subprocess.Popen(
-            [*cmd, "client", str(self.dir)],
-            env=env,
+        self.client = self._start("client", tree)
+
+    def _start(self, role: str, tree: Path) -> subprocess.Popen[str]:
+        """This file as `role`'s probe, with only `tree` on the path (-P: not benchmarks/)."""
+        return subprocess.Popen(
+            [sys.executable, "-P", str(Path(__file__).resolve()), role, str(self.dir)],
+            env={**os.environ, "PYTHONPATH": str(tree)},
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,

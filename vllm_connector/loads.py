@@ -34,7 +34,7 @@ from ctxcache import tracing
 from sidecar.local_client import TCP, Lease, LocalError, Slot
 from sidecar.protocol import FMT_ENGINE_BLOCKS, FMT_KV_2LTD
 from vllm_connector.layout import token_slots
-from vllm_connector.ordering import CopyHandle, issue_copies, settle
+from vllm_connector.ordering import CopyHandle, settle
 from vllm_connector.plan import LoadSpec, Piece
 
 if TYPE_CHECKING:
@@ -293,7 +293,7 @@ def copy_blocks(
                 )
                 break
             done, moved = hi, moved + block.length
-        settle(issue_copies(side.copier.write_many, batch, job.after), job.background)
+        settle(side.copier.write_many(batch, after=job.after), job.background)
     except BaseException:
         side._quiesce(spec.req_id)  # no copy reads the leased slots any more
         raise

@@ -15,7 +15,7 @@ through this module (`ordering.compute_done`).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
@@ -82,12 +82,6 @@ class EventDone:
 
     def wait(self) -> None:
         self.event.synchronize()
-
-
-def issue_copies(copy: Callable[..., CopyHandle], items: list[Any], after: Any) -> CopyHandle:
-    """Issue the copier's `write_many`/`read_many` of `items`, touching the cache only
-    after the compute stream's event `after`; their handle (`BlockCopier`)."""
-    return copy(items, after=after)
 
 
 def order_after(device: torch.device, after: Any) -> None:

@@ -23,7 +23,7 @@ from sidecar.local_client import LocalError, WriteLease
 from sidecar.protocol import FMT_ENGINE_BLOCKS
 from vllm_connector import ordering
 from vllm_connector.layout import gather, token_slots
-from vllm_connector.ordering import CopyHandle, issue_copies
+from vllm_connector.ordering import CopyHandle
 from vllm_connector.plan import StoreSpec
 from vllm_connector.scheduler import StepPlan
 from worker.kv.sidecar import StoreJob
@@ -151,7 +151,7 @@ def save_local(side: WorkerSide, spec: StoreSpec, after: Any = None) -> bool | S
             )
             for piece, slot in zip(spec.pieces, lease.slots, strict=True)
         ]
-        handle = issue_copies(side.copier.read_many, items, after)
+        handle = side.copier.read_many(items, after=after)
     except BaseException:
         _give_up(side, spec, lease)
         raise

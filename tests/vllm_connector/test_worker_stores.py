@@ -25,8 +25,9 @@ from tests.vllm_connector.test_worker_shm import (  # noqa: F401 (the sidecar fi
     sidecar,
     worker,
 )
-from vllm_connector.plan import StoreSpec
+from vllm_connector.plan import Piece, StoreSpec
 from vllm_connector.scheduler import StepPlan
+from vllm_connector.worker import WorkerSide
 
 
 def present(local_dir: Path, keys: list[str]) -> list[bool]:
@@ -38,6 +39,16 @@ def present(local_dir: Path, keys: list[str]) -> list[bool]:
         probe.close()
 
 
+def save_pending(
+    side: WorkerSide, monkeypatch: pytest.MonkeyPatch, tag: str, handle: FakeHandle
+) -> list[Piece]:
+    """Store request "s" with copies that run until `handle.ready` is set; its pieces."""
+    ordering_copier(side, monkeypatch, handle)
+    ps = pieces(tag)
+    side.save(StepPlan(stores=[StoreSpec("s", "sess", ps, SRC)]))
+    return ps
+
+
 def test_a_store_whose_copies_run_is_committed_in_a_later_step_and_its_blocks_held_until(
     sidecar: Sidecar,  # noqa: F811
     local_dir: Path,
@@ -46,9 +57,7 @@ def test_a_store_whose_copies_run_is_committed_in_a_later_step_and_its_blocks_he
     side = worker(sidecar, local_dir)
     try:
         handle = FakeHandle()
-        ordering_copier(side, monkeypatch, handle)
-        ps = pieces("pending")
-        side.save(StepPlan(stores=[StoreSpec("s", "sess", ps, SRC)]))
+        ps = save_pending(side, monkeypatch, "pending", handle)
         assert side.take_sent() == set()  # vLLM keeps the blocks: the copies still read them
         assert side.take_sent() == set()
         keys = [side.key(p.key) for p in ps]
@@ -72,9 +81,7 @@ def test_a_store_still_copying_at_close_is_waited_for_and_committed(
 ) -> None:
     side = worker(sidecar, local_dir)
     handle = FakeHandle()
-    ordering_copier(side, monkeypatch, handle)
-    ps = pieces("at-close")
-    side.save(StepPlan(stores=[StoreSpec("s", "sess", ps, SRC)]))
+    ps = save_pending(side, monkeypatch, "at-close", handle)
     threading.Timer(0.2, handle.ready.set).start()
     side.close()  # waits for the copies, then commits
     assert side.take_sent() == {"s"}
@@ -93,9 +100,7 @@ def test_a_pending_store_the_sidecar_no_longer_takes_goes_over_tcp(
     try:
         assert sidecar.local is not None
         handle = FakeHandle()
-        ordering_copier(side, monkeypatch, handle)
-        ps = pieces("late")
-        side.save(StepPlan(stores=[StoreSpec("s", "sess", ps, SRC)]))
+        ps = save_pending(side, monkeypatch, "late", handle)
         sidecar.local.expire(now=float("inf"))
         handle.ready.set()
         assert side.take_sent() == {"s"}
@@ -123,8 +128,7 @@ def test_a_pending_store_whose_copies_fail_is_dropped_and_its_slots_given_back(
                 raise RuntimeError("CUDA error: an illegal memory access")
 
         handle = Failing()
-        ordering_copier(side, monkeypatch, handle)
-        side.save(StepPlan(stores=[StoreSpec("s", "sess", pieces("fails"), SRC)]))
+        save_pending(side, monkeypatch, "fails", handle)
         handle.ready.set()
         assert side.take_sent() == {"s"}  # never an exception on vLLM's thread
         counts = side.counters.drain()
