@@ -33,6 +33,12 @@ tier's payloads are slots of that region: a PUT is received straight into one, a
 `lease` hands an engine a block's place in it (docs/sidecar.md, "Local data path"). A
 block that could not get a slot (the region fragmented, or held by leases) stays in the
 heap and is copied into the region when an engine leases it.
+
+The store is `BlockStore` here (its state, PUT/GET, sessions and pins, stats) and three
+bases, one per seam: `sidecar.store_tiers` (`TierOps`: the index's bookkeeping and
+eviction, the policy above, under the lock), `sidecar.store_disk` (`DiskOps`: disk writes,
+deletes and reads outside the lock, start-up, flush, write-behind) and
+`sidecar.store_region` (`RegionOps`: slots of the shared region and leases).
 """
 
 from __future__ import annotations
@@ -41,22 +47,20 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from sidecar.arena import ALIGN, Arena, round_up
+from sidecar.arena import Arena
 from sidecar.blocks import BlockMeta, Buffer, Entry, Work
 from sidecar.disk import CorruptBlock, DiskTier
 from sidecar.metrics import SidecarMetrics
 from sidecar.sessions import PinTable, save_pins
-from sidecar.wire import new_heap_buffer
+from sidecar.store_region import RegionOps
+from sidecar.store_tiers import PinPolicy
 
 log = logging.getLogger(__name__)
 
-PinPolicy = Literal["lru", "reserve"]
 
-
-class BlockStore:
+class BlockStore(RegionOps):
     def __init__(
         self,
         *,
@@ -97,28 +101,6 @@ class BlockStore:
         self.disk_used = 0  # written + reserved for writes in flight
         self.pinned_used = 0
 
-    # ---- start-up -------------------------------------------------------------------
-    def load_disk(self) -> int:
-        """Index the blocks the disk tier holds from a previous run; returns how many."""
-        if self.disk is None:
-            return 0
-        work = Work()
-        with self._lock:
-            for found in self.disk.scan():
-                old = self._blocks.get(found.meta.key)
-                if old is not None:  # an older copy of the same key: keep the newest
-                    self._unlink(old, work)
-                e = Entry(found.meta, found.meta.session, footprint=self._footprint(found.meta))
-                e.pinned = self.pins.is_pinned(e.session)
-                self._link(e)
-                self.disk_used += e.size
-                self._disk_add(e, found.path)
-            while self.disk_used > self.disk_bytes and self._disk[False]:
-                self._unlink(next(iter(self._disk[False].values())), work)
-        self._finish(work)
-        log.info("disk tier: %d blocks, %d bytes", len(self._blocks), self.disk_used)
-        return len(self._blocks)
-
     # ---- data path ------------------------------------------------------------------
     def put(self, meta: BlockMeta, data: Buffer) -> bool:
         """Store a block; False when it is refused (see the module docstring)."""
@@ -151,11 +133,6 @@ class BlockStore:
                     self._evict_memory(work, protect=e.session)
         self._finish(work)
         return stored or self._refuse(meta, "disk_full")
-
-    def _footprint(self, meta: BlockMeta) -> int:
-        """With a shared region every block in memory takes whole 4 KiB slots: that is what
-        counts against the budgets (a 100-byte block takes 4 KiB of the region)."""
-        return round_up(meta.length, ALIGN) if self.arena is not None else 0
 
     def get(self, key: str) -> tuple[BlockMeta, Buffer] | None:
         with self._lock:
@@ -194,94 +171,6 @@ class BlockStore:
     def exists(self, key: str) -> bool:
         with self._lock:
             return key in self._blocks
-
-    # ---- shared memory --------------------------------------------------------------
-    def new_buffer(self, n: int) -> Buffer:
-        """Where a block of `n` bytes about to be received should go: a slot of the shared
-        region when there is one with room, else the heap."""
-        if self.arena is not None:
-            slot = self.alloc_slot(n)
-            if slot is not None:
-                return slot  # type: ignore[return-value]
-        return new_heap_buffer(n)
-
-    def alloc_slot(self, n: int) -> Any:
-        """A slot of the shared region for a block of `n` bytes about to be stored. When the
-        region has no room (slots of stores in flight, leases, fragments) while memory
-        blocks live in it, the memory tier lets its least recently used blocks go, `n`
-        bytes' worth at a time (spilled to disk as usual), until the slot fits. None
-        (counted) when no block in memory holds any of the region."""
-        assert self.arena is not None
-        slot = self.arena.alloc(n)
-        while slot is None and n <= self.arena.size and self.mem_region:
-            work = Work()
-            with self._lock:  # the least recently used blocks leave memory, n bytes' worth
-                before = self.mem_used
-                self._evict_memory(work, target=max(0, min(before, self.memory_bytes) - n))
-                evicted = before - self.mem_used
-            self._finish(work)  # spills written, evicted payloads let go
-            slot = self.arena.alloc(n)
-            if not evicted:
-                break  # nothing left to evict: leases, sends or fragments hold the rest
-        if slot is None:
-            self.metrics.region_full.inc()
-        return slot
-
-    def lease(self, key: str) -> tuple[BlockMeta, Buffer] | bool | None:
-        """A block's payload as a slot of the shared region, for an engine to copy from
-        under a lease (the caller holds the returned slot until the lease ends). None on a
-        miss; False when the block exists but no slot could be had for it (the engine
-        reads it over TCP instead)."""
-        assert self.arena is not None
-        found = self.get(key)
-        if found is None:
-            return None
-        meta, data = found
-        if self.arena.holds(data):
-            return meta, data
-        slot = self.arena.alloc(len(data))  # (a read evicts nothing to make room)
-        if slot is None:
-            self.metrics.region_full.inc()
-            return False
-        slot[:] = memoryview(data).cast("B")
-        with self._lock:  # later leases of this block need no copy
-            e = self._blocks.get(key)
-            if e is not None and e.data is data and e.in_mem:
-                e.data = slot  # type: ignore[assignment]
-                self.mem_region += e.size
-        return meta, slot  # type: ignore[return-value]
-
-    def lease_many(self, keys: list[str]) -> list[tuple[BlockMeta, Buffer, int] | bool | None]:
-        """`lease` of each key, with the slot's offset in the region. Misses and blocks
-        already in a slot (a load's usual keys) are found under one lock and counted once;
-        the rest go through `lease`."""
-        assert self.arena is not None
-        found: list[tuple[BlockMeta, Buffer, int] | bool | None] = []
-        rest, hits, misses = [], 0, 0
-        with self._lock:
-            for i, key in enumerate(keys):
-                e = self._blocks.get(key)
-                if e is None:
-                    misses += 1
-                    found.append(None)
-                elif e.in_mem and (at := self.arena.place(e.data)) is not None:
-                    self._mem[e.pinned].move_to_end(key)
-                    hits += 1
-                    found.append((e.meta, e.data, at))  # type: ignore[arg-type]
-                else:
-                    rest.append(i)
-                    found.append(None)
-        if misses:
-            self.metrics.misses.inc(misses)
-        if hits:
-            self._memory_hits.inc(hits)
-        for i in rest:
-            got = self.lease(keys[i])
-            if got:
-                meta, slot = got  # type: ignore[misc]
-                got = (meta, slot, self.arena.place(slot))  # type: ignore[assignment]
-            found[i] = got  # type: ignore[assignment]
-        return found
 
     def keys(self) -> list[str]:
         with self._lock:
@@ -356,96 +245,11 @@ class BlockStore:
                 ),
             }
 
-    def flush(self) -> int:
-        """Write every memory-only block to the disk tier (clean shutdown), pinned ones
-        first, most recently used first, making room as a spill does; returns how many."""
-        with self._lock:
-            pending = [*reversed(self._mem[True].values()), *reversed(self._mem[False].values())]
-        return self._copy_to_disk(pending, evict=True)[0]
-
-    def write_behind(self, max_bytes: int | None = None) -> int:
-        """Give memory-only pinned blocks a disk copy, oldest first, so that a session's KV
-        survives a crash of the process; they stay in memory. Only free disk room is used:
-        nothing is evicted for a copy, and it stops at the first block that does not fit
-        (or once `max_bytes` are written). Returns how many blocks it wrote."""
-        with self._lock:
-            pending = list(self._mem[True].values())
-        blocks, nbytes = self._copy_to_disk(pending, evict=False, max_bytes=max_bytes)
-        if blocks:
-            self.metrics.write_behind_blocks.inc(blocks)
-            self.metrics.write_behind_bytes.inc(nbytes)
-            log.debug("write-behind: %d pinned blocks, %d bytes", blocks, nbytes)
-        return blocks
-
     # ---- internals (call with the lock held) ----------------------------------------
     def _refuse(self, meta: BlockMeta, reason: str) -> bool:
         self.metrics.refused.labels(reason).inc()
         log.warning("refused block %s (%d bytes): %s", meta.key, meta.length, reason)
         return False
-
-    def _link(self, e: Entry) -> None:
-        self._blocks[e.meta.key] = e
-        if e.session is not None:
-            self._by_session.setdefault(e.session, set()).add(e.meta.key)
-        if e.pinned:
-            self.pinned_used += e.size
-
-    def _unlink(self, e: Entry, work: Work) -> None:
-        """Forget a block everywhere (a spill in flight notices and deletes its file)."""
-        del self._blocks[e.meta.key]
-        if e.session is not None:
-            keys = self._by_session[e.session]
-            keys.discard(e.meta.key)
-            if not keys:
-                del self._by_session[e.session]
-        if e.pinned:
-            self.pinned_used -= e.size
-        if e.in_mem:
-            self._mem_remove(e)
-        if e.disk_path is not None:
-            self._disk_remove(e, work)
-        e.data = None
-
-    def _mem_add(self, e: Entry) -> None:
-        self._mem[e.pinned][e.meta.key] = e
-        e.in_mem = True
-        self.mem_used += e.size
-        if self.arena is not None and self.arena.holds(e.data):
-            self.mem_region += e.size
-        if e.disk_path is not None:
-            self._copies[e.meta.key] = e
-
-    def _mem_remove(self, e: Entry) -> None:
-        del self._mem[e.pinned][e.meta.key]
-        e.in_mem = False
-        self.mem_used -= e.size
-        if self.arena is not None and self.arena.holds(e.data):
-            self.mem_region -= e.size
-        self._copies.pop(e.meta.key, None)
-
-    def _disk_add(self, e: Entry, path: Path) -> None:
-        """Count a written file (its space was reserved before the write)."""
-        self._disk[e.pinned][e.meta.key] = e
-        e.disk_path = path
-        if e.in_mem:
-            self._copies[e.meta.key] = e
-
-    def _disk_remove(self, e: Entry, work: Work) -> None:
-        del self._disk[e.pinned][e.meta.key]
-        self._copies.pop(e.meta.key, None)
-        assert e.disk_path is not None
-        work.trash.append(e.disk_path)
-        e.disk_path = None
-        self.disk_used -= e.size
-
-    def _set_pinned(self, e: Entry, pinned: bool) -> None:
-        if e.pinned == pinned:
-            return
-        for tier in (self._mem, self._disk):
-            if e.meta.key in tier[e.pinned]:
-                tier[pinned][e.meta.key] = tier[e.pinned].pop(e.meta.key)
-        self.pinned_used += e.size if pinned else -e.size
-        e.pinned = pinned
 
     def _drop_session(self, session: str, work: Work) -> tuple[int, int]:
         self.pins.remove(session)
@@ -453,200 +257,3 @@ class BlockStore:
         for e in entries:
             self._unlink(e, work)
         return len(entries), sum(e.size for e in entries)
-
-    def _reserve_disk(
-        self, n: int, work: Work, protect: str | None = None, *, evict: bool = True
-    ) -> bool:
-        """Reserve n bytes on disk; with `evict`, make room first (`_make_disk_room`),
-        else only free room will do."""
-        if self.disk is None or n > self.disk_bytes:
-            return False
-        if evict:
-            self._make_disk_room(n, work, protect)
-        if self.disk_used + n > self.disk_bytes:
-            return False
-        self.disk_used += n
-        return True
-
-    def _make_disk_room(self, n: int, work: Work, protect: str | None) -> None:
-        """Make room for n bytes on disk by deleting unpinned LRU blocks (pin policy lru:
-        then disk copies of blocks in memory, then the least recently used pinned sessions'
-        blocks)."""
-        unpinned = self._disk[False]
-        while self.disk_used + n > self.disk_bytes and unpinned:
-            victim = next(iter(unpinned.values()))
-            if victim.in_mem:
-                self._disk_remove(victim, work)  # still in memory: only the copy goes
-            else:
-                self._unlink(victim, work)
-                self.metrics.evictions.labels("disk").inc()
-        while self.pin_policy == "lru" and self.disk_used + n > self.disk_bytes:
-            # blocks in memory too give up their disk copy first: that costs a write when
-            # they leave memory again, not a recompute (not a copy a reader still reads)
-            copy = next((e for e in self._copies.values() if not e.readers), None)
-            if copy is None:
-                break
-            self._disk_remove(copy, work)
-        while self.disk_used + n > self.disk_bytes and self.pin_policy == "lru":
-            victim = self._pinned_victim(self._disk[True], protect)
-            if victim is None:
-                break
-            if victim.in_mem:
-                self._disk_remove(victim, work)  # still in memory: only the copy goes
-            else:
-                self._drop_pinned(victim, work, protect)
-
-    def _evict_memory(
-        self, work: Work, protect: str | None = None, target: int | None = None
-    ) -> None:
-        """Make the memory tier fit `target` bytes (default: its budget)."""
-        target = self.memory_bytes if target is None else target
-        while self.mem_used > target:
-            tier = self._mem[False] or self._mem[True]
-            if not tier:
-                return
-            victim = next(iter(tier.values()))
-            self._mem_remove(victim)
-            if victim.disk_path is not None:
-                victim.data = None  # the disk copy is current
-            elif victim.spilling:
-                pass  # its copy is being written (write-behind, flush): the write lets go of it
-            elif victim.data is not None and self._reserve_disk(victim.size, work, protect):
-                victim.spilling = True
-                work.spill.append((victim, victim.data))
-            elif not victim.pinned:
-                self._unlink(victim, work)
-                self.metrics.evictions.labels("memory").inc()
-            elif self.pin_policy == "lru":
-                # no room on disk (or no disk): the least recently used pinned session in
-                # memory goes; the victim is that one unless it belongs to `protect`
-                self._mem_add(victim)
-                self._mem[True].move_to_end(victim.meta.key, last=False)
-                dropped = self._pinned_victim(self._mem[True], protect)
-                if dropped is None:
-                    log.warning("memory over budget: every pinned block in it is in use")
-                    return
-                self._drop_pinned(dropped, work, protect)
-            else:  # reserve: pinned, nowhere to go: keep it, over budget, rather than lose it
-                self._mem_add(victim)
-                log.warning(
-                    "memory over budget: pinned block %s has no room on disk", victim.meta.key
-                )
-                return
-
-    def _pinned_victim(self, tier: OrderedDict[str, Entry], protect: str | None) -> Entry | None:
-        """The least recently used pinned block of the tier that may be dropped: not being
-        read, not the protected session's (unless nothing else is left)."""
-        fallback = None
-        for e in tier.values():  # oldest first
-            if not _droppable(e):
-                continue
-            if e.session != protect:
-                return e
-            fallback = fallback or e
-        return fallback
-
-    def _drop_pinned(self, victim: Entry, work: Work, protect: str | None) -> None:
-        """Drop the victim's session's blocks (all that are not being read): its pin stays,
-        so the KV its next turn recomputes is pinned again. The protected session (the one
-        making room, when nothing else is left: its KV alone is more than the tiers hold)
-        loses only the victim, its least recently used block, not the block being stored."""
-        session = victim.session
-        entries = [victim]
-        if session is not None and session != protect:
-            entries = [self._blocks[k] for k in self._by_session.get(session, ())]
-        gone = 0
-        for e in entries:
-            if not _droppable(e):
-                continue
-            self.metrics.pinned_dropped.labels("memory" if e.in_mem else "disk").inc()
-            self._unlink(e, work)
-            gone += 1
-        if gone:
-            self.metrics.pinned_dropped_sessions.inc()
-            log.info("pinned session %s: %d blocks dropped to make room", session, gone)
-
-    # ---- work done outside the lock -------------------------------------------------
-    def _copy_to_disk(
-        self, pending: list[Entry], *, evict: bool, max_bytes: int | None = None
-    ) -> tuple[int, int]:
-        """Write the blocks of `pending` that are still memory-only to the disk tier, one
-        at a time, keeping them in memory; returns (blocks, bytes) written. With `evict`,
-        room is made as for a spill and a block that finds none is skipped; without, only
-        free room is used and the first block that finds none ends it."""
-        if self.disk is None:
-            return 0, 0
-        blocks = nbytes = 0
-        for e in pending:
-            if max_bytes is not None and nbytes >= max_bytes:
-                break
-            work = Work()
-            with self._lock:
-                if self._blocks.get(e.meta.key) is not e or e.data is None:
-                    continue  # replaced or dropped since
-                if e.disk_path is not None or e.spilling or not e.in_mem:
-                    continue  # has a copy, is being written, or left memory
-                if not self._reserve_disk(e.size, work, evict=evict):
-                    if evict:
-                        continue
-                    break
-                e.spilling = True
-                work.spill.append((e, e.data))
-            if self._finish(work):
-                blocks += 1
-                nbytes += e.size
-        return blocks, nbytes
-
-    def _finish(self, work: Work) -> int:
-        """Do a locked section's work; returns how many of its blocks were written."""
-        # Write before deleting: a crash in between must leave the old copy of an
-        # overwritten key, not nothing (the next start keeps the newest file per key).
-        written = 0
-        for e, data in work.spill:
-            written += self._write(e, data)
-        for path in work.trash:
-            path.unlink(missing_ok=True)
-        return written
-
-    def _write(self, e: Entry, data: Buffer) -> bool:
-        """Write a block whose room is reserved; True when its disk copy is indexed."""
-        assert self.disk is not None
-        try:
-            path: Path | None = self.disk.write(e.meta, data)
-        except OSError as exc:
-            log.error("disk write of %s failed: %s", e.meta.key, exc)
-            path = None
-        with self._lock:
-            e.spilling = False
-            current = self._blocks.get(e.meta.key) is e
-            if path is not None and current:
-                self._disk_add(e, path)
-                if not e.in_mem:
-                    e.data = None
-                self.metrics.spills.inc()
-                return True
-            self.disk_used -= e.size  # give the reservation back
-            if current and not e.in_mem:
-                if e.pinned and e.size <= self.memory_bytes:
-                    self._mem_add(e)  # keep pinned KV in memory rather than lose it
-                else:
-                    self._unlink(e, Work())
-        if path is not None:
-            path.unlink(missing_ok=True)  # the block was replaced or dropped meanwhile
-        return False
-
-    def _drop_corrupt(self, e: Entry, path: Path, exc: CorruptBlock) -> None:
-        work = Work()
-        with self._lock:
-            if self._blocks.get(e.meta.key) is not e or e.disk_path != path:
-                return  # evicted or replaced while we read: not corruption
-            self._unlink(e, work)
-        self._finish(work)
-        self.metrics.corrupt.inc()
-        log.warning("corrupt block %s dropped: %s", e.meta.key, exc)
-
-
-def _droppable(e: Entry) -> bool:
-    """Not being read from disk, not being written to it, and in a tier (a block between
-    tiers is being moved by the caller)."""
-    return not e.readers and not e.spilling and (e.in_mem or e.disk_path is not None)
