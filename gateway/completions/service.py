@@ -35,7 +35,8 @@ from gateway.shaping import (
     session_ref,
     text_completion,
 )
-from gateway.turns import Generation, Turn, TurnService
+from gateway.turn_types import Generation, Turn
+from gateway.turns import TurnService
 from gateway.upstream import open_stream, post_raw
 
 log = logging.getLogger(__name__)

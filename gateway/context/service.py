@@ -31,7 +31,8 @@ from gateway.shaping import (
     text_completion,
 )
 from gateway.tools import check_agent_fields, check_tool_messages, check_tools, uses_chat_engine
-from gateway.turns import Generation, Turn, TurnService
+from gateway.turn_types import Generation, Turn
+from gateway.turns import TurnService
 
 CREATE_ONLY = ("ttl", "metadata")
 log = logging.getLogger(__name__)

@@ -76,7 +76,8 @@ from gateway.responses.shaping import (
     replay_events,
 )
 from gateway.settings import GatewaySettings
-from gateway.turns import Generation, Turn, TurnService
+from gateway.turn_types import Generation, Turn
+from gateway.turns import TurnService
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,8 @@ from gateway.protocol import ContextCreate
 from gateway.recent import RecentHistories
 from gateway.settings import GatewaySettings, WorkerEndpoint
 from gateway.shaping import ChunkShaper
-from gateway.turns import Generation, Turn, TurnService
+from gateway.turn_types import Generation, Turn
+from gateway.turns import TurnService
 from gateway.upstream import WorkerDown, open_stream
 from gateway.worker_client import WorkerClient
 from tests.gateway.rawhttp import CHUNKED_HEAD, chunk, read_request, server
@@ -172,9 +173,9 @@ async def test_a_failed_begin_leaves_no_task_behind(caplog: pytest.LogCaptureFix
 async def test_what_is_not_tokenized_early() -> None:
     prompts = Prompts()
     turns = service(prompts, Manager(prompts))
-    assert turns._start_early("completion", SID, {"model": "m", "prompt": [5, 6]}) is None
-    assert turns._start_early("completion", SID, {"model": "other", "prompt": "x"}) is None
-    assert turns._start_early("chat", SID, CHAT) is None  # no history of it here
+    assert turns.planner._start_early("completion", SID, {"model": "m", "prompt": [5, 6]}) is None
+    assert turns.planner._start_early("completion", SID, {"model": "other", "prompt": "x"}) is None
+    assert turns.planner._start_early("chat", SID, CHAT) is None  # no history of it here
 
 
 @pytest.mark.parametrize("same_version", [True, False])
