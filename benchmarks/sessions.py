@@ -196,7 +196,7 @@ class Load:
 
 # -- measuring ----------------------------------------------------------------------------------
 async def redis_numbers(redis: Any, sample: list[str]) -> dict[str, float]:
-    from cache_manager.store import session_keys, tenant_keys
+    from cache_manager.keys import session_keys, tenant_keys
 
     memory = await redis.info("memory")
     stats = await redis.info("stats")

@@ -22,6 +22,7 @@ import orjson
 from fastapi import FastAPI
 from pydantic import BaseModel
 
+from cache_manager.keys import valid_session_id
 from cache_manager.protocol import (
     AppendTurn,
     BeginTurn,
@@ -47,7 +48,6 @@ from cache_manager.protocol import (
 )
 from cache_manager.ratelimits import RateLimitStore
 from cache_manager.service import SessionService
-from cache_manager.store import valid_session_id
 from ctxcache import tracing
 from ctxcache.errors import (
     ManagerRefused,

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from cache_manager.protocol import RateSettle, RateTake, RateWindow
 from cache_manager.redis_url import StoreRedis
-from cache_manager.store import _script, redis_errors
+from cache_manager.scripts import load_script
+from cache_manager.store_errors import redis_errors
 
 
 def rate_key(key_id: str) -> str:
@@ -23,7 +24,7 @@ class RateLimitStore:
     """Every method is one round trip (one script call on the key's slot)."""
 
     def __init__(self, redis: StoreRedis) -> None:
-        self._script = _script(redis, "ratelimit")
+        self._script = load_script(redis, "ratelimit")
 
     async def take(self, key_id: str, req: RateTake) -> RateWindow:
         args = ["take", req.window_ms, req.max_requests, req.max_tokens, req.tokens]

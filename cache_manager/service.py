@@ -10,6 +10,7 @@ from typing import Any
 
 import orjson
 
+from cache_manager.keys import new_session_id, valid_session_id
 from cache_manager.protocol import (
     AppendTurn,
     BeginTurn,
@@ -27,9 +28,10 @@ from cache_manager.protocol import (
     TenantUsage,
     UpdateSession,
 )
+from cache_manager.records import parse_info
 from cache_manager.settings import ManagerSettings
 from cache_manager.sidecar_link import BackgroundLink
-from cache_manager.store import SessionStore, new_session_id, parse_info, valid_session_id
+from cache_manager.store import SessionStore
 from ctxcache.errors import InvalidRequest, QuotaExceeded, SessionNotFound, StoreUnavailable
 from ctxcache.lmcache_keys import session_key
 from ctxcache.logs import bind_session

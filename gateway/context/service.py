@@ -10,8 +10,8 @@ from typing import Any
 from fastapi import Response
 
 from cache_manager.client import ManagerClient
+from cache_manager.keys import new_session_id
 from cache_manager.protocol import ClaimKey, CreateSession, SessionInfo, UpdateSession
-from cache_manager.store import new_session_id
 from ctxcache.errors import InvalidRequest
 from ctxcache.logs import bind_session
 from ctxcache.responses import JSONResponse

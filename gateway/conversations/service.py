@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 from cache_manager.client import ManagerClient
+from cache_manager.keys import new_session_id
 from cache_manager.protocol import (
     BeginTurn,
     ClaimKey,
@@ -17,7 +18,6 @@ from cache_manager.protocol import (
     SessionState,
     UpdateSession,
 )
-from cache_manager.store import new_session_id
 from ctxcache.errors import ConversationNotFound, NotFound, SessionNotFound, VersionConflict
 from ctxcache.responses import JSONResponse
 from gateway.idempotency import IdempotencyKey, answered

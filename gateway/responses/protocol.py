@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from cache_manager.store import SESSION_PREFIX, valid_session_id
+from cache_manager.keys import SESSION_PREFIX, valid_session_id
 from ctxcache.schema import OpenAIBaseModel
 from gateway.protocol import Metadata, check_metadata
 from gateway.responses.items import messages_of

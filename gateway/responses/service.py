@@ -33,6 +33,7 @@ from typing import Any, Literal
 from fastapi import Response
 
 from cache_manager.client import ManagerClient
+from cache_manager.keys import new_session_id
 from cache_manager.protocol import (
     BeginTurn,
     ClaimKey,
@@ -44,7 +45,6 @@ from cache_manager.protocol import (
     StoredResponse,
     UpdateSession,
 )
-from cache_manager.store import new_session_id
 from ctxcache.errors import (
     ConversationNotFound,
     CtxError,

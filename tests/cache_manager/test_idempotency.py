@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from cache_manager.client import ManagerClient
+from cache_manager.keys import new_session_id
 from cache_manager.protocol import (
     AppendTurn,
     BeginTurn,
@@ -17,7 +18,6 @@ from cache_manager.protocol import (
     CreateSession,
     EditItems,
 )
-from cache_manager.store import new_session_id
 from ctxcache.errors import (
     IdempotencyKeyReused,
     RequestInProgress,

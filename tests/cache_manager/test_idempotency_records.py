@@ -16,6 +16,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from cache_manager.client import ManagerClient
+from cache_manager.keys import new_session_id
 from cache_manager.protocol import (
     AppendTurn,
     BeginTurn,
@@ -23,7 +24,6 @@ from cache_manager.protocol import (
     CreateSession,
     EditItems,
 )
-from cache_manager.store import new_session_id
 from ctxcache.errors import IdempotencyKeyReused, RequestInProgress, SessionNotFound
 from tests.cache_manager.conftest import ManagerFactory, idem
 

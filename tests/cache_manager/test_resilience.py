@@ -9,7 +9,7 @@ import pytest
 
 from cache_manager.protocol import AppendTurn, BeginTurn, CreateSession, UpdateSession
 from cache_manager.sidecar_link import BackgroundLink, headroom
-from cache_manager.store import redis_errors
+from cache_manager.store_errors import redis_errors
 from ctxcache.errors import SessionBusy, StoreUnavailable
 from ctxcache.lmcache_keys import session_key
 from ctxcache.redis_server import RedisServer

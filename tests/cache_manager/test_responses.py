@@ -6,6 +6,7 @@ import pytest
 import redis
 
 from cache_manager.client import ManagerClient
+from cache_manager.keys import session_keys
 from cache_manager.protocol import (
     AppendTurn,
     BeginTurn,
@@ -13,7 +14,6 @@ from cache_manager.protocol import (
     StoredResponse,
     UpdateSession,
 )
-from cache_manager.store import session_keys
 from ctxcache.errors import SessionNotFound
 from ctxcache.lmcache_keys import session_key
 from tests.cache_manager.conftest import FakeSidecarLink

@@ -8,8 +8,8 @@ import pytest
 import redis
 
 from cache_manager.client import ManagerClient
+from cache_manager.keys import new_session_id, valid_session_id
 from cache_manager.protocol import AppendTurn, BeginTurn, CreateSession, UpdateSession
-from cache_manager.store import new_session_id, valid_session_id
 from cache_manager.tokens import SMALL, pack_tokens, unpack_tokens
 from ctxcache.errors import (
     InvalidRequest,

@@ -8,8 +8,10 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio as aioredis
 
+from cache_manager.keys import new_session_id, tenant_keys
 from cache_manager.redis_url import open_store_redis
-from cache_manager.store import INDEX_GRACE_MS, SessionStore, new_session_id, tenant_keys
+from cache_manager.store import SessionStore
+from cache_manager.tenant_index import INDEX_GRACE_MS
 from ctxcache.errors import SessionBusy
 
 

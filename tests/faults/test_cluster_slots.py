@@ -20,9 +20,9 @@ from redis.crc import key_slot
 
 from cache_manager.app import create_app
 from cache_manager.client import ManagerClient
+from cache_manager.keys import session_keys, tenant_keys
 from cache_manager.protocol import AppendTurn, BeginTurn, CreateSession
 from cache_manager.settings import ManagerSettings
-from cache_manager.store import session_keys, tenant_keys
 from ctxcache.redis_topologies import RedisClusterServers
 from tests.cache_manager.conftest import FakeSidecarLink
 

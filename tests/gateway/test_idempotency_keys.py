@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cache_manager.store import valid_session_id
+from cache_manager.keys import valid_session_id
 from ctxcache.errors import InvalidRequest
 from gateway.idempotency import MAX_KEY_CHARS, IdempotencyKey, check_header
 
