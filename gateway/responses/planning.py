@@ -1,0 +1,311 @@
+"""Planning a response turn: the point it continues from (a stored response, a
+conversation's latest, or nothing: a new chain), whether it appends to its session or forks
+it, and where and how the finished response will be kept (`Planned`). Idempotency claims
+and keeping the response are the service's (`gateway.responses.service`, whose module says
+how continuing and forking work).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from cache_manager.client import ManagerClient
+from cache_manager.keys import new_session_id
+from cache_manager.protocol import (
+    BeginTurn,
+    Idempotency,
+    Replay,
+    SessionInfo,
+    SessionState,
+    UpdateSession,
+)
+from ctxcache.errors import (
+    ConversationNotFound,
+    CtxError,
+    InvalidRequest,
+    PreviousResponseNotFound,
+    SessionBusy,
+    SessionNotFound,
+)
+from ctxcache.lmcache_keys import session_key
+from gateway.idempotency import IdempotencyKey
+from gateway.responses.items import chat_tool_choice, chat_tools, items_of, response_format
+from gateway.responses.protocol import (
+    ResponseCreate,
+    item_id,
+    new_response_id,
+    parse_conversation_id,
+    parse_response_id,
+)
+from gateway.responses.shaping import ResponseDraft
+from gateway.settings import GatewaySettings
+from gateway.turn_types import Turn
+from gateway.turns import TurnService
+
+Mode = Literal["append", "create", "none"]  # how a finished response is kept
+
+
+@dataclass
+class Planned:
+    """A response turn, planned: the turn, and where and how its result will be kept."""
+
+    turn: Turn
+    draft: ResponseDraft
+    mode: Mode
+    session_id: str  # the session the response belongs to (a new one for a new chain/fork)
+    history: list[dict[str, Any]]  # the messages before this turn
+    messages: list[dict[str, Any]]  # this turn's: instructions (if new) and the input
+    input_items: list[dict[str, Any]]
+    ttl: int
+    missing: CtxError  # what a session deleted under the turn answers
+    parent: SessionInfo | None = None  # a fork's parent: its KV key is the fork's
+    key: IdempotencyKey | None = None
+    claim: str | None = None  # mode create with a key: the claim's lock on session_id
+    kept: bool = False  # the response is stored (the claim's lock went with the create)
+
+
+def with_instructions(
+    instructions: str | None, history: list[dict[str, Any]], new: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """`instructions` become a system message before the input unless they already are the
+    context's latest system message (the usual case: a client sends the same instructions
+    with every turn, and they stay where the chain started)."""
+    if instructions is None:
+        return new
+    latest = next((m["content"] for m in reversed(history) if m["role"] == "system"), None)
+    if latest == instructions:
+        return new
+    return [{"role": "system", "content": instructions}, *new]
+
+
+def cut(state: SessionState, at: dict[str, int]) -> SessionState:
+    """The session as it was right after a stored response (read-only: no lock). A
+    conversation whose items were edited since has other token ids: that point is
+    continued from its messages, rendered again."""
+    edited = at["version"] < state.info.edited
+    return SessionState.model_construct(
+        info=state.info,
+        tokens=[] if edited else state.tokens[: at["tokens"]],
+        messages=state.messages[: at["messages"]],
+        lock=None,
+    )
+
+
+def blank(session_id: str, tenant: str, model: str) -> SessionState:
+    """A session not created yet: a new chain starts from nothing."""
+    info = SessionInfo.model_construct(
+        session_id=session_id,
+        tenant=tenant,
+        model=model,
+        kind="chat",
+        version=0,
+        ttl=0,
+        affinity=None,
+        kv_key=session_key(session_id),
+        kv_shared=False,
+    )
+    return SessionState.model_construct(info=info, tokens=[], messages=[], lock=None)
+
+
+def agent_fields(req: ResponseCreate) -> dict[str, Any]:
+    """The request's tools, choice and format, as a chat turn takes them."""
+    return {
+        "tools": chat_tools(req.tools),
+        "tool_choice": chat_tool_choice(req.tool_choice),
+        "parallel_tool_calls": req.parallel_tool_calls,
+        "response_format": response_format(req.text),
+    }
+
+
+class ResponsePlanner:
+    """Loads the point a response continues from and plans its turn there."""
+
+    def __init__(
+        self, manager: ManagerClient, turns: TurnService, settings: GatewaySettings
+    ) -> None:
+        self.manager = manager
+        self.turns = turns
+        self.settings = settings
+
+    async def plan(
+        self, tenant: str, req: ResponseCreate, key: IdempotencyKey | None, claim: str | None
+    ) -> Planned | Replay:
+        new = req.messages()
+        conv = req.conversation_id
+        at: dict[str, int] | None = None  # the point in the session; None: its latest
+        missing: CtxError = InvalidRequest("the session is gone")
+        record = key.record() if key is not None else None
+        loaded: SessionState | Replay
+        if req.previous_response_id is not None:
+            missing = PreviousResponseNotFound.of(req.previous_response_id)
+            sid, at, loaded = await self._at_response(
+                tenant, req.previous_response_id, req.store, record
+            )
+        elif conv is not None:
+            missing = ConversationNotFound.of(conv, param="conversation")
+            sid, loaded = await self._at_conversation(tenant, conv, req.store, record)
+        else:
+            sid = key.session_id() if key is not None else new_session_id()
+            loaded = blank(sid, tenant, req.model)
+        if isinstance(loaded, Replay):  # the key's first attempt appended to this session
+            return loaded
+        state = loaded
+        appending = state.lock is not None and (at is None or state.info.version == at["version"])
+        if state.lock is not None and not appending:  # the chain moved on: fork
+            await self.turns.release_now(tenant, state)
+        if at is not None and not appending:
+            state = cut(state, at)
+        messages = with_instructions(req.instructions, state.messages, new)
+        fields = {"max_tokens": req.max_output_tokens, "temperature": req.temperature}
+        fields["top_p"] = req.top_p
+        fields |= agent_fields(req)
+        body = {"model": req.model, "messages": messages}
+        body.update({k: v for k, v in fields.items() if v is not None})
+        try:
+            turn = await self.turns.plan(tenant, sid, "chat", body, state)
+        except InvalidRequest as exc:  # (a tool message is an input item here)
+            if exc.param and exc.param.startswith("messages"):
+                exc.param = "input"
+            raise
+        if req.max_output_tokens is None and turn.window:  # OpenAI's default: up to the window
+            turn.sampling["max_tokens"] = max(1, turn.window - len(turn.prompt))
+
+        fork = not appending and state.info.version > 0
+        mode: Mode = "append" if appending else "create" if req.store else "none"
+        if mode == "append":
+            target = sid
+            turn.idempotency = record
+        elif fork and key is not None:
+            target = key.session_id()  # a retry finds the fork its first attempt made
+        elif fork or mode == "none":
+            target = new_session_id()  # (store: false: only names the response)
+        else:
+            target = sid
+        if mode == "create" and key is not None:
+            assert claim is not None and target == key.session_id()  # claimed in `_plan`
+        if mode == "none" and not fork:  # nothing to find or keep: no session tag
+            turn.session_id, turn.kv_key = None, None
+        if mode == "create" and fork:
+            await self._share(tenant, state.info)
+        first = len(state.messages) + len(messages) - len(new)
+        items = [it for i, m in enumerate(new) for it in items_of(m, item_id(target, first + i))]
+        request = {
+            "instructions": req.instructions,
+            "max_output_tokens": req.max_output_tokens,
+            "metadata": req.metadata or {},
+            "previous_response_id": req.previous_response_id,
+            "conversation": {"id": conv} if conv is not None and appending else None,
+            "store": req.store,
+            "temperature": 1.0 if req.temperature is None else req.temperature,
+            "top_p": 1.0 if req.top_p is None else req.top_p,
+            "service_tier": "default",
+            "tools": req.tools or [],
+            "tool_choice": req.tool_choice or ("auto" if req.tools else "none"),
+            "parallel_tool_calls": req.parallel_tool_calls is not False,
+            "text": req.text or {"format": {"type": "text"}},
+        }
+        draft = ResponseDraft(
+            id=new_response_id(target),
+            model=req.model,
+            output_id=item_id(target, len(state.messages) + len(messages)),
+            request=request,
+        )
+        ttl = state.info.ttl if fork else self.settings.default_ttl
+        return Planned(
+            turn=turn,
+            draft=draft,
+            mode=mode,
+            session_id=target,
+            history=state.messages,
+            messages=messages,
+            input_items=items,
+            ttl=ttl,
+            missing=missing,
+            parent=state.info if fork else None,
+            key=key,
+            claim=claim,
+        )
+
+    async def _load(
+        self,
+        tenant: str,
+        session_id: str,
+        *,
+        lock: bool,
+        missing: CtxError,
+        fork_if_busy: bool,
+        idempotency: Idempotency | None = None,
+    ) -> SessionState | Replay:
+        """Load a session with its ids and messages (locked if `lock`); a turn in flight
+        on it means a fork if the caller may fork, else `session_busy`. With an idempotency
+        key whose first attempt appended to this session: that attempt's answer."""
+        begin = BeginTurn(
+            tenant=tenant, lock=lock, tokens=True, messages=True, idempotency=idempotency
+        )
+        try:
+            try:
+                state = await self.manager.begin(session_id, begin)
+            except SessionBusy:
+                if not fork_if_busy:
+                    raise
+                state = await self.manager.begin(
+                    session_id, begin.model_copy(update={"lock": False})
+                )
+        except SessionNotFound:
+            raise missing from None
+        return state.replay if state.replay is not None else state
+
+    async def _at_response(
+        self, tenant: str, response_id: str, store: bool, idempotency: Idempotency | None = None
+    ) -> tuple[str, dict[str, int], SessionState | Replay]:
+        missing = PreviousResponseNotFound.of(response_id)
+        parsed = parse_response_id(response_id)
+        if parsed is None:
+            raise missing
+        sid, field = parsed
+        try:
+            found = await self.manager.get_response(sid, tenant, field)
+        except SessionNotFound:
+            raise missing from None
+        at: dict[str, int] = found.record["at"]
+        # a response of a conversation is continued by `conversation=`; by its id, it forks
+        in_conversation = found.record["response"].get("conversation") is not None
+        latest = found.version == at["version"] and not in_conversation
+        state = await self._load(
+            tenant,
+            sid,
+            lock=store and latest,
+            missing=missing,
+            fork_if_busy=True,
+            idempotency=idempotency,
+        )
+        return sid, at, state
+
+    async def _at_conversation(
+        self, tenant: str, conv: str, store: bool, idempotency: Idempotency | None = None
+    ) -> tuple[str, SessionState | Replay]:
+        missing = ConversationNotFound.of(conv, param="conversation")
+        sid = parse_conversation_id(conv)
+        if sid is None:
+            raise missing
+        state = await self._load(
+            tenant, sid, lock=store, missing=missing, fork_if_busy=False, idempotency=idempotency
+        )
+        if isinstance(state, Replay):
+            return sid, state
+        if state.info.origin != "conversation":
+            await self.turns.release_now(tenant, state)
+            raise missing
+        return sid, state
+
+    async def _share(self, tenant: str, parent: SessionInfo) -> None:
+        """A fork reads its parent's KV blocks: mark the parent so that deleting it leaves
+        them (they expire with the family's last pin)."""
+        if parent.kv_shared or parent.kv_key != session_key(parent.session_id):
+            return
+        # (deleted meanwhile: its blocks may go, and the fork recomputes them)
+        with contextlib.suppress(SessionNotFound):
+            shared = UpdateSession(tenant=tenant, kv_shared=True)
+            await self.manager.update(parent.session_id, shared)
