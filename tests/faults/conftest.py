@@ -265,6 +265,8 @@ class Conversation:
         return r.json()  # type: ignore[no-any-return]
 
     def info(self) -> dict[str, Any]:
+        """The session's record, all but what the sidecar holds (`kv_tokens`, `kv_bytes`):
+        that may still be filling from the last turn's prefill, and is a cache, not history."""
         r = self.http.get(f"/v1/context/{self.session_id}")
         assert r.status_code == 200, r.text
-        return r.json()  # type: ignore[no-any-return]
+        return {k: v for k, v in r.json().items() if k not in ("kv_tokens", "kv_bytes")}
