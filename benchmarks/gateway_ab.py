@@ -29,16 +29,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks.gateway import (
-    AUTH,
-    Case,
+from benchmarks.gateway_measure import AUTH, Case, measure_ours, streamed_chat
+from benchmarks.gateway_stack import (
     Placement,
-    measure_ours,
     start_fake_worker,
     start_gateway,
     start_redis,
     start_sidecar,
-    streamed_chat,
 )
 from benchmarks.util import (
     add_output_arguments,
