@@ -22,27 +22,18 @@ view of the slot keeps alive), which is exactly the memory tier's own rule — a
 sent, copied by an engine (a lease holds a reference) or written to disk is never reused
 under it, whatever the store evicted meanwhile.
 
-**The directory is trusted only if only we can change it** (`check_directory`): nobody
-else may write to it (a sticky one of ours is allowed), region files are opened with
-`O_NOFOLLOW`, and only regular files we own are taken over.
-
-**Engines' liveness** travels through the directory too: an engine's client holds an
-`flock` on `client-<token>.lock` for its life (`take_client_lock`); the kernel lets go of
-it when the process dies, whatever its PID namespace, so the sidecar can tell a dead
-writer from a slow one (`client_alive`).
+The directory the region lives in is `sidecar.arena_dir`'s (whom it trusts, the names in
+it, the regions an earlier sidecar left there: `_recycle_stale`), and the engines'
+liveness locks in it are `sidecar.arena_clients`'.
 """
 
 from __future__ import annotations
 
 import bisect
-import contextlib
-import fcntl
 import logging
 import mmap
 import os
-import re
 import secrets
-import stat
 import struct
 import threading
 import weakref
@@ -50,6 +41,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from sidecar.arena_dir import RegionError, _recycle_stale, ensure_directory
 
 log = logging.getLogger(__name__)
 
@@ -62,9 +55,6 @@ RECORD = struct.Struct("<QQQQ")
 TABLE_RECORDS = 8192  # slots in flight to writers, all engines together
 TABLE_OFFSET = PAGE
 HEADER_BYTES = TABLE_OFFSET + TABLE_RECORDS * RECORD.size  # the first slot starts here
-SOCKET_NAME = "sidecar.sock"
-DIR_LOCK = "sidecar.lock"
-CLIENT_LOCK = re.compile(r"client-([0-9a-f]{16})\.lock")
 # How an engine maps the region: every page at once, since a page first touched in a copy
 # costs a fault (about 13k faults, ~15 ms, per 50 MB here), paid once at connect instead of
 # on its loads and stores. The sidecar maps it plainly (its pages are touched by socket
@@ -75,11 +65,6 @@ MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
 def region_name(generation: str) -> str:
     return f"kv-{generation}.shm"
-
-
-class RegionError(RuntimeError):
-    """The region could not be created (no room in the directory, no permission, a
-    directory that others can write)."""
 
 
 class _SlotOwner:
@@ -322,48 +307,6 @@ class Arena:
         self.path.unlink(missing_ok=True)
 
 
-def ensure_directory(directory: Path) -> None:
-    """Create `directory` if it is missing (0770: the engine, of our group, makes its lock
-    file there; in a Kubernetes `emptyDir`, which is 0777, give a subdirectory), then
-    `check_directory`."""
-    if not directory.exists():
-        directory.mkdir(parents=True, exist_ok=True)
-        with contextlib.suppress(OSError):
-            os.chmod(directory, 0o770)
-    check_directory(directory)
-
-
-def check_directory(directory: Path) -> None:
-    """Refuse a directory that someone else could plant files in (a region, a socket, a
-    lock): one that others may write, unless it is sticky (others cannot rename or remove
-    our files there) and owned by us or root (like /dev/shm)."""
-    info = os.stat(directory)
-    if not stat.S_ISDIR(info.st_mode):
-        raise RegionError(f"{directory} is not a directory")
-    if info.st_mode & stat.S_IWOTH:
-        sticky = info.st_mode & stat.S_ISVTX
-        if not sticky or info.st_uid not in (os.geteuid(), 0):
-            raise RegionError(
-                f"{directory} is writable by every user (mode {stat.S_IMODE(info.st_mode):o}); "
-                "give the sidecar a directory only it and its engines can write "
-                "(docs/sidecar.md)"
-            )
-
-
-def open_own_regular(path: Path, flags: int) -> int:
-    """Open `path` without following a symlink; only a regular file owned by us. -1 if it
-    is anything else (it is then left alone)."""
-    try:
-        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return -1
-    info = os.fstat(fd)
-    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
-        os.close(fd)
-        return -1
-    return fd
-
-
 def read_generation(path: Path) -> str | None:
     """The generation written in a region file's first page (None: not a region)."""
     try:
@@ -374,116 +317,6 @@ def read_generation(path: Path) -> str | None:
     if not head.startswith(MAGIC):
         return None
     return head[len(MAGIC) :].decode(errors="replace")
-
-
-def _recycle_stale(directory: Path, path: Path) -> int:
-    """The region a previous sidecar left (a restart, a kill -9) becomes this one's: renamed
-    to `path`, the same file, so the same memory. An engine keeps mapping the old region
-    until it next talks to us, and a tmpfs frees a removed file's pages only once nobody
-    maps them: a fresh file would need the room twice, and a volume sized for one region
-    (compose's, a Kubernetes `emptyDir` with a `sizeLimit`) would refuse it. Nothing is
-    read from it as ours but its write table: the new generation is written into its first
-    page, and a lease of the old generation ends in a failed release (a miss). Only a
-    regular file of ours is taken (a symlink or another user's file is left alone); other
-    stale regions of ours are removed. Returns the taken file's descriptor, or -1."""
-    stale = []
-    for old in directory.glob("kv-*.shm"):
-        fd = open_own_regular(old, os.O_RDWR)
-        if fd < 0:
-            log.warning("not taking over %s: not a regular file of this user", old)
-            continue
-        stale.append((os.fstat(fd).st_size, old, fd))
-    stale.sort(key=lambda s: s[0], reverse=True)  # the largest is kept: it may need no more room
-    taken = -1
-    for i, (_, old, fd) in enumerate(stale):
-        if i == 0:
-            log.info("reusing a previous sidecar's region %s as %s", old.name, path.name)
-            os.rename(old, path)
-            taken = fd
-            continue
-        log.info("removing a previous sidecar's region %s", old)
-        os.close(fd)
-        old.unlink(missing_ok=True)
-    return taken
-
-
-# ---- engines' liveness ------------------------------------------------------------------
-def client_lock_path(directory: Path, token: str) -> Path:
-    return directory / f"client-{token}.lock"
-
-
-def take_client_lock(directory: Path, token: str) -> int:
-    """(An engine's client.) Hold `client-<token>.lock` for this process's life: made
-    under a temporary name, locked, then renamed, so the sidecar never sees it unlocked
-    while we live. -1 when the directory does not let us (the sidecar then cannot tell
-    our death from silence: see `client_alive`)."""
-    tmp = directory / f".client-{token}.{os.getpid()}"
-    try:
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o660)
-    except OSError as exc:
-        log.warning(
-            "no liveness lock in %s (%s): stores there are freed only by timeout", directory, exc
-        )
-        return -1
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        os.rename(tmp, client_lock_path(directory, token))
-    except OSError:
-        os.close(fd)
-        tmp.unlink(missing_ok=True)
-        return -1
-    return fd
-
-
-def drop_client_lock(directory: Path, token: str, fd: int) -> None:
-    if fd >= 0:
-        client_lock_path(directory, token).unlink(missing_ok=True)
-        os.close(fd)
-
-
-def client_alive(directory: Path, token: str) -> bool | None:
-    """Whether the engine client `token` lives: its lock file is held (True), left
-    unlocked by a dead process (False: the file is removed), or absent (None: unknown)."""
-    path = client_lock_path(directory, token)
-    fd = open_own_or_group(path)
-    if fd < 0:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    except OSError:
-        return None
-    else:
-        with contextlib.suppress(OSError):
-            path.unlink()
-        return False
-    finally:
-        os.close(fd)
-
-
-def live_clients(directory: Path) -> int:
-    """How many engine clients with a lock in `directory` are alive."""
-    alive = 0
-    with contextlib.suppress(OSError):
-        for entry in os.scandir(directory):
-            m = CLIENT_LOCK.fullmatch(entry.name)
-            if m and client_alive(directory, m.group(1)):
-                alive += 1
-    return alive
-
-
-def open_own_or_group(path: Path) -> int:
-    """Open a lock file an engine made (it may run as another user of our group): a
-    regular file, never through a symlink. -1 otherwise."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return -1
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        return -1
-    return fd
 
 
 def round_up(n: int, to: int) -> int:

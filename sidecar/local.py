@@ -38,13 +38,9 @@ from pathlib import Path
 from typing import Any
 
 from ctxcache import tracing
-from sidecar.arena import (
-    DIR_LOCK,
-    SOCKET_NAME,
-    Arena,
-    client_alive,
-    ensure_directory,
-)
+from sidecar.arena import Arena
+from sidecar.arena_clients import client_alive
+from sidecar.arena_dir import DIR_LOCK, SOCKET_NAME, ensure_directory
 from sidecar.local_leases import Client, Lease, LeaseOps
 from sidecar.local_protocol import (
     MAX_LINE,

@@ -44,11 +44,8 @@ from pathlib import Path
 from typing import Any
 
 from ctxcache import tracing
-from sidecar.arena import (
-    SOCKET_NAME,
-    drop_client_lock,
-    take_client_lock,
-)
+from sidecar.arena_clients import drop_client_lock, take_client_lock
+from sidecar.arena_dir import SOCKET_NAME
 from sidecar.client import KVBlock
 from sidecar.local_deferred import FLUSH_AFTER_S, DeferredReleases
 from sidecar.local_protocol import TCP, LocalError, Slot, decode, encode, lease_blocks

@@ -7,7 +7,7 @@ answered in order.
 Requests, and what they answer:
 - `{"op": "hello", "client": token, "lock": bool}` -> `{"ok", "generation", "region",
   "size", "lease_timeout_s"}`; `client` (16 hex digits) names the engine's client across
-  its connections, `lock` says it holds `client-<token>.lock` (`sidecar.arena`)
+  its connections, `lock` says it holds `client-<token>.lock` (`sidecar.arena_clients`)
 - `{"op": "lease", "keys": [...]}` -> `{"ok", "lease": id, "blocks": [...]}`, a block being
   null (a miss), "tcp" (present but no slot could be had: GET it over lm://) or
   `{"offset", "length", "fmt", "dtype", "shape"}`. With `"columns": true` the same

@@ -11,7 +11,8 @@ import logging
 import os
 import threading
 
-from sidecar.arena import Arena, live_clients
+from sidecar.arena import Arena
+from sidecar.arena_clients import live_clients
 from sidecar.disk import DiskTier
 from sidecar.local import LocalServer, claim_directory
 from sidecar.metrics import SidecarMetrics

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.arena import SOCKET_NAME, Arena, RegionError, read_generation
+from sidecar.arena import Arena, RegionError, read_generation
+from sidecar.arena_dir import SOCKET_NAME
 from sidecar.client import KVClient
 from sidecar.local import LocalDirInUse
 from sidecar.local_client import TCP, LocalClient, Slot

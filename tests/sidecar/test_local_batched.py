@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.arena import SOCKET_NAME
+from sidecar.arena_dir import SOCKET_NAME
 from sidecar.client import KVClient
 from sidecar.local_client import LocalClient, Slot
 from sidecar.protocol import DTYPE_BFLOAT16, FMT_KV_2LTD

@@ -28,7 +28,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from sidecar.arena import SOCKET_NAME, Arena, RegionError
+from sidecar.arena import Arena, RegionError
+from sidecar.arena_dir import SOCKET_NAME
 from sidecar.client import KVClient
 from sidecar.local_client import LocalClient, LocalError, WriteLease
 from sidecar.protocol import DTYPE_BFLOAT16, FMT_KV_2LTD

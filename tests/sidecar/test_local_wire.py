@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from sidecar import local_protocol
-from sidecar.arena import SOCKET_NAME, Arena
+from sidecar.arena import Arena
+from sidecar.arena_dir import SOCKET_NAME
 from sidecar.blocks import BlockMeta
 from sidecar.local_client import TCP, LocalClient, Slot
 from sidecar.local_protocol import lease_answer, lease_blocks
