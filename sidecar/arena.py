@@ -11,7 +11,7 @@ mapped an older sidecar's region can never mistake it for this one.
 After the first page comes the **write table**: one record per slot handed to an engine to
 write into (`claim`), cleared when that engine has said it stopped writing (`unclaim`).
 It lives in the mapping, so it survives a `kill -9` of the sidecar: the next sidecar on
-this directory takes the region over (`_recycle_stale`) and keeps every extent listed
+this directory takes the region over (`recycle_stale`) and keeps every extent listed
 there out of its allocator until that writer commits, aborts or is gone
 (`inherited`, docs/sidecar.md "Invariants of the local path").
 
@@ -23,7 +23,7 @@ sent, copied by an engine (a lease holds a reference) or written to disk is neve
 under it, whatever the store evicted meanwhile.
 
 The directory the region lives in is `sidecar.arena_dir`'s (whom it trusts, the names in
-it, the regions an earlier sidecar left there: `_recycle_stale`), and the engines'
+it, the regions an earlier sidecar left there: `recycle_stale`), and the engines'
 liveness locks in it are `sidecar.arena_clients`'.
 """
 
@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from sidecar.arena_dir import RegionError, _recycle_stale, ensure_directory
+from sidecar.arena_dir import RegionError, ensure_directory, recycle_stale
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ class Arena:
         self.size = round_up(max(size, ALIGN), ALIGN) + HEADER_BYTES
         ensure_directory(directory)
         # callers first make sure no live sidecar uses `directory` (`sidecar.local.claim_directory`)
-        fd = _recycle_stale(directory, self.path)
+        fd = recycle_stale(directory, self.path)
         if fd < 0:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o660)
         try:
@@ -299,7 +299,7 @@ class Arena:
     def close(self, keep: bool = False) -> None:
         """Remove the file, unless `keep` (engines still map it: removing it would free no
         memory until they let go, and the next sidecar on this directory reuses the file,
-        `_recycle_stale`). The mapping stays until the process ends (slots may still be
+        `recycle_stale`). The mapping stays until the process ends (slots may still be
         referenced by threads that are finishing), so this never invalidates a view."""
         if keep:
             log.info("leaving the region %s to the next sidecar: engines map it", self.path)

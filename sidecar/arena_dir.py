@@ -5,7 +5,7 @@ the regions an earlier sidecar left there.
 **The directory is trusted only if only we can change it** (`check_directory`): nobody
 else may write to it (a sticky one of ours is allowed), region files are opened with
 `O_NOFOLLOW`, and only regular files we own are taken over (`open_own_regular`,
-`_recycle_stale`: the region a previous sidecar left becomes the new one's, the same file).
+`recycle_stale`: the region a previous sidecar left becomes the new one's, the same file).
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def open_own_regular(path: Path, flags: int) -> int:
     return fd
 
 
-def _recycle_stale(directory: Path, path: Path) -> int:
+def recycle_stale(directory: Path, path: Path) -> int:
     """The region a previous sidecar left (a restart, a kill -9) becomes this one's: renamed
     to `path`, the same file, so the same memory. An engine keeps mapping the old region
     until it next talks to us, and a tmpfs frees a removed file's pages only once nobody

@@ -25,35 +25,6 @@ if str(HERE) not in sys.path:
     sys.path.append(str(HERE))
 
 from dashboard_panels import connector, engine, gateway, processes, sidecar, store  # noqa: E402
-from dashboard_panels.panel import (  # noqa: E402
-    Target,
-    percentiles,
-    row,
-    stat,
-    timeseries,
-)
-from dashboard_panels.promql import RATE, quantile, rate, sel, share, total  # noqa: E402
-
-__all__ = [
-    "DATASOURCE",
-    "OUT",
-    "RATE",
-    "Target",
-    "build",
-    "main",
-    "panels",
-    "percentiles",
-    "quantile",
-    "rate",
-    "render",
-    "row",
-    "sel",
-    "share",
-    "stat",
-    "timeseries",
-    "total",
-    "variables",
-]
 
 OUT = HERE / "grafana" / "dashboards" / "ctxcache.json"
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}

@@ -188,7 +188,7 @@ def test_an_engine_killed_holding_leases_gives_every_slot_back(
 def test_a_restarted_sidecar_is_remapped_and_nothing_stale_is_read(local_dir: Path) -> None:
     """Mechanisms: the generation — a lease from before the restart is not vouched for, and
     the client maps the new region instead of reading the old one's bytes; and the region
-    file, kept while engines map it and taken over by the next sidecar (`_recycle_stale`).
+    file, kept while engines map it and taken over by the next sidecar (`recycle_stale`).
     An engine keeps its old mapping until it next talks to the sidecar, and those pages
     stay taken whatever happens to the file: a new file beside them needs the room twice,
     which compose's tmpfs volume and a Kubernetes `emptyDir` sized for one region do not
