@@ -360,7 +360,7 @@ def test_no_local_kv_gives_neither_a_local_dir(tmp_path: Path) -> None:
 
 
 def test_the_region_goes_in_a_private_directory_under_dev_shm(tmp_path: Path) -> None:
-    from ctxcache.serve import local_kv_dir, remove_local_kv_dir
+    from ctxcache.serve_region import local_kv_dir, remove_local_kv_dir
 
     shm, data = tmp_path / "shm", tmp_path / "data"
     shm.mkdir()
@@ -379,8 +379,8 @@ def test_the_region_goes_in_a_private_directory_under_dev_shm(tmp_path: Path) ->
 def test_without_dev_shm_or_room_there_the_region_goes_under_the_data_dir(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import ctxcache.serve
-    from ctxcache.serve import local_kv_dir, remove_local_kv_dir
+    import ctxcache.serve_region
+    from ctxcache.serve_region import local_kv_dir, remove_local_kv_dir
 
     monkeypatch.delenv("CTX_SIDECAR_ENCRYPTION_KEY", raising=False)
     data = tmp_path / "data"
@@ -398,7 +398,7 @@ def test_without_dev_shm_or_room_there_the_region_goes_under_the_data_dir(
     shm = tmp_path / "shm"  # there, but too small for the region
     shm.mkdir()
     room = {shm: 1 << 10, data: 1 << 30}
-    monkeypatch.setattr(ctxcache.serve, "_room", lambda path: room[path])
+    monkeypatch.setattr(ctxcache.serve_region, "_room", lambda path: room[path])
     assert local_kv_dir(data, 1 << 20, shm=shm) == data / "local"
     assert list(shm.iterdir()) == []
     room[data] = 1 << 10  # nowhere: KV over lm:// only, and serve still starts
@@ -409,7 +409,7 @@ def test_without_dev_shm_or_room_there_the_region_goes_under_the_data_dir(
 def test_a_killed_serves_region_is_removed_on_the_next_start(tmp_path: Path) -> None:
     """Nothing removes a region whose serve died by SIGKILL; it holds memory until the
     next start on the same data dir, which removes it (and only what serve made)."""
-    from ctxcache.serve import local_kv_dir
+    from ctxcache.serve_region import local_kv_dir
 
     shm, data = tmp_path / "shm", tmp_path / "data"
     shm.mkdir()
@@ -432,10 +432,11 @@ def test_serve_removes_the_region_directory_when_start_up_fails(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_local_kv: bool
 ) -> None:
     import ctxcache.serve
+    import ctxcache.serve_region
 
     shm = tmp_path / "shm"
     shm.mkdir()
-    monkeypatch.setattr(ctxcache.serve, "SHM", shm)
+    monkeypatch.setattr(ctxcache.serve_region, "SHM", shm)
     seen: list[Path | None] = []
 
     def failing_run(args: Any, sup: Any, data: Path, local: Path | None) -> int:

@@ -17,7 +17,7 @@ import pytest
 
 from ctxcache.in_use import InUse, lock_data_dir
 from ctxcache.net import free_port
-from ctxcache.serve import local_kv_dir, remove_local_kv_dir
+from ctxcache.serve_region import local_kv_dir, remove_local_kv_dir
 from tests.ctxcache.test_serve import alive, descendants, start_serve, stop_serve
 from tests.utils import require_vllm
 
