@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import socket
 import threading
 import time
@@ -12,19 +13,52 @@ _handed_out: set[int] = set()
 _handed_out_lock = threading.Lock()
 
 
+LOWEST = 10000  # free_port's ports: from here up to the kernel's ephemeral range
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port nothing listens on now, and one this process has not handed out before: the
     caller binds it later, so until then the kernel may offer the same port again (two
-    `free_port()` calls in a row once gave a sidecar the same data and control port)."""
+    `free_port()` calls in a row once gave a sidecar the same data and control port).
+
+    Where the kernel says which ports it hands out by itself (Linux), the port is picked
+    below that range: every outgoing connection and every `bind(port=0)` takes one from it,
+    so a port picked there can be taken before its caller binds it (vLLM's minute of
+    start-up once took a test gateway's). Elsewhere, the kernel's pick."""
+    below = _ephemeral_start()
     for _ in range(1000):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((host, 0))
-            port = int(s.getsockname()[1])
+        if below is not None and below > LOWEST + 1000:
+            port = random.randrange(LOWEST, below)
+            if not _bindable(host, port):
+                continue
+        else:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind((host, 0))
+                port = int(s.getsockname()[1])
         with _handed_out_lock:
             if port not in _handed_out:
                 _handed_out.add(port)
                 return port
     raise OSError(f"no free port on {host} that this process has not handed out already")
+
+
+def _ephemeral_start() -> int | None:
+    """The first port of the kernel's ephemeral range, where it says (Linux)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _bindable(host: str, port: int) -> bool:
+    """Whether `port` can be bound now (no listener, no connection on it, none waiting)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
 
 
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:

@@ -114,33 +114,35 @@ def started_stack(
         dtype=vllm_dtype().dtype,
     )
     vllm = VllmProcess(launch, log_path=root / "vllm.log")
-    store = ["--redis-url", redis_server.url]
-    env = {"CTX_GATEWAY_HEALTH_INTERVAL_S": "0.5"}
-    service = None
-    if manager:
-        token = "manager-token-vllm-stack"
-        service = ServiceProcess(
-            ["manager", *store, "--token", token], log_path=root / "manager.log"
-        )
-        store = ["--manager-url", service.url]
-        env["CTX_GATEWAY_MANAGER_TOKEN"] = token
-    gateway = ServiceProcess(
-        ["gateway", *store, "--worker", f"{vllm.url}={sidecar.url}"],
-        log_path=root / "gateway.log",
-        env=env,
-        health_path="/ready",
-    )
-    http = httpx.Client(base_url=gateway.url, timeout=300)
-    stack = VllmStack(root, sidecar, vllm, gateway, http, service)
+    service = gateway = http = stack = None
     try:
         vllm.start()
-        if service is not None:
-            service.start()
-        gateway.start()
+        # The manager's and gateway's ports are picked only now: picked before vLLM's
+        # minute of start-up, one was once taken meanwhile by a port vLLM bound (CI)
+        store = ["--redis-url", redis_server.url]
+        env = {"CTX_GATEWAY_HEALTH_INTERVAL_S": "0.5"}
+        if manager:
+            token = "manager-token-vllm-stack"
+            service = ServiceProcess(
+                ["manager", *store, "--token", token], log_path=root / "manager.log"
+            ).start()
+            store = ["--manager-url", service.url]
+            env["CTX_GATEWAY_MANAGER_TOKEN"] = token
+        gateway = ServiceProcess(
+            ["gateway", *store, "--worker", f"{vllm.url}={sidecar.url}"],
+            log_path=root / "gateway.log",
+            env=env,
+            health_path="/ready",
+        ).start()
+        http = httpx.Client(base_url=gateway.url, timeout=300)
+        stack = VllmStack(root, sidecar, vllm, gateway, http, service)
         yield stack
     finally:
-        stack.http.close()
-        for proc in (stack.gateway, stack.manager, stack.vllm, stack.sidecar):
+        if stack is not None:
+            sidecar = stack.sidecar  # (a test may have restarted it: the one running now)
+        if http is not None:
+            http.close()
+        for proc in (gateway, service, vllm, sidecar):
             if proc is not None:
                 proc.stop()
         if local_dir is not None:
