@@ -16,6 +16,8 @@ from typing import IO, Any
 
 import httpx
 
+from benchmarks.util import rss_mib
+
 KEY = "load-key"
 TENANT = "load"
 
@@ -127,16 +129,6 @@ def own_stack(args: argparse.Namespace, tmp: Path, logs: IO[str]) -> Iterator[St
 
 
 # -- observing the stack ----------------------------------------------------------------------
-def rss_mib(pid: int) -> float:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return 0.0
-
-
 @dataclass
 class Sampler:
     pids: dict[str, int]

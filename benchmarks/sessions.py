@@ -52,6 +52,7 @@ from benchmarks.sessions_stack import (
     context_messages,
     own_stack,
 )
+from benchmarks.util import rss_mib
 
 log = logging.getLogger("ctxcache.bench.sessions")
 
@@ -230,16 +231,6 @@ def cpu_s(pid: int) -> float:
     except OSError:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def rss_mib(pid: int) -> float:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return 0.0
 
 
 async def grow(args: argparse.Namespace, stack: Stack) -> list[dict[str, Any]]:

@@ -95,6 +95,17 @@ def pin(pid: int, cpus: set[int]) -> None:
             os.sched_setaffinity(int(tid), cpus)
 
 
+def rss_mib(pid: int) -> float:
+    """A process's resident memory in MiB (0 once it is gone)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
 def add_pin_argument(parser: argparse.ArgumentParser, what: str) -> None:
     """`--pin/--no-pin`, on by default where there are two CPUs or more: `what` it pins."""
     parser.add_argument(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import random
 import socket
 import threading
@@ -29,7 +30,7 @@ def free_port(host: str = "127.0.0.1") -> int:
     for _ in range(1000):
         if below is not None and below > LOWEST + 1000:
             port = random.randrange(LOWEST, below)
-            if not _bindable(host, port):
+            if not port_is_free(port, host):
                 continue
         else:
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -42,23 +43,14 @@ def free_port(host: str = "127.0.0.1") -> int:
     raise OSError(f"no free port on {host} that this process has not handed out already")
 
 
+@functools.cache
 def _ephemeral_start() -> int | None:
-    """The first port of the kernel's ephemeral range, where it says (Linux)."""
+    """The first port of the kernel's ephemeral range, where it says (Linux); read once."""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
             return int(f.read().split()[0])
     except (OSError, ValueError, IndexError):
         return None
-
-
-def _bindable(host: str, port: int) -> bool:
-    """Whether `port` can be bound now (no listener, no connection on it, none waiting)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-        return True
 
 
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:

@@ -33,15 +33,15 @@ from ctxcache.logs import bind_session
 from ctxcache.tasks import BackgroundTasks
 from gateway.locks import LockKeeper
 from gateway.metrics import GatewayMetrics
-from gateway.pool import Worker, WorkerPool
+from gateway.pool import WorkerPool
 from gateway.prompts import PromptBuilder
 from gateway.recent import RecentHistories
 from gateway.salt import CacheSalt
 from gateway.shaping import Shaper, cached_tokens
 from gateway.turn_engine import TurnEngine
-from gateway.turn_planning import Early, TurnPlanner
+from gateway.turn_planning import TurnPlanner
 from gateway.turn_stream import relay
-from gateway.turn_types import Generation, Turn, check_window, span_attributes
+from gateway.turn_types import Generation, Turn, span_attributes
 from gateway.upstream import SSEStream
 
 log = logging.getLogger(__name__)
@@ -83,23 +83,6 @@ class TurnService:
         """Load (and lock) the session; plan the turn (`TurnPlanner.begin`)."""
         return await self.planner.begin(tenant, session_id, kind, body, idempotency)
 
-    async def plan(
-        self,
-        tenant: str,
-        session_id: str,
-        kind: str,
-        body: dict[str, Any],
-        state: SessionState,
-        early: Early | None = None,
-    ) -> Turn:
-        """Plan a turn on a loaded session (`TurnPlanner.plan`)."""
-        return await self.planner.plan(tenant, session_id, kind, body, state, early)
-
-    @staticmethod
-    def check_window(turn: Turn) -> None:
-        """The prompt fits the model's window (`gateway.turn_types.check_window`)."""
-        check_window(turn)
-
     async def check_quota(self, tenant: str, prompt_tokens: int) -> None:
         """Refuse a create the tenant's quota has no room for, before any inference. The
         session's write checks again, atomically and with the answer's tokens counted; this
@@ -111,17 +94,6 @@ class TurnService:
             raise QuotaExceeded.tokens()
 
     # -- running (gateway.turn_engine, gateway.turn_stream) ----------------------------
-    async def failover(
-        self,
-        model: str,
-        call: Callable[[Worker], Awaitable[Any]],
-        *,
-        affinity: str | None = None,
-        first: Worker | None = None,
-    ) -> tuple[Any, Worker]:
-        """Run `call` on a worker, or on the next if it is down (`TurnEngine.failover`)."""
-        return await self.engine.failover(model, call, affinity=affinity, first=first)
-
     async def generate(self, turn: Turn) -> Generation:
         """Run the turn for its whole answer (`TurnEngine.generate`)."""
         return await self.engine.generate(turn)

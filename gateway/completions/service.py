@@ -184,7 +184,7 @@ class CompletionService:
         call = metering.call()
         if stream:
             with call:
-                upstream, _ = await self.turns.failover(
+                upstream, _ = await self.turns.engine.failover(
                     body["model"], lambda w: open_stream(w, path, raw)
                 )
             call.streaming()
@@ -192,7 +192,7 @@ class CompletionService:
             tap = UsageTap(call, drop=drop_usage) if counted else None
             return relayed(self.pool, upstream, self.turns.metrics, t0, tap)
         with call:
-            (status, payload), _ = await self.turns.failover(
+            (status, payload), _ = await self.turns.engine.failover(
                 body["model"], lambda w: post_raw(w, path, raw)
             )
         if status >= 400:

@@ -31,7 +31,7 @@ from gateway.shaping import (
     text_completion,
 )
 from gateway.tools import check_agent_fields, check_tool_messages, check_tools, uses_chat_engine
-from gateway.turn_types import Generation, Turn
+from gateway.turn_types import Generation, Turn, check_window
 from gateway.turns import TurnService
 
 CREATE_ONLY = ("ttl", "metadata")
@@ -159,7 +159,7 @@ class ContextService:
             assert req.prompt is not None
             return await self.turns.prompts.text(worker, req.model, req.prompt, special=True)
 
-        (prompt, window), worker = await self.turns.failover(req.model, build)
+        (prompt, window), worker = await self.turns.engine.failover(req.model, build)
         sampling = {k: v for k, v in sampling_fields(body).items() if k not in CREATE_ONLY}
         sampling["max_tokens"] = req.max_tokens  # the worker's own default is not ours (0)
         turn = Turn(
@@ -179,7 +179,7 @@ class ContextService:
             tools=tools,
             chat_engine=kind == "chat" and generate and uses_chat_engine(body, tools),
         )
-        self.turns.check_window(turn)
+        check_window(turn)
         await self.turns.check_quota(tenant, len(prompt))
         return turn
 

@@ -164,7 +164,7 @@ class ResponsePlanner:
         body = {"model": req.model, "messages": messages}
         body.update({k: v for k, v in fields.items() if v is not None})
         try:
-            turn = await self.turns.plan(tenant, sid, "chat", body, state)
+            turn = await self.turns.planner.plan(tenant, sid, "chat", body, state)
         except InvalidRequest as exc:  # (a tool message is an input item here)
             if exc.param and exc.param.startswith("messages"):
                 exc.param = "input"
