@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
+from tests.gateway.completions.test_cancellation_e2e import LONG, running, wait_running
 from tests.gateway.conftest import Stack
-from tests.gateway.test_cancellation_e2e import LONG, running, wait_running
-from tests.gateway.test_idempotency_e2e import context, new_key, sse
-from tests.gateway.test_sessions_e2e import DOC
+from tests.gateway.context.test_sessions_e2e import DOC
+from tests.gateway.idempotency.test_idempotency_e2e import context, new_key, sse
 
 HISTORY = [
     {"role": "system", "content": "You answer from this document. " + DOC},
