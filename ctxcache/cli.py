@@ -37,13 +37,13 @@ def build_parser() -> argparse.ArgumentParser:
             continue  # that service has not landed yet
         p = sub.add_parser(name, help=help_text, description=help_text)
         module.add_arguments(p)
-        p.set_defaults(_main=module.main)
+        p.set_defaults(handler=module.main)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args._main(args) or 0)
+    return int(args.handler(args) or 0)
 
 
 if __name__ == "__main__":
