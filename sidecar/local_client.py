@@ -13,23 +13,20 @@ ended before its release (timeout, the sidecar restarted, the connection dropped
 `release` answer False: the caller throws its copies away, a miss. A new sidecar
 generation (a restart) is noticed at the next connection and the new region is mapped.
 
-Every lease names the region it is in (`ReadLease.region`, `WriteLease.region`), captured with
-the sidecar's reply under the same lock, and its generation travels with its release,
+Every lease names the region it is in (`ReadLease.region`, `WriteLease.region`), captured
+with the sidecar's reply under the same lock, and its generation travels with its release,
 commit and abort: a lease of an older sidecar can never be vouched for by a newer one. A
 write lease must end in `commit` or `abort` once the caller has stopped writing, even when
 something failed: until then the sidecar hands its slots to nobody else (docs/sidecar.md,
-"Invariants of the local path"). Leases are the client's, not the connection's: a timeout
-that drops the connection on one thread leaves every other thread's leases alone. The
-client holds `client-<token>.lock` in the directory for its life, so the sidecar sees at
-once when the process is gone. Thread-safe: one round trip at a time.
+"Invariants of the local path", 2). Leases are the client's, not the connection's. The
+client holds `client-<token>.lock` in the directory until its `close`, so the sidecar sees
+at once when the process is gone. Thread-safe: one round trip at a time.
 
-**Releases off the critical path** (`defer_releases=True`, the vLLM connector): a read
-lease still valid beyond doubt is trusted without waiting for its release's answer, and
-its release queued: `sidecar.local_deferred` (`still_valid`, and the queue `ReleaseQueue`,
-given `_send_releases` to send with). The region's mapping and the leases in it (`Region`,
-`ReadLease`, `WriteLease`) are
-`sidecar.local_region`'s; `LocalError`, `Slot` and `TCP` are `sidecar.local_protocol`'s
-(all importable from here).
+**Releases off the critical path** (`defer_releases=True`, the vLLM connector): a read lease
+still valid beyond doubt (`sidecar.local_deferred.still_valid`) is trusted without waiting
+for its release's answer, and its release queued (`ReleaseQueue`, which sends through
+`_send_releases`). `Region`, `ReadLease` and `WriteLease` are `sidecar.local_region`'s;
+`LocalError`, `Slot` and `TCP` `sidecar.local_protocol`'s (all importable from here).
 """
 
 from __future__ import annotations
@@ -85,6 +82,7 @@ class LocalClient:
         self.token = secrets.token_hex(8)  # this client, across its connections
         self._lock_fd = -1  # client-<token>.lock, held while we live (taken at connect)
         self._unsettled: list[WriteLease] = []  # done writing, the sidecar not yet told
+        self._kept = False  # a write lease may be written until this process ends
         self.region: Region | None = None
         self.on_map: list[Callable[[Region], None]] = []  # told when a region is (re)mapped
         self._conn = 0  # connections opened so far: names the open one
@@ -168,8 +166,10 @@ class LocalClient:
         self, lease: WriteLease, blocks: Sequence[tuple[str, int, int, Shape] | None]
     ) -> int:
         """Store the allocated slots as blocks `(key, fmt, dtype, shape)` (None: give the slot
-        up); returns how many were stored (0 if the lease ended first: the sidecar then
-        has the slots back). Raises LocalError when the sidecar cannot be reached."""
+        up); returns how many were stored. 0 if the lease ended first (the sidecar then
+        has the slots back) or the sidecar refused the commit as a bad request (a key over
+        150 bytes, a field out of range): a refusal leaves the lease open, so it is aborted
+        here. Raises LocalError when the sidecar cannot be reached."""
         metas = [
             None if b is None else {"key": b[0], "fmt": b[1], "dtype": b[2], "shape": list(b[3])}
             for b in blocks
@@ -181,7 +181,10 @@ class LocalClient:
             self._unsettled.append(lease)  # told again (an abort) at the next alloc
             raise
         if not reply.get("ok"):
-            log.warning("local store of %d blocks not taken: %s", len(metas), reply.get("error"))
+            error = str(reply.get("error"))
+            log.warning("local store of %d blocks not taken: %s", len(metas), error)
+            if error.startswith("bad request"):  # refused: the lease is still open
+                self.abort(lease)
         return int(reply.get("stored", 0))
 
     def abort(self, lease: WriteLease) -> None:
@@ -192,6 +195,15 @@ class LocalClient:
             self._call(req, retry=True, check=False)
         except LocalError:
             self._unsettled.append(lease)
+
+    def keep_until_exit(self, lease: WriteLease) -> None:
+        """The caller cannot tell whether something still writes into `lease`'s slots (a
+        copy on a broken CUDA context): they stay this process's until it ends. `close`
+        then leaves the lock file held, so the sidecar frees them only when the kernel
+        lets go of it."""
+        with self._lock:
+            self._kept = True
+        log.error("a write lease may still be written: its slots are kept until this exits")
 
     def _settle(self) -> None:
         """Tell the sidecar (this one or the next: the region's write table carries them)
@@ -298,17 +310,23 @@ class LocalClient:
                     return
 
     def close(self) -> None:
+        """Queued releases sent, then the lock file removed before the connection closes:
+        the sidecar takes a client whose lock file is gone for gone, and frees every lease
+        it still holds, write leases too (docs/sidecar.md, invariant 2). So close only
+        once nothing writes into a write lease of this client any more, or after
+        `keep_until_exit`."""
         with self._lock:
             if self._sock is not None:  # (not connected: its leases end with our lock)
                 self.flush()
         self._releases.close(self.timeout)
         with self._lock:
+            if not self._kept:  # (kept: held, open, until the process ends)
+                drop_client_lock(self.directory, self.token, self._lock_fd)
+                self._lock_fd = -1
             self._disconnect()
             if self.region is not None:
                 self.region.close()
                 self.region = None
-            drop_client_lock(self.directory, self.token, self._lock_fd)
-            self._lock_fd = -1
             if self._fallback is not None:
                 self._fallback.close()
                 self._fallback = None

@@ -10,14 +10,23 @@ sent. The rules kept here are docs/sidecar.md's "Invariants of the local path" (
 **A write slot is never handed to anyone else while its writer can write to it.** A write
 lease's slots are freed (`Arena.unclaim`, the region's write table) only when its writer
 says it is done — a `commit` or an `abort` the table could read, stored or not, in time or
-not — or when its writer is gone (`_gone`: its lock file let go by the kernel; for a
-client that could not make one, silence for `silent_writer_s`). A timeout only stops the
-commit from storing anything (`expire`).
+not — or when its writer is provably gone (`_gone`: its lock file let go by the kernel,
+or removed by the client's own clean `close`; for a client that could not make one,
+silence for `silent_writer_s`). A timeout only stops the commit from storing anything
+(`expire`).
+
+**A refusal keeps the lease.** A `commit` or `abort` refused as a bad request — one that
+cannot be read (not JSON, no lease id), or whose contents are out of bounds (a key over
+150 bytes, a header field out of range, more or fewer blocks than slots) — changes nothing:
+the lease stays open, its writer's to end with another commit or an abort, or to lose when
+the writer is gone. (Only that rule covers every refusal: one that cannot be read names no
+lease to release.) `LocalClient.commit` aborts a lease whose commit was so refused, at once.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import threading
 import time
@@ -27,7 +36,7 @@ from typing import Any
 
 from ctxcache import tracing
 from sidecar.arena import Arena, round_up
-from sidecar.arena_clients import client_alive
+from sidecar.arena_clients import client_alive, client_lock_path
 from sidecar.blocks import BlockMeta
 from sidecar.local_protocol import (
     MAX_KEYS,
@@ -52,7 +61,7 @@ class ClientRecord:
     """The table's record of an engine's client, across its connections."""
 
     token: str
-    lock: bool = False  # holds client-<token>.lock: its death is seen at once
+    lock: bool = False  # holds client-<token>.lock: its death (or close) is seen at once
     conns: int = 0
     last_seen: float = field(default_factory=time.monotonic)
     write_bytes: int = 0  # allocated to its write leases, ended ones included
@@ -145,10 +154,15 @@ class LeaseTable:
             self._drop_client(token, "disconnect")
 
     def _gone(self, client: ClientRecord, now: float) -> bool:
-        """Whether nothing of `client` can still write into the region: its lock file let
-        go (the process ended); without a lock file, silence for `silent_writer_s`."""
+        """Whether nothing of `client` can still write into the region. A client that said
+        hello holding its lock file: that file let go (the process ended, `client_alive`)
+        or no longer there (its clean `close` removes it; a file there that we cannot open
+        says nothing). Without a lock file: silence for `silent_writer_s`."""
         if client.lock:
-            return client_alive(self.arena.directory, client.token) is False
+            alive = client_alive(self.arena.directory, client.token)
+            if alive is None:  # absent, or not ours to open
+                return not os.path.lexists(client_lock_path(self.arena.directory, client.token))
+            return not alive
         return now - client.last_seen > self.silent_writer_s
 
     def _drop_client(self, token: str, why: str) -> None:
@@ -227,6 +241,16 @@ class LeaseTable:
                 if client is not None:
                     client.write_bytes -= lease.nbytes
         return lease
+
+    def _slots_of(self, token: str, lease_id: object) -> int | None:
+        """How many slots `token`'s write lease `lease_id` has (None: no such lease)."""
+        if not isinstance(lease_id, int) or isinstance(lease_id, bool):
+            return None
+        with self._lock:
+            lease = self._leases.get(lease_id)
+            if lease is None or lease.client != token or not lease.write:
+                return None
+            return len(lease.slots)
 
     def _current(self, req: dict[str, Any]) -> bool:
         """Whether the request is of this sidecar's generation (or does not say)."""
@@ -333,22 +357,26 @@ class LeaseTable:
         return {"ok": True, "lease": lease_id, "offsets": offsets}
 
     def commit(self, cid: int, token: str, req: dict[str, Any]) -> dict[str, Any]:
+        """Store a write lease's slots as blocks. A commit that is read ends its lease's
+        write, stored or not; one refused as a bad request (raised, or answered `bad
+        request`) leaves the lease as it was (the module's rule)."""
         metas = req["blocks"]
         if not isinstance(metas, list):
             raise ValueError("blocks")
         checked = [None if m is None else checked_meta(m) for m in metas]
+        lease_id = req["lease"]
         if not self._current(req):  # a writer of an earlier generation is done
-            self._end_inherited(token, req["lease"])
+            self._end_inherited(token, lease_id)
             return {"ok": False, "error": "stale generation", "stored": 0}
-        lease = self._take(token, req["lease"], write=True)
+        if self._slots_of(token, lease_id) not in (None, len(checked)):
+            return {"ok": False, "error": "bad request: blocks", "stored": 0}
+        lease = self._take(token, lease_id, write=True)
         if lease is None:
-            self._end_inherited(token, req["lease"])
+            self._end_inherited(token, lease_id)
             return {"ok": False, "error": "no such lease", "stored": 0}
-        self.arena.unclaim(req["lease"])  # the writer is done, stored or not
+        self.arena.unclaim(lease_id)  # the writer is done, stored or not
         if lease.ended or lease.expires <= time.monotonic():
             return {"ok": False, "error": "lease expired", "stored": 0}
-        if len(checked) != len(lease.slots):
-            return {"ok": False, "error": "bad request: blocks", "stored": 0}
         stored = 0
         for slot, n, m in zip(lease.slots, lease.lengths, checked, strict=True):
             if m is None:

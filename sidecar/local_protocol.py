@@ -21,7 +21,10 @@ Requests, and what they answer:
   `{"ok": false, "error": "full"}`
 - `{"op": "commit", "lease": id, "generation": g, "blocks": [{"key", "fmt", "dtype",
   "shape"} or null]}` -> `{"ok", "stored": n}`: the allocated slots become blocks (null:
-  the slot is given up); `ok: false` and `stored: 0` if the lease had ended
+  the slot is given up); `ok: false` and `stored: 0` if the lease had ended. Read, it
+  ends the lease's write, stored or not; refused as a bad request (an `error` that
+  begins `bad request`: a key over 150 bytes of UTF-8, a field out of range, not one block
+  per slot) it changes nothing, and the lease stays open for a commit or an abort
 - `{"op": "abort", "lease": id, "generation": g}` -> `{"ok"}`: the writer is done with
   the slots and stores nothing
 - `{"op": "exists", "keys": [...]}` -> `{"ok", "found": [...]}`
