@@ -16,8 +16,9 @@ not to a connection, and carry random 64-bit ids (no two sidecars hand out the s
 - A **write lease** (`alloc`) gives slots to one writer. They are handed to nobody else
   until that writer can no longer write to them: its commit or abort (even after the
   lease ended, even to the next sidecar: the region's write table, `sidecar.arena`), or its
-  process gone (its lock let go). A lease past its timeout only stops its commit from
-  storing anything.
+  client provably gone (its lock let go, or removed by its clean close). A lease past its
+  timeout only stops its commit from storing anything; a commit refused as a bad request
+  leaves the lease open (`LeaseTable`'s rule).
 
 Here: the socket, its connections, `hello`, the dispatch of requests and the periodic
 sweep of idle connections (`expire`). The leases and clients, what the lease requests do
