@@ -12,7 +12,8 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
-MAX_KEY_LENGTH = 150  # lmcache.v1.protocol.MAX_KEY_LENGTH: the key field of the header
+MAX_KEY_LENGTH = 150  # lmcache.v1.protocol.MAX_KEY_LENGTH: the key field of the header, in
+# UTF-8 bytes (what lm:// and the sidecar's local path check: `key_fits`)
 TAG_PREFIX = "lmcache.tag."
 SESSION_TAG = "s"
 DTYPE_NAMES = (
@@ -56,6 +57,15 @@ class CacheKey:
             if k == SESSION_TAG:
                 return v
         return None
+
+
+def key_fits(key: str) -> bool:
+    """Whether `key` fits LMCache's key field: at most `MAX_KEY_LENGTH` bytes of UTF-8 (a
+    key with a character UTF-8 cannot encode, a lone surrogate, fits nowhere)."""
+    try:
+        return len(key.encode()) <= MAX_KEY_LENGTH
+    except UnicodeEncodeError:
+        return False
 
 
 def tags_from_params(kv_transfer_params: dict[str, object] | None) -> tuple[tuple[str, str], ...]:

@@ -12,16 +12,18 @@ not to a connection, and carry random 64-bit ids (no two sidecars hand out the s
   release after that (or of another generation) answers `ok: false`, and the engine
   treats its copies as a miss. A read lease that times out first closes the connection
   it was granted on (`expire`): a client that trusts its copies without waiting for the
-  release's answer checks that connection (`LocalClient._trusted`).
+  release's answer checks that connection (`sidecar.local_deferred.still_valid`).
 - A **write lease** (`alloc`) gives slots to one writer. They are handed to nobody else
   until that writer can no longer write to them: its commit or abort (even after the
   lease ended, even to the next sidecar: the region's write table, `sidecar.arena`), or its
-  process gone (its lock let go). A lease past its timeout only stops its commit from
-  storing anything.
+  client provably gone (its lock let go, or removed by its clean close). A lease past its
+  timeout only stops its commit from storing anything; a commit refused as a bad request
+  leaves the lease open (`LeaseTable`'s rule).
 
-Here: the socket, its connections and clients (`hello`), the dispatch of requests and the
-periodic sweep (`expire`). The lease requests themselves, and the records of leases and
-clients, are `sidecar.local_leases` (`LeaseOps`, a base of `LocalServer`).
+Here: the socket, its connections, `hello`, the dispatch of requests and the periodic
+sweep of idle connections (`expire`). The leases and clients, what the lease requests do
+to them, and the rule that keeps a write slot from anyone else while its writer can write,
+are one object's: `sidecar.local_leases.LeaseTable` (`LocalServer.table`).
 """
 
 from __future__ import annotations
@@ -39,9 +41,8 @@ from typing import Any
 
 from ctxcache import tracing
 from sidecar.arena import Arena
-from sidecar.arena_clients import client_alive
 from sidecar.arena_dir import DIR_LOCK, SOCKET_NAME, ensure_directory
-from sidecar.local_leases import Client, Lease, LeaseOps
+from sidecar.local_leases import ANONYMOUS, LeaseTable
 from sidecar.local_protocol import (
     MAX_LINE,
     TOKEN,
@@ -71,7 +72,10 @@ class Conn:
     busy: bool = False
 
 
-class LocalServer(LeaseOps):
+class LocalServer:
+    """The local socket: its connections and the dispatch of their requests, to `hello`
+    and `exists` here and to the lease table (`table`) for the rest."""
+
     def __init__(
         self,
         store: BlockStore,
@@ -83,18 +87,18 @@ class LocalServer(LeaseOps):
         idle_timeout_s: float = IDLE_TIMEOUT_S,
     ) -> None:
         self.store, self.arena, self.metrics = store, arena, metrics
-        self.max_block_bytes = max_block_bytes
-        self.lease_timeout_s = lease_timeout_s
         self.idle_timeout_s = idle_timeout_s
-        # how long an ended write of a client without a lock file is kept after it was
-        # last heard from (it may still be writing: nothing else says it is not)
-        self.silent_writer_s = max(20 * lease_timeout_s, idle_timeout_s)
+        self.table = LeaseTable(
+            store,
+            arena,
+            metrics,
+            lease_timeout_s=lease_timeout_s,
+            max_block_bytes=max_block_bytes,
+            silent_writer_s=max(20 * lease_timeout_s, idle_timeout_s),
+            hang_up=self._hang_up,
+        )
         self.path = arena.directory / SOCKET_NAME
-        self._started = time.monotonic()
-        self.released_batched = 0  # read leases released by a `release` list on a request
-        self._leases: dict[int, Lease] = {}
-        self._clients: dict[str, Client] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the connections'
         self._conns: dict[int, Conn] = {}
         self._next_conn = 0
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -125,58 +129,46 @@ class LocalServer(LeaseOps):
         return len(conns)
 
     def expire(self, now: float | None = None) -> int:
-        """The periodic sweep: end the leases past their timeout (a write lease's slots
-        stay its writer's), free what dead clients held, close idle connections. Returns
-        how many leases ended."""
+        """The periodic sweep: the lease table's (`LeaseTable.expire`: leases past their
+        timeout, gone writers), then connections idle past `idle_timeout_s` are closed.
+        Returns how many leases timed out."""
         now = time.monotonic() if now is None else now
+        ended = self.table.expire(now)
         with self._lock:
-            timed_out = [
-                i for i, lease in self._leases.items() if lease.expires <= now and not lease.ended
-            ]
-            for i in timed_out:
-                lease = self._leases[i]
-                if lease.write:
-                    lease.ended = True  # quarantined: freed by its writer or its death
-                    continue
-                # the connection it was granted on is closed *before* its slots can go:
-                # a client that trusts a copy without a release round trip checks that
-                # this connection is still open after its copies (`LocalClient.release`)
-                conn = self._conns.get(lease.conn)
-                if conn is not None:
-                    with contextlib.suppress(OSError):
-                        conn.sock.shutdown(socket.SHUT_RDWR)
-                del self._leases[i]
             idle = [
                 c.sock
                 for c in self._conns.values()
                 if not c.busy and now - c.last > self.idle_timeout_s
             ]
-            quiet = [c for c in self._clients.values() if c.conns == 0]
-        if timed_out:
-            self.metrics.leases_expired.labels("timeout").inc(len(timed_out))
-            log.warning(
-                "%d leases timed out; their holders' copies count as misses", len(timed_out)
-            )
         for sock in idle:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
-        for client in quiet:  # (clients that said hello; anonymous ones end with their connection)
-            if self._gone(client, now):
-                self._drop_client(client.token, "disconnect")
-        for lease_id, (client_id, _) in list(self.arena.inherited.items()):
-            token = f"{client_id:016x}"
-            alive = client_alive(self.arena.directory, token)
-            silent = now - self._started > self.silent_writer_s
-            if alive is False or (alive is None and silent):
-                with self._lock:
-                    self._leases.pop(lease_id, None)
-                self.arena.end_inherited(lease_id)
-        return len(timed_out)
+        return ended
 
     @property
     def leases(self) -> int:
+        return len(self.table)
+
+    @property
+    def released_batched(self) -> int:
+        """Read leases released by a `release` list on a request."""
+        return self.table.released_batched
+
+    @property
+    def lease_timeout_s(self) -> float:
+        return self.table.lease_timeout_s
+
+    @lease_timeout_s.setter
+    def lease_timeout_s(self, value: float) -> None:
+        self.table.lease_timeout_s = value  # (leases granted from now on)
+
+    def _hang_up(self, cid: int) -> None:
+        """(The table's, under its lock.) Close connection `cid`, if it is still open."""
         with self._lock:
-            return len(self._leases)
+            conn = self._conns.get(cid)
+        if conn is not None:
+            with contextlib.suppress(OSError):
+                conn.sock.shutdown(socket.SHUT_RDWR)
 
     # ---- connections ------------------------------------------------------------------
     def _accept_loop(self) -> None:
@@ -208,7 +200,7 @@ class LocalServer(LeaseOps):
                 idle = [c for c in self._conns.values() if not c.busy]
                 if idle:
                     victim = min(idle, key=lambda c: c.last).sock
-            self._conns[cid] = Conn(sock, f"conn-{cid}")
+            self._conns[cid] = Conn(sock, f"{ANONYMOUS}{cid}")
         if victim is not None:
             self.metrics.local_connections_evicted.inc()
             with contextlib.suppress(OSError):
@@ -245,33 +237,10 @@ class LocalServer(LeaseOps):
             self.metrics.local_connections.dec()
             with self._lock:
                 conn = self._conns.pop(cid, None)
-                client = self._clients.get(conn.client) if conn is not None else None
-                if client is not None:
-                    client.conns -= 1
             reader.close()
             sock.close()
-            if client is not None and client.conns == 0 and self._gone(client, time.monotonic()):
-                self._drop_client(client.token, "disconnect")
-            elif conn is not None and conn.client.startswith("conn-"):
-                self._drop_client(conn.client, "disconnect")  # (no hello: this was all of it)
-
-    def _gone(self, client: Client, now: float) -> bool:
-        """Whether nothing of `client` can still write into the region."""
-        if client.lock:
-            return client_alive(self.arena.directory, client.token) is False
-        return now - client.last_seen > self.silent_writer_s
-
-    def _drop_client(self, token: str, why: str) -> None:
-        """A client that is gone: every lease it held ends, every slot is free again."""
-        with self._lock:
-            gone = [i for i, lease in self._leases.items() if lease.client == token]
-            for i in gone:
-                del self._leases[i]
-            self._clients.pop(token, None)
-        for i in gone:
-            self.arena.unclaim(i)
-        if gone:
-            self.metrics.leases_expired.labels(why).inc(len(gone))
+            if conn is not None:
+                self.table.disconnected(conn.client)
 
     # ---- requests ---------------------------------------------------------------------
     def _answer(self, cid: int, line: bytes) -> dict[str, Any]:
@@ -283,13 +252,14 @@ class LocalServer(LeaseOps):
 
     def _handle(self, cid: int, req: dict[str, Any]) -> dict[str, Any]:
         op = req["op"]
+        table = self.table
         handler = {
             "hello": self._hello,
-            "lease": self._lease,
-            "release": self._release,
-            "alloc": self._alloc,
-            "commit": self._commit,
-            "abort": self._abort,
+            "lease": table.lease,
+            "release": table.release,
+            "alloc": table.alloc,
+            "commit": table.commit,
+            "abort": table.abort,
             "exists": self._exists,
         }.get(op)
         if handler is None:
@@ -297,12 +267,10 @@ class LocalServer(LeaseOps):
         self.metrics.local_requests.labels(op).inc()
         with self._lock:
             token = self._conns[cid].client
-            client = self._clients.get(token)
-            if client is not None:
-                client.last_seen = time.monotonic()
+        self.table.seen(token)
         released = None
         if "release" in req:  # read leases the client is done with: released first
-            released = self._release_batch(token, release_list(req["release"]))
+            released = self.table.release_batch(token, release_list(req["release"]))
         reply = self._traced(cid, token, req, handler)
         if released is not None:
             reply["released"] = released
@@ -324,22 +292,14 @@ class LocalServer(LeaseOps):
                 raise ValueError("client")
             with self._lock:
                 conn = self._conns[cid]
-                old = self._clients.get(conn.client)
-                if old is not None and conn.client != name:
-                    old.conns -= 1
-                if conn.client != name:
-                    client = self._clients.setdefault(name, Client(name))
-                    client.conns += 1
-                    conn.client = name
-                client = self._clients[name]
-                client.lock = bool(req.get("lock"))
-                client.last_seen = time.monotonic()
+                old, conn.client = conn.client, name
+            self.table.hello(old, name, lock=bool(req.get("lock")))
         return {
             "ok": True,
             "generation": self.arena.generation,
             "region": str(self.arena.path),
             "size": self.arena.size,
-            "lease_timeout_s": self.lease_timeout_s,
+            "lease_timeout_s": self.table.lease_timeout_s,
             "release_batch": True,  # any request may carry `release` (the module's doc)
         }
 

@@ -13,22 +13,20 @@ ended before its release (timeout, the sidecar restarted, the connection dropped
 `release` answer False: the caller throws its copies away, a miss. A new sidecar
 generation (a restart) is noticed at the next connection and the new region is mapped.
 
-Every lease names the region it is in (`Lease.region`, `WriteLease.region`), captured with
-the sidecar's reply under the same lock, and its generation travels with its release,
+Every lease names the region it is in (`ReadLease.region`, `WriteLease.region`), captured
+with the sidecar's reply under the same lock, and its generation travels with its release,
 commit and abort: a lease of an older sidecar can never be vouched for by a newer one. A
 write lease must end in `commit` or `abort` once the caller has stopped writing, even when
 something failed: until then the sidecar hands its slots to nobody else (docs/sidecar.md,
-"Invariants of the local path"). Leases are the client's, not the connection's: a timeout
-that drops the connection on one thread leaves every other thread's leases alone. The
-client holds `client-<token>.lock` in the directory for its life, so the sidecar sees at
-once when the process is gone. Thread-safe: one round trip at a time.
+"Invariants of the local path", 2). Leases are the client's, not the connection's. The
+client holds `client-<token>.lock` in the directory until its `close`, so the sidecar sees
+at once when the process is gone. Thread-safe: one round trip at a time.
 
-**Releases off the critical path** (`defer_releases=True`, the vLLM connector): a read
-lease still valid beyond doubt is trusted without waiting for its release's answer, and
-its release queued: `sidecar.local_deferred` (`DeferredReleases`, a base of `LocalClient`).
-The region's mapping and the leases in it (`Region`, `Lease`, `WriteLease`) are
-`sidecar.local_region`'s; `LocalError`, `Slot` and `TCP` are `sidecar.local_protocol`'s
-(all importable from here).
+**Releases off the critical path** (`defer_releases=True`, the vLLM connector): a read lease
+still valid beyond doubt (`sidecar.local_deferred.still_valid`) is trusted without waiting
+for its release's answer, and its release queued (`ReleaseQueue`, which sends through
+`_send_releases`). `Region`, `ReadLease` and `WriteLease` are `sidecar.local_region`'s;
+`LocalError`, `Slot` and `TCP` `sidecar.local_protocol`'s (all importable from here).
 """
 
 from __future__ import annotations
@@ -47,15 +45,23 @@ from ctxcache import tracing
 from sidecar.arena_clients import drop_client_lock, take_client_lock
 from sidecar.arena_dir import SOCKET_NAME
 from sidecar.client import KVBlock
-from sidecar.local_deferred import FLUSH_AFTER_S, DeferredReleases
-from sidecar.local_protocol import TCP, LocalError, Slot, decode, encode, lease_blocks
-from sidecar.local_region import Lease, Region, WriteLease
+from sidecar.local_deferred import FLUSH_AFTER_S, ReleaseQueue, still_valid
+from sidecar.local_protocol import (
+    TCP,
+    LocalError,
+    Slot,
+    decode,
+    encode,
+    lease_blocks,
+    open_socket,
+)
+from sidecar.local_region import ReadLease, Region, WriteLease
 from sidecar.protocol import Shape
 
 log = logging.getLogger(__name__)
 
 
-class LocalClient(DeferredReleases):
+class LocalClient:
     def __init__(
         self,
         directory: str | Path,
@@ -68,7 +74,6 @@ class LocalClient(DeferredReleases):
         self.directory = Path(directory)
         self.timeout = timeout
         self.defer_releases = defer_releases  # trust valid leases, release them later
-        self.flush_after_s = flush_after_s
         self._make_fallback = fallback
         self._fallback: Any = None
         self._sock: socket.socket | None = None
@@ -77,26 +82,35 @@ class LocalClient(DeferredReleases):
         self.token = secrets.token_hex(8)  # this client, across its connections
         self._lock_fd = -1  # client-<token>.lock, held while we live (taken at connect)
         self._unsettled: list[WriteLease] = []  # done writing, the sidecar not yet told
+        self._kept = False  # a write lease may be written until this process ends
         self.region: Region | None = None
         self.on_map: list[Callable[[Region], None]] = []  # told when a region is (re)mapped
         self._conn = 0  # connections opened so far: names the open one
         self._lease_timeout: float | None = None  # the sidecar's, from its hello
         self._batch_ok = False  # the sidecar takes a `release` list on any request
         # read leases trusted and not yet released (sent with the next request, or flushed)
-        self._pending: list[dict[str, Any]] = []
-        self._pending_since = 0.0
-        self._wake = threading.Condition(self._lock)
-        self._flusher: threading.Thread | None = None
-        self._flush_at: float | None = None  # when the flusher looks next (None: at a queue)
-        self._closed = False
-        self.trusted_releases = 0  # releases that did not wait for their answer
+        self._releases = ReleaseQueue(self._send_releases, flush_after_s)
+
+    @property
+    def trusted_releases(self) -> int:
+        """Releases that did not wait for their answer."""
+        return self._releases.queued
+
+    @property
+    def flush_after_s(self) -> float:
+        """A queued release goes on its own after this long without a request."""
+        return self._releases.flush_after_s
+
+    @flush_after_s.setter
+    def flush_after_s(self, value: float) -> None:
+        self._releases.flush_after_s = value
 
     @staticmethod
     def available(directory: str | Path) -> bool:
         return (Path(directory) / SOCKET_NAME).exists()
 
     # ---- leases: the caller copies --------------------------------------------------
-    def lease(self, keys: Sequence[str]) -> Lease:
+    def lease(self, keys: Sequence[str]) -> ReadLease:
         """Lease every key that is present (one round trip); read the slots in
         `lease.region`."""
         with self._lock:
@@ -104,12 +118,12 @@ class LocalClient(DeferredReleases):
             req = {"op": "lease", "keys": list(keys), "columns": True}
             reply, region = self._call_in(req, retry=True)
             conn = self._conn
-        return Lease(reply["lease"], region.generation, lease_blocks(reply), region, sent, conn)
+        return ReadLease(reply["lease"], region.generation, lease_blocks(reply), region, sent, conn)
 
-    def release(self, lease: Lease, *, defer: bool = True) -> bool:
+    def release(self, lease: ReadLease, *, defer: bool = True) -> bool:
         """End the lease once no copy reads its slots any more; True only if it held until
         now (the copies made under it are the blocks). With `defer_releases` (and `defer`)
-        a lease that is still valid beyond doubt (`_trusted`) is vouched for at once and its
+        a lease that is still valid beyond doubt (`still_valid`) is vouched for at once and its
         release queued (sent with the next request, or flushed); otherwise the answer is
         waited for. Never raises: an unreachable sidecar means the lease is gone."""
         if not lease.id:
@@ -117,8 +131,15 @@ class LocalClient(DeferredReleases):
         req = {"op": "release", "lease": lease.id, "generation": lease.generation}
         if defer and self.defer_releases:
             with self._lock:
-                if self._trusted(lease):
-                    self._queue(req)
+                valid = still_valid(
+                    lease,
+                    sock=self._sock,
+                    conn=self._conn,
+                    region=self.region,
+                    lease_timeout_s=self._lease_timeout,
+                )
+                if valid:
+                    self._releases.put(lease.id, lease.generation)
                     return True
         try:
             with self._lock:
@@ -145,8 +166,10 @@ class LocalClient(DeferredReleases):
         self, lease: WriteLease, blocks: Sequence[tuple[str, int, int, Shape] | None]
     ) -> int:
         """Store the allocated slots as blocks `(key, fmt, dtype, shape)` (None: give the slot
-        up); returns how many were stored (0 if the lease ended first: the sidecar then
-        has the slots back). Raises LocalError when the sidecar cannot be reached."""
+        up); returns how many were stored. 0 if the lease ended first (the sidecar then
+        has the slots back) or the sidecar refused the commit as a bad request (a key over
+        150 bytes, a field out of range): a refusal leaves the lease open, so it is aborted
+        here. Raises LocalError when the sidecar cannot be reached."""
         metas = [
             None if b is None else {"key": b[0], "fmt": b[1], "dtype": b[2], "shape": list(b[3])}
             for b in blocks
@@ -158,7 +181,10 @@ class LocalClient(DeferredReleases):
             self._unsettled.append(lease)  # told again (an abort) at the next alloc
             raise
         if not reply.get("ok"):
-            log.warning("local store of %d blocks not taken: %s", len(metas), reply.get("error"))
+            error = str(reply.get("error"))
+            log.warning("local store of %d blocks not taken: %s", len(metas), error)
+            if error.startswith("bad request"):  # refused: the lease is still open
+                self.abort(lease)
         return int(reply.get("stored", 0))
 
     def abort(self, lease: WriteLease) -> None:
@@ -169,6 +195,15 @@ class LocalClient(DeferredReleases):
             self._call(req, retry=True, check=False)
         except LocalError:
             self._unsettled.append(lease)
+
+    def keep_until_exit(self, lease: WriteLease) -> None:
+        """The caller cannot tell whether something still writes into `lease`'s slots (a
+        copy on a broken CUDA context): they stay this process's until it ends. `close`
+        then leaves the lock file held, so the sidecar frees them only when the kernel
+        lets go of it."""
+        with self._lock:
+            self._kept = True
+        log.error("a write lease may still be written: its slots are kept until this exits")
 
     def _settle(self) -> None:
         """Tell the sidecar (this one or the next: the region's write table carries them)
@@ -248,22 +283,50 @@ class LocalClient(DeferredReleases):
             self._fallback = self._make_fallback()
         return self._fallback
 
-    def close(self) -> None:
+    def flush(self) -> None:
+        """Send the queued releases now (one round trip). Never raises: a sidecar that is
+        gone took its leases with it."""
+        self._releases.flush()
+
+    def _send_releases(self, pending: list[dict[str, Any]]) -> None:
+        """(The release queue's.) Send queued releases: one `release` carrying the rest as
+        its list, or one each to a sidecar that takes no list. Never raises."""
         with self._lock:
-            self._closed = True
-            self._wake.notify_all()
-            flusher, self._flusher = self._flusher, None
+            if self.region is not None:  # another generation's leases died with it
+                pending = [e for e in pending if e["generation"] == self.region.generation]
+            if not pending:
+                return
+            first, rest = pending[0], pending[1:]
+            reqs = [{"op": "release", **first}]
+            if rest and self._batch_ok:
+                reqs[0]["release"] = rest
+            elif rest:
+                reqs += [{"op": "release", **e} for e in rest]
+            for req in reqs:
+                try:
+                    self._call(req, retry=True, check=False)
+                except LocalError as exc:
+                    log.debug("queued releases not sent (%s): the sidecar is gone", exc)
+                    return
+
+    def close(self) -> None:
+        """Queued releases sent, then the lock file removed before the connection closes:
+        the sidecar takes a client whose lock file is gone for gone, and frees every lease
+        it still holds, write leases too (docs/sidecar.md, invariant 2). So close only
+        once nothing writes into a write lease of this client any more, or after
+        `keep_until_exit`."""
+        with self._lock:
             if self._sock is not None:  # (not connected: its leases end with our lock)
                 self.flush()
-        if flusher is not None:
-            flusher.join(self.timeout)
+        self._releases.close(self.timeout)
         with self._lock:
+            if not self._kept:  # (kept: held, open, until the process ends)
+                drop_client_lock(self.directory, self.token, self._lock_fd)
+                self._lock_fd = -1
             self._disconnect()
             if self.region is not None:
                 self.region.close()
                 self.region = None
-            drop_client_lock(self.directory, self.token, self._lock_fd)
-            self._lock_fd = -1
             if self._fallback is not None:
                 self._fallback.close()
                 self._fallback = None
@@ -274,7 +337,7 @@ class LocalClient(DeferredReleases):
         with self._lock:
             if self._sock is None:
                 try:
-                    sock = self._open_socket()
+                    sock = open_socket(self.directory / SOCKET_NAME, self.timeout)
                 except OSError as exc:
                     raise LocalError(f"local sidecar socket in {self.directory}: {exc}") from exc
                 self._sock, self._reader = sock, sock.makefile("rb")
@@ -293,26 +356,6 @@ class LocalClient(DeferredReleases):
                     raise LocalError(f"local sidecar handshake failed: {exc}") from exc
             assert self.region is not None
             return self.region
-
-    def _open_socket(self) -> socket.socket:
-        """A connection to the sidecar's socket. A full accept queue (a burst of
-        connections) answers EAGAIN on a Unix socket at once: tried again until the
-        timeout."""
-        deadline = time.monotonic() + self.timeout
-        while True:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.settimeout(self.timeout)
-            try:
-                sock.connect(str(self.directory / SOCKET_NAME))
-                return sock
-            except BlockingIOError:
-                sock.close()
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.01)
-            except OSError:
-                sock.close()
-                raise
 
     def _map(self, hello: dict[str, Any]) -> None:
         generation = str(hello["generation"])
@@ -339,10 +382,9 @@ class LocalClient(DeferredReleases):
         if req["op"] != "hello" and "trace" not in req and (trace := tracing.carrier()):
             req = {**req, "trace": trace}  # the sidecar's span joins the caller's trace
         with self._lock:
-            if self._pending and self._batch_ok and req["op"] != "hello":
+            if self._batch_ok and req["op"] != "hello" and (queued := self._releases.take()):
                 # queued releases ride along, released by the sidecar before `req`
-                req = {**req, "release": [*req.get("release", ()), *self._pending]}
-                self._pending = []
+                req = {**req, "release": [*req.get("release", ()), *queued]}
             for attempt in (1, 2):
                 try:
                     region = self.connect()

@@ -1,4 +1,4 @@
-"""The local socket's messages: what `sidecar.local` (its lease requests:
+"""The local socket's messages: what `sidecar.local` (its lease table:
 `sidecar.local_leases`) answers and `sidecar.local_client` sends and reads (`Slot`,
 `lease_blocks`; `LocalError`, what the client raises when the socket is unreachable or
 answers out of protocol). One JSON document per line each way (orjson at both ends),
@@ -21,7 +21,10 @@ Requests, and what they answer:
   `{"ok": false, "error": "full"}`
 - `{"op": "commit", "lease": id, "generation": g, "blocks": [{"key", "fmt", "dtype",
   "shape"} or null]}` -> `{"ok", "stored": n}`: the allocated slots become blocks (null:
-  the slot is given up); `ok: false` and `stored: 0` if the lease had ended
+  the slot is given up); `ok: false` and `stored: 0` if the lease had ended. Read, it
+  ends the lease's write, stored or not; refused as a bad request (an `error` that
+  begins `bad request`: a key over 150 bytes of UTF-8, a field out of range, not one block
+  per slot) it changes nothing, and the lease stays open for a commit or an abort
 - `{"op": "abort", "lease": id, "generation": g}` -> `{"ok"}`: the writer is done with
   the slots and stores nothing
 - `{"op": "exists", "keys": [...]}` -> `{"ok", "found": [...]}`
@@ -43,6 +46,9 @@ from __future__ import annotations
 
 import json
 import re
+import socket
+import time
+from pathlib import Path
 from typing import Any, NamedTuple
 
 from sidecar.blocks import BlockMeta
@@ -192,6 +198,27 @@ def release_list(value: object) -> list[dict[str, Any]]:
         if gen is not None and not isinstance(gen, str):
             raise TypeError("release: generation")
     return value
+
+
+def open_socket(path: Path, timeout: float) -> socket.socket:
+    """(The client's.) A connection to the sidecar's socket at `path`. A full accept
+    queue (a burst of connections) answers EAGAIN on a Unix socket at once: tried again
+    until `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout)
+        try:
+            sock.connect(str(path))
+            return sock
+        except BlockingIOError:
+            sock.close()
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
+        except OSError:
+            sock.close()
+            raise
 
 
 def client_number(token: str) -> int:

@@ -1,7 +1,7 @@
 """An engine's mapping of the sidecar's region and the leases it holds in it: `Region`
-(the region mapped read-write), `Lease` (a read lease's blocks) and `WriteLease` (slots
-to write into). `sidecar.local_client.LocalClient` makes them; the vLLM connector copies
-through their views (`vllm_connector.loads`, `stores`).
+(the region mapped read-write), `ReadLease` (a read lease's blocks, as the client sees it)
+and `WriteLease` (slots to write into). `sidecar.local_client.LocalClient` makes them; the
+vLLM connector copies through their views (`vllm_connector.loads`, `stores`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ from sidecar.local_protocol import Slot
 
 
 @dataclass
-class Lease:
+class ReadLease:
+    """A read lease's blocks; end it with `release`."""
+
     id: int
     generation: str
     blocks: list[Slot | str | None]  # per key: a slot, TCP, or None (a miss)

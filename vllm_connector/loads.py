@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ctxcache import tracing
-from sidecar.local_client import TCP, Lease, LocalError, Slot
+from sidecar.local_client import TCP, LocalError, ReadLease, Slot
 from sidecar.protocol import FMT_ENGINE_BLOCKS, FMT_KV_2LTD
 from vllm_connector.layout import token_slots
 from vllm_connector.ordering import CopyHandle, settle
@@ -87,7 +87,7 @@ def load_step(side: WorkerSide, jobs: list[Job]) -> set[int]:
     assert side.local is not None
     parts = [_Part(job, side._pieces(job.spec)) for job in jobs]
     t0 = time.perf_counter()
-    lease: Lease | None = None
+    lease: ReadLease | None = None
     error: Exception | None = None
     region: torch.Tensor | None = None
     step: dict[str, Any] = {"ctxcache.kv.step_loads": len(parts)}
@@ -124,7 +124,7 @@ def load_step(side: WorkerSide, jobs: list[Job]) -> set[int]:
 
 def step_lease(
     side: WorkerSide, parts: list[_Part], step: dict[str, Any]
-) -> tuple[Lease | None, Exception | None]:
+) -> tuple[ReadLease | None, Exception | None]:
     """The step's one lease (in the first request's span). No lease: the local sidecar
     failed (every load goes over TCP), or the error that every load fails with (a
     sidecar that answers nonsense, a key this worker cannot name: a miss each)."""
@@ -148,7 +148,7 @@ def step_lease(
 def step_part(
     side: WorkerSide,
     part: _Part,
-    lease: Lease | None,
+    lease: ReadLease | None,
     region: torch.Tensor | None,
     blocks: Sequence[Slot | str | None],
     error: Exception | None = None,
@@ -237,7 +237,12 @@ def load_local(side: WorkerSide, job: Job, pieces: list[Piece]) -> tuple[int, li
 
 
 def copy_leased(
-    side: WorkerSide, job: Job, pieces: list[Piece], lease: Lease, region: torch.Tensor, t0: float
+    side: WorkerSide,
+    job: Job,
+    pieces: list[Piece],
+    lease: ReadLease,
+    region: torch.Tensor,
+    t0: float,
 ) -> tuple[int, list[Piece]]:
     """The copies of a lease's blocks, whole before its release: a sync load waits on
     the host, the loader thread polls their handle; the release (trusted at once if the

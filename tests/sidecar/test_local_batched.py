@@ -3,10 +3,10 @@
 - Releases ride on the next request (its `release` list) and free their slots there; a
   release nothing else carries is flushed after a short while, and at close.
 - A load whose lease is still valid beyond doubt is trusted without a release round trip
-  (`LocalClient._trusted`), and is NOT trusted — the release waits for its answer, which
-  says the lease ended — when the sidecar was killed or restarted between the lease and
-  the end of the copy, when the lease timed out (or came close), or when the connection it
-  came on was dropped (docs/sidecar.md, "Invariants of the local path", 8).
+  (`sidecar.local_deferred.still_valid`), and is NOT trusted — the release waits for its
+  answer, which says the lease ended — when the sidecar was killed or restarted between
+  the lease and the end of the copy, when the lease timed out (or came close), or when the
+  connection it came on was dropped (docs/sidecar.md, "Invariants of the local path", 8).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ import torch
 
 from benchmarks.kvpath import flash_writer as flash_writer_of
 from ctxcache.net import free_port
-from sidecar.local_client import Lease
+from sidecar.local_client import ReadLease
 from sidecar.service import Sidecar
 from sidecar.settings import SidecarSettings
 from tests.utils import local_dir_fixture  # noqa: F401 (the local_dir fixture)
@@ -178,7 +178,7 @@ def test_a_copy_that_outlived_its_lease_is_recomputed(
         release = side.local.release
         server = sidecar.local
 
-        def expire_then_release(lease: Lease) -> bool:
+        def expire_then_release(lease: ReadLease) -> bool:
             server.expire(now=float("inf"))  # the copies are done: the lease ends first
             return release(lease)
 

@@ -17,7 +17,7 @@ import torch
 
 import vllm_connector.worker as worker_mod
 from benchmarks.kvpath import flash_writer
-from sidecar.local_client import Lease
+from sidecar.local_client import ReadLease
 from sidecar.service import Sidecar
 from tests.utils import local_dir_fixture  # noqa: F401 (the local_dir fixture)
 from tests.vllm_connector.test_worker_shm import (  # noqa: F401 (the sidecar fixture)
@@ -157,7 +157,7 @@ def test_a_step_whose_lease_did_not_hold_is_a_miss_for_every_load(
         side.counters.drain()
         release, server = side.local.release, sidecar.local
 
-        def expire_then_release(lease: Lease, **kw: Any) -> bool:
+        def expire_then_release(lease: ReadLease, **kw: Any) -> bool:
             server.expire(now=float("inf"))
             return release(lease, **kw)
 
@@ -255,7 +255,7 @@ def test_a_step_lease_answered_with_nonsense_is_a_miss_for_every_load_not_a_fail
         ps = stored(side)
         side.counters.drain()
 
-        def nonsense(keys: list[str]) -> Lease:
+        def nonsense(keys: list[str]) -> ReadLease:
             raise KeyError("blocks")  # (what a reply without `blocks` raises)
 
         monkeypatch.setattr(side.local, "lease", nonsense)

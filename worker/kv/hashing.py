@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ctxcache.lmcache_keys import MAX_KEY_LENGTH, CacheKey
+from ctxcache.lmcache_keys import MAX_KEY_LENGTH, CacheKey, key_fits
 
 ROOT_HASH = 0
 _HASH_BYTES = 16
@@ -60,8 +60,9 @@ class KeyMaker:
         self.world_size = world_size
 
     def fits(self, tags: tuple[tuple[str, str], ...]) -> bool:
-        """Whether keys with these tags fit LMCache's 150-character key field."""
-        return len(self._string((1 << 128) - 1, tags)) <= MAX_KEY_LENGTH
+        """Whether keys with these tags fit LMCache's key field (150 bytes of UTF-8, as the
+        sidecar counts them: a non-ASCII tag takes more bytes than characters)."""
+        return key_fits(self._string((1 << 128) - 1, tags))
 
     def _string(self, chunk_hash: int, tags: tuple[tuple[str, str], ...]) -> str:
         key = CacheKey(self.model, self.world_size, self.worker_id, chunk_hash, self.dtype, tags)
@@ -69,6 +70,6 @@ class KeyMaker:
 
     def key(self, chunk_hash: int, tags: tuple[tuple[str, str], ...]) -> str:
         s = self._string(chunk_hash, tags)
-        if len(s) > MAX_KEY_LENGTH:
-            raise ValueError(f"cache key longer than {MAX_KEY_LENGTH} characters")
+        if not key_fits(s):
+            raise ValueError(f"cache key longer than {MAX_KEY_LENGTH} bytes")
         return s
