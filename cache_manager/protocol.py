@@ -52,7 +52,7 @@ class Idempotency(StrictModel):
     `ctx:{<session>}:i:<key>` lives in the session's slot and is written by the script that
     writes the turn (or creates the session), so the outcome and the write are one."""
 
-    key: str = Field(pattern=r"^[0-9a-f]{32}$", description="hash of tenant + client key")
+    key: str = Field(pattern=r"^([0-9a-f]{32})?$", description="hash of tenant + client key")
     body: str = Field(pattern=r"^[0-9a-f]{64}$", description="hash of route + request body")
     ttl_s: int = Field(86_400, ge=1, le=30 * 86_400, description="how long a recorded key lives")
     answer: dict[str, Any] | None = Field(None, description="with a write: the answer it gave")
@@ -151,7 +151,11 @@ class CreateSession(StrictModel):
     worker: str | None = None
     sidecar: str | None = None
     origin: Origin = "context"
-    kv_key: str | None = Field(None, description="share this KV tag (a fork); None: its own")
+    # a session key (`session_key`, 32 hex digits): it travels to the engine as the KV tag
+    # `lmcache.tag.s`, inside a cache key of at most 150 bytes (docs/sidecar.md, invariant 5)
+    kv_key: str | None = Field(
+        None, pattern=r"^([0-9a-f]{32})?$", description="share this KV tag (a fork); None: its own"
+    )
     tools: list[dict[str, Any]] | None = Field(None, description="the tools rendered in it")
     response: StoredResponse | None = None
     idempotency: Idempotency | None = None
@@ -195,7 +199,7 @@ class ReleaseLock(StrictModel):
 
     tenant: str
     lock: str
-    record: str | None = Field(None, pattern=r"^[0-9a-f]{32}$")
+    record: str | None = Field(None, pattern=r"^([0-9a-f]{32})?$")
 
 
 class UpdateSession(StrictModel):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import redis
+from pydantic import ValidationError
 
 from cache_manager.client import ManagerClient
 from cache_manager.keys import session_keys
@@ -107,3 +108,11 @@ async def test_a_conversation_takes_the_model_of_its_first_turn(manager: Manager
     state = await manager.begin(info.session_id, BeginTurn(tenant="acme"))
     turn = AppendTurn(tenant="acme", expected_version=2, lock=state.lock, tokens=[8], model="other")
     assert (await manager.append(info.session_id, turn)).model == "tiny"  # set once
+
+
+@pytest.mark.parametrize("kv_key", ["x" * 32, "é" * 32, "ABC", "0" * 200, "a" * 33])
+def test_a_fork_shares_only_a_session_key(kv_key: str) -> None:
+    """A fork's KV tag is a session key: 32 hex digits, so its cache keys always fit the
+    sidecar's 150 bytes. Anything else is refused where it enters the manager."""
+    with pytest.raises(ValidationError):
+        CreateSession(tenant="t", model="m", kind="chat", kv_key=kv_key)
