@@ -1,7 +1,7 @@
 """An engine's mapping of the sidecar's region and the leases it holds in it: `Region`
 (the region mapped read-write), `ReadLease` (a read lease's blocks, as the client sees it)
 and `WriteLease` (slots to write into). `sidecar.local_client.LocalClient` makes them; the
-vLLM connector copies through their views (`vllm_connector.loads`, `stores`).
+vLLM connector copies through their views (`vllm_connector.shm_loads`, `stores`).
 """
 
 from __future__ import annotations

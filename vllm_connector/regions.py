@@ -1,9 +1,10 @@
 """The local sidecar as the connector's worker half sees it
-(`vllm_connector.worker.WorkerSide` owns one `Regions`).
+(`vllm_connector.worker.WorkerSide` owns one `LocalSocket` and one `Regions`).
 
-Found at start-up (`open_local`) when its socket is in `local_dir`; a sidecar that starts
-after vLLM (a pod's containers start side by side) is looked for again every
-`LOOK_FOR_SOCKET_S` while the worker is on TCP (`find_local`), and used once there.
+Found at start-up (`LocalSocket.open`) when its socket is in `local_dir`; a sidecar that
+starts after vLLM (a pod's containers start side by side) is looked for again every
+`LOOK_FOR_SOCKET_S` while the worker is on TCP (`LocalSocket.appeared`), and used once
+there.
 
 Each region a `LocalClient` maps is viewed as bytes, per generation (a restarted sidecar
 maps a new one). On a GPU each is pinned for DMA on a thread of its own
@@ -17,15 +18,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING
 
 import torch
 
 from sidecar.local_client import LocalClient, LocalError, Region
 from vllm_connector.blockcopy import register_host, unregister_host
-
-if TYPE_CHECKING:
-    from vllm_connector.worker import WorkerSide
+from vllm_connector.config import ConnectorConfig
 
 # the connector's worker half logs as one (operators' settings name this logger)
 log = logging.getLogger("vllm_connector.worker")
@@ -34,39 +32,54 @@ _PIN_JOIN_S = 30.0  # how long `close` waits for a region's pinning to finish
 LOOK_FOR_SOCKET_S = 5.0  # on TCP for want of the local sidecar's socket: looked for this often
 
 
-def open_local(side: WorkerSide) -> str:
-    """Use the local sidecar's shared memory when its socket is there; say which path."""
-    where = side.config.local_dir
-    if where is None:
-        return f"tcp ({side.config.sidecar_url})"
-    if not LocalClient.available(where):  # looked for again while on TCP (`find_local`)
-        log.warning(
-            "ctxcache connector: no local sidecar socket in %s; using TCP until it appears",
-            where,
+class LocalSocket:
+    """Where this worker finds the local sidecar (`config.local_dir`): at start-up
+    (`open`), and while it is on TCP for want of the socket, again every
+    `LOOK_FOR_SOCKET_S` (`appeared`)."""
+
+    def __init__(self, config: ConnectorConfig, regions: Regions) -> None:
+        self.config = config
+        self.regions = regions  # what each client maps goes there
+        self.look_at: float | None = None  # (monotonic) when to look for the socket again
+
+    def open(self) -> tuple[LocalClient | None, str]:
+        """A client of the local sidecar when its socket is there (else None: TCP), and
+        the KV path in words."""
+        config = self.config
+        where = config.local_dir
+        if where is None:
+            return None, f"tcp ({config.sidecar_url})"
+        if not LocalClient.available(where):  # looked for again while on TCP (`appeared`)
+            log.warning(
+                "ctxcache connector: no local sidecar socket in %s; using TCP until it appears",
+                where,
+            )
+            self.look_at = time.monotonic() + LOOK_FOR_SOCKET_S
+            return None, f"tcp ({config.sidecar_url}; no socket in {where})"
+        local = LocalClient(
+            where, timeout=config.timeout_s, defer_releases=config.shm_deferred_release
         )
-        side.look_at = time.monotonic() + LOOK_FOR_SOCKET_S
-        return f"tcp ({side.config.sidecar_url}; no socket in {where})"
-    side.local = LocalClient(
-        where, timeout=side.config.timeout_s, defer_releases=side.config.shm_deferred_release
-    )
-    side.local.on_map.append(side.regions.mapped)
-    try:
-        side.local.connect()
-    except LocalError as exc:  # tried again at each load; TCP meanwhile
-        log.warning("ctxcache connector: local sidecar not answering yet (%s)", exc)
-    return f"shm ({where})"
+        local.on_map.append(self.regions.mapped)
+        try:
+            local.connect()
+        except LocalError as exc:  # tried again at each load; TCP meanwhile
+            log.warning("ctxcache connector: local sidecar not answering yet (%s)", exc)
+        except BaseException:
+            local.close()
+            raise
+        return local, f"shm ({where})"
 
-
-def find_local(side: WorkerSide) -> None:
-    """(On the model-runner thread: `load`, `save`.) While on TCP for want of the socket,
-    look for it every `LOOK_FOR_SOCKET_S`; once it is there, loads and stores take shared
-    memory. A loader thread reads `side.local` as None or the client, never in between."""
-    if side.look_at is None or time.monotonic() < side.look_at or not side.enabled:
-        return
-    side.look_at = None
-    path = open_local(side)
-    if side.local is not None:
-        log.info("ctxcache connector: the local sidecar's socket appeared; KV path %s", path)
+    def appeared(self) -> LocalClient | None:
+        """(On the model-runner thread: `load`, `save`.) While on TCP for want of the
+        socket, look for it every `LOOK_FOR_SOCKET_S`: a client once it is there (loads
+        and stores then take shared memory), else None."""
+        if self.look_at is None or time.monotonic() < self.look_at:
+            return None
+        self.look_at = None
+        local, path = self.open()
+        if local is not None:
+            log.info("ctxcache connector: the local sidecar's socket appeared; KV path %s", path)
+        return local
 
 
 class Regions:

@@ -1,15 +1,18 @@
 """The connector's worker half (`WorkerSide`): writes loaded blocks into vLLM's paged cache
 before the forward pass and reads finished requests' blocks out of it for the sidecar.
 
-It learns the cache's block layout (`register`), plans each step's loads onto their path
-and reports them, and hands stores to their path. What it uses:
-- `vllm_connector.loads`: a load's two data paths, shm (one lease per step for the sync
-  loads) and tcp (docs/vllm.md, "KV paths");
-- `vllm_connector.stores`: copying finished requests' blocks out, into the shared region
-  or PUT over TCP;
-- `vllm_connector.regions`: the local sidecar, found (also when it starts after vLLM)
-  and its shared regions mapped and pinned;
-- `vllm_connector.ordering`: the copies ordered after vLLM's compute stream, their handles.
+It learns the cache's block layout (`register`), then hands each step's loads and stores
+to a KV path (`vllm_connector.paths.KVPath`) and reports them. The paths (docs/vllm.md,
+"KV paths"):
+- `vllm_connector.shm_path.ShmPath`: the local sidecar's shared memory (one lease per step
+  for the sync loads), when its socket is in `local_dir` (`vllm_connector.regions`: the
+  socket found, also when the sidecar starts after vLLM, and its regions mapped and
+  pinned);
+- `vllm_connector.tcp_path.TcpPath`: `lm://`, a remote sidecar or what shared memory
+  cannot serve.
+Both write through one `vllm_connector.paged.PagedKV` (the registered cache, its copier)
+and account for each load with one `vllm_connector.loads.LoadRunner`; their copies are
+ordered after vLLM's compute stream (`vllm_connector.ordering`).
 
 By default loads are synchronous (the step's forward attends over them); with `async_loads`
 they run on one background thread while the engine steps on, and a request whose load is
@@ -31,32 +34,33 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ctxcache import tracing
-from ctxcache.lmcache_keys import parse_key
 from sidecar.local_client import LocalClient
-from vllm_connector import loads, ordering, stores
-from vllm_connector.blockcopy import BlockCopier, kernel_blocks
+from vllm_connector import ordering
+from vllm_connector.blockcopy import BlockCopier
 from vllm_connector.config import ConnectorConfig
 from vllm_connector.layout import BlockLayout, CacheWriter, probe_layout
-from vllm_connector.loads import Job
+from vllm_connector.loads import Job, LoadRunner
 from vllm_connector.ordering import CopyHandle
-from vllm_connector.plan import LoadSpec, Piece
-from vllm_connector.regions import Regions, find_local, open_local
+from vllm_connector.paged import PagedKV, rank_key
+from vllm_connector.paths import KVPath
+from vllm_connector.plan import LoadSpec
+from vllm_connector.regions import LocalSocket, Regions
 from vllm_connector.scheduler import StepPlan
+from vllm_connector.shm_path import ShmPath
 from vllm_connector.stats import Counters
-from worker.kv.layout import KVShape
+from vllm_connector.stores import Storing, dropped
+from vllm_connector.tcp_path import TcpPath
 from worker.kv.sidecar import SidecarKV, kv_client_factory
 
 log = logging.getLogger(__name__)
-
-_STEP_KEYS = 4096  # keys in one shared lease at most (the sidecar's `MAX_KEYS`)
 
 
 @dataclass
@@ -68,46 +72,49 @@ class _Loaded:
     blocks: set[int]
 
 
-def _groups(jobs: list[Job], pieces_of: Callable[[LoadSpec], list[Piece]]) -> Iterator[list[Job]]:
-    """A step's sync loads in groups of at most `_STEP_KEYS` keys: one lease each."""
-    group: list[Job] = []
-    keys = 0
-    for job in jobs:
-        n = len(pieces_of(job.spec))
-        if group and keys + n > _STEP_KEYS:
-            yield group
-            group, keys = [], 0
-        group.append(job)
-        keys += n
-    if group:
-        yield group
-
-
 class WorkerSide:
     def __init__(self, config: ConnectorConfig, block_size: int, rank: int = 0) -> None:
         self.config = config
         self.block_size = block_size
         self.rank = rank
         self.counters = Counters()
-        self.caches: list[torch.Tensor] = []
-        self.layouts: list[BlockLayout] = []
-        self.sidecar: SidecarKV | None = None
-        self.copier: BlockCopier | None = None
-        self.local: LocalClient | None = None
         self.regions = Regions()  # the local sidecars' regions, mapped and (CUDA) pinned
+        self.socket = LocalSocket(config, self.regions)
+        self.kv: PagedKV | None = None  # the registered cache and its copier
+        self.runner = LoadRunner(self.counters, block_size)  # (with `kv` once registered)
+        self.tcp: TcpPath | None = None  # lm://: every load and store, or what shm cannot
+        self.shm: ShmPath | None = None  # the local sidecar's shared memory, when found
         self._sent: set[str] = set()
-        self.storing: list[stores.Storing] = []  # stores whose copies run (CUDA): `settle`
         self._invalid: set[int] = set()
         self._loader: ThreadPoolExecutor | None = None  # (async_loads) started on first use
-        self._prefetch: ThreadPoolExecutor | None = None  # TCP loads' GETs, started on first use
         self._loaded_lock = threading.Lock()
         self._loaded: dict[str, _Loaded] = {}  # (async) loads over on the host
         self.off: str | None = None  # why this worker cannot load or store (register failed)
-        self.look_at: float | None = None  # (monotonic) when to look for the local socket again
 
     @property
     def enabled(self) -> bool:
-        return self.sidecar is not None
+        return self.tcp is not None
+
+    # what the paths use, as the benchmarks and tests look at it
+    @property
+    def caches(self) -> list[torch.Tensor]:
+        return self.kv.caches if self.kv is not None else []
+
+    @property
+    def layouts(self) -> list[BlockLayout]:
+        return self.kv.layouts if self.kv is not None else []
+
+    @property
+    def copier(self) -> BlockCopier | None:
+        return self.kv.copier if self.kv is not None else None
+
+    @property
+    def sidecar(self) -> SidecarKV | None:
+        return self.tcp.sidecar if self.tcp is not None else None
+
+    @property
+    def local(self) -> LocalClient | None:
+        return self.shm.local if self.shm is not None else None
 
     def turn_off(self, reason: str) -> None:
         """This worker carries out no load (each is a miss, reported at once) and no store;
@@ -144,24 +151,25 @@ class WorkerSide:
 
     def _start(self, caches: list[torch.Tensor], layouts: list[BlockLayout]) -> None:
         first = layouts[0]
-        self.caches, self.layouts = caches, layouts
-        shape = KVShape(len(caches), first.heads, first.head_dim, caches[0].dtype)
-        self.shape = shape
-        self.copier = BlockCopier(
+        copier = BlockCopier(
             caches,
             layouts,
             ring_slots=self.config.ring_slots,
             slot_bytes=self.config.ring_slot_mib << 20,
         )
+        kv = self.kv = PagedKV(caches, layouts, copier, self.block_size, self.rank)
+        self.runner = LoadRunner(self.counters, self.block_size, kv)
         self.regions.pin = caches[0].device if caches[0].is_cuda else None
-        self.sidecar = SidecarKV(
+        sidecar = SidecarKV(
             kv_client_factory(self.config.sidecar_url, self.config.timeout_s),
-            shape,
+            kv.shape,
             max_pending=self.config.max_pending_stores,
             max_pending_bytes=self.config.max_pending_store_bytes,
             on_error=lambda op: self.counters.add("sidecar_errors"),
         )
-        path = open_local(self)
+        self.tcp = TcpPath(kv, sidecar, self.runner, self.counters)
+        local, path = self.socket.open()
+        self._use_local(local)
         log.info(
             "ctxcache connector: %d layers, %d kv heads x %d, %s, %d-token kernel blocks; "
             "KV path %s",
@@ -173,45 +181,52 @@ class WorkerSide:
             path,
         )
 
+    def _use_local(self, local: LocalClient | None) -> None:
+        """Loads and stores take shared memory from now on (a loader thread reads `shm`
+        as None or the path, never in between)."""
+        if local is None or self.kv is None or self.tcp is None:
+            return
+        self.shm = ShmPath(self.kv, local, self.regions, self.tcp, self.runner, self.counters)
+
+    def _find_local(self) -> None:
+        """(On the model-runner thread: `load`, `save`.) While on TCP for want of the
+        local sidecar's socket, look for it again (`LocalSocket.appeared`)."""
+        if self.enabled and self.shm is None:
+            self._use_local(self.socket.appeared())
+
+    def _path(self) -> KVPath | None:
+        """The path a job takes now: shared memory when the local sidecar is known, else
+        lm://; None when this worker is off."""
+        return self.shm if self.shm is not None else self.tcp
+
     # -- loads ----------------------------------------------------------------------------
     def load(self, plan: StepPlan) -> None:
         """This step's loads: carried out now, or with `async_loads` started (each is
         reported by `take_loaded` once whole, or failed). On vLLM's model-runner thread:
         the event the copies wait on is recorded here, on the stream it computes on."""
-        find_local(self)
+        self._find_local()
         if not plan.loads:
             return
         try:
-            after = ordering.compute_done(self.copier.device) if self.copier is not None else None
+            after = ordering.compute_done(self.kv.copier.device) if self.kv is not None else None
         except Exception as exc:  # a broken CUDA context: nothing of this step can load
             for spec in plan.loads:
-                self._never_ran(Job(spec, written=spec.start), exc)
+                self._loads_over(spec, self.runner.never_ran(Job(spec, written=spec.start), exc))
             return
-        shared: list[Job] = []  # sync loads through shared memory: one lease for them all
+        path = self._path()
+        sync: list[Job] = []  # one call of the path for them all (shm: one lease)
         for spec in plan.loads:
             job = Job(spec, after, background=self.config.async_loads, written=spec.start)
-            if not self.enabled:  # off: a miss, reported in this step
-                self._loads_over(spec, self._carry_out(job))
-                continue
-            if self.config.async_loads:
-                self._submit(job)
-                continue
-            if self.local is not None:
-                shared.append(job)
-                continue
+            if path is None:  # off: a miss, reported in this step
+                self._loads_over(spec, self.runner.carry_out(job, None))
+            elif self.config.async_loads:
+                self._submit(path, job)
+            else:
+                sync.append(job)
+        if path is not None and sync:
             t0 = time.perf_counter()
-            self._invalid.update(self._carry_out(job))
+            self._invalid.update(path.load(sync))
             self.counters.add("load_ms", round((time.perf_counter() - t0) * 1e3))
-        if shared:
-            t0 = time.perf_counter()
-            for group in _groups(shared, self._pieces):
-                self._invalid.update(loads.load_step(self, group))
-            self.counters.add("load_ms", round((time.perf_counter() - t0) * 1e3))
-
-    def _never_ran(self, job: Job, exc: BaseException) -> None:
-        self.counters.add("loads")
-        self.counters.add("load_failures")
-        self._loads_over(job.spec, self._fail(job, exc))
 
     def _loads_over(self, spec: LoadSpec, failed: set[int]) -> None:
         """A load that never ran: its failed blocks reported as this step's (async: in
@@ -222,83 +237,29 @@ class WorkerSide:
         else:
             self._invalid.update(failed)
 
-    def _submit(self, job: Job) -> None:
+    def _submit(self, path: KVPath, job: Job) -> None:
         try:
             if self._loader is None:
                 self._loader = ThreadPoolExecutor(1, thread_name_prefix="ctxcache-load")
-            self._loader.submit(self._load_in_background, job)
+            self._loader.submit(self._load_in_background, path, job)
         except Exception as exc:  # (the loader is shut down: the engine is closing)
-            self._never_ran(job, exc)
+            self._loads_over(job.spec, self.runner.never_ran(job, exc))
 
-    def _carry_out(self, job: Job) -> set[int]:
-        """Load `job`'s spec; the blocks it could not write (to be recomputed). Anything it
-        raises is a miss from the first token not written (`_fail`). Traced (the request's
-        trace, `ctxcache.kv.load`): tokens planned and loaded, bytes per path."""
-        spec = job.spec
-        self.counters.add("loads")
-        planned = {"ctxcache.kv.planned_tokens": spec.end - spec.start}
-        with tracing.span_in(spec.trace, "ctxcache.kv.load", planned):
-            if not self.enabled:
-                loaded = spec.start
-            else:
-                try:
-                    loaded = self._load(job)
-                except Exception as exc:
-                    self._fail(job, exc)
-                    loaded = job.written
-            tracing.annotate({"ctxcache.kv.loaded_tokens": loaded - spec.start})
-        self.counters.add("loaded_tokens", loaded - spec.start)
-        if loaded >= spec.end:
-            return set()
-        self.counters.add("load_failures")
-        return self._blocks_of(spec.block_ids, loaded, spec.end)
-
-    def _fail(self, job: Job, exc: BaseException) -> set[int]:
-        """A load raised: logged with its request, counted (`load_errors`); no copy of it
-        runs any more once this returns. The blocks from its first unwritten token."""
-        spec = job.spec
-        self.counters.add("load_errors")
-        log.warning(
-            "request %s: loading its KV failed (%s: %s); recomputing from token %d",
-            spec.req_id,
-            type(exc).__name__,
-            exc,
-            job.written,
-            exc_info=not isinstance(exc, torch.OutOfMemoryError),
-        )
-        self._quiesce(spec.req_id)
-        job.handle = None
-        return self._blocks_of(spec.block_ids, job.written, spec.end)
-
-    def _quiesce(self, req_id: str) -> bool:
-        """Wait until no copy issued so far runs (the copier's and, on CUDA, the calling
-        thread's stream); False if that cannot be known (a broken CUDA context)."""
-        if self.copier is None:
-            return True
-        try:
-            self.copier.wait()
-            if self.copier.device.type == "cuda":
-                torch.cuda.current_stream(self.copier.device).synchronize()
-        except Exception:
-            log.exception("request %s: cannot wait for its copies", req_id)
-            return False
-        return True
-
-    def _load_in_background(self, job: Job) -> None:
+    def _load_in_background(self, path: KVPath, job: Job) -> None:
         """(On the loader thread.) The request is reported in every case: vLLM holds its
         blocks until it is; with copies in flight, once they are done (`take_loaded`)."""
         spec = job.spec
         t0 = time.perf_counter()
         try:
-            failed = self._carry_out(job)
+            failed = path.load([job])
         except Exception:
             log.exception("request %s: loading its KV failed; recomputing", spec.req_id)
             self.counters.add("load_failures")
-            failed = self._blocks_of(spec.block_ids, spec.start, spec.end)
+            failed = self.runner.blocks(spec)
             job.handle = None
         self.counters.add("async_loads")
         self.counters.add("async_load_ms", round((time.perf_counter() - t0) * 1e3))
-        blocks = self._blocks_of(spec.block_ids, spec.start, spec.end)
+        blocks = self.runner.blocks(spec)
         with self._loaded_lock:
             self._loaded[spec.req_id] = _Loaded(failed, job.handle, blocks)
 
@@ -329,43 +290,13 @@ class WorkerSide:
             log.exception("request %s: its KV copies failed; recomputing", rid)
             self.counters.add("load_errors")
             self.counters.add("load_failures")
-            self._quiesce(rid)
+            self.runner.quiesce(rid)
             return over.blocks
         return over.failed
 
-    def _load(self, job: Job) -> int:
-        """Write `job`'s tokens; returns the first token not written (`job.written` follows
-        it, for `_fail`)."""
-        spec = job.spec
-        pieces = self._pieces(spec)
-        if not job.background:
-            return loads.load_paths(self, job, spec, pieces)
-        # the loader thread's stream is not vLLM's: its kernels (a KV_2LTD piece's
-        # scatter) wait for the step's event, and the load is over when they are
-        assert self.copier is not None
-        ordering.order_after(self.copier.device, job.after)
-        done = loads.load_paths(self, job, spec, pieces)
-        if self.copier.device.type == "cuda":
-            job.handle = ordering.EventDone(ordering.record_event(self.copier.device))
-        return done
-
-    @staticmethod
-    def _pieces(spec: LoadSpec) -> list[Piece]:
-        """The pieces with tokens of [start, end) in them."""
-        return [p for p in spec.pieces if min(spec.end, p.end) > max(spec.start, p.begin)]
-
-    def _kernel_blocks(self, block_ids: list[int], begin: int, end: int) -> list[int]:
-        return kernel_blocks(block_ids, self.block_size, self.layouts[0].tokens, begin, end)
-
     def key(self, key: str) -> str:
         """The scheduler's (rank 0) key for this worker's tensor-parallel rank."""
-        if self.rank == 0:
-            return key
-        return replace(parse_key(key), worker_id=self.rank).to_string()
-
-    def _blocks_of(self, block_ids: list[int], start: int, end: int) -> set[int]:
-        first, last = start // self.block_size, (end - 1) // self.block_size
-        return set(block_ids[first : last + 1])
+        return rank_key(key, self.rank)
 
     def take_invalid(self) -> set[int]:
         out, self._invalid = self._invalid, set()
@@ -373,33 +304,64 @@ class WorkerSide:
 
     # -- stores ---------------------------------------------------------------------------
     def save(self, plan: StepPlan) -> None:
-        """Copy the finished requests' blocks out (`stores.save`: on vLLM's model-runner
-        thread, after the forward pass). Never raises: a store that fails is dropped,
-        counted and logged."""
-        find_local(self)
-        stores.save(self, plan)
+        """Copy the finished requests' blocks out (on vLLM's model-runner thread, after the
+        forward pass: the copies wait for an event recorded here on its stream). Never
+        raises: a store that fails is dropped, counted and logged."""
+        self._find_local()
+        if not plan.stores:
+            return
+        path = self._path()
+        after = None
+        if path is not None and self.kv is not None:
+            try:
+                after = ordering.compute_done(self.kv.copier.device)
+            except Exception:
+                log.exception("cannot order this step's stores after its compute; dropped")
+                self.counters.add("store_errors", len(plan.stores))
+                self.counters.add("store_drops", len(plan.stores))
+                self._sent.update(spec.req_id for spec in plan.stores)
+                return
+        for spec in plan.stores:
+            t0 = time.perf_counter()
+            tokens = {"ctxcache.kv.store_tokens": sum(p.length for p in spec.pieces)}
+            saved: bool | Storing = False
+            try:
+                with tracing.span_in(spec.trace, "ctxcache.kv.store", tokens):
+                    saved = path is not None and path.store(spec, after)
+                    tracing.annotate({"ctxcache.kv.stored": saved is not False})
+                if not saved:
+                    self.counters.add("store_drops")
+            except Exception as exc:
+                dropped(self.counters, spec, exc)
+            finally:
+                if not isinstance(saved, Storing):  # (else held until it is committed)
+                    self._sent.add(spec.req_id)  # the copy is made (or given up): free them
+                self.counters.add("store_copy_ms", round((time.perf_counter() - t0) * 1e3))
+
+    def settle(self, *, wait: bool = False) -> None:
+        """Commit the stores whose copies are done (all, with `wait`); their requests are
+        then reported by `take_sent`. Never raises."""
+        if self.shm is not None:
+            self._sent |= self.shm.settle(wait=wait)
 
     def take_sent(self) -> set[str]:
         """Requests whose stores are over: committed (their copies done) or dropped."""
-        stores.settle(self)
+        self.settle()
         out, self._sent = self._sent, set()
         return out
 
     def close(self) -> None:
-        stores.settle(self, wait=True)
+        self.settle(wait=True)
         if self._loader is not None:
             self._loader.shutdown(wait=True)
             self._loader = None
-        if self._prefetch is not None:
-            self._prefetch.shutdown(wait=True)
-            self._prefetch = None
-        if self.sidecar is not None:
-            self.sidecar.close()
-            self.sidecar = None
+        if self.tcp is not None:
+            self.tcp.close()
+            self.tcp = None
         self.regions.close()
-        if self.local is not None:
-            self.local.close()
-            self.local = None
+        if self.shm is not None:
+            self.shm.close()
+            self.shm = None
 
 
 def cache_writer(

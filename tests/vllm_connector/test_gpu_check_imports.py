@@ -29,8 +29,13 @@ ABSENT = (
 IMPORTS = (
     "sidecar.service",
     "vllm_connector.worker",
+    "vllm_connector.paths",
+    "vllm_connector.paged",
     "vllm_connector.loads",
+    "vllm_connector.shm_path",
+    "vllm_connector.shm_loads",
     "vllm_connector.stores",
+    "vllm_connector.tcp_path",
     "vllm_connector.ordering",
     "vllm_connector.regions",
     "vllm_connector.blockcopy",

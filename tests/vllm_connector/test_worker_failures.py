@@ -17,7 +17,6 @@ from typing import Any
 import pytest
 import torch
 
-import vllm_connector.loads as loads_mod
 import vllm_connector.ordering as ordering_mod
 import vllm_connector.regions as regions_mod
 from sidecar.service import Sidecar
@@ -114,7 +113,8 @@ def test_a_tcp_load_that_raises_midway_keeps_what_it_wrote(
     try:
         ps = pieces("tcp-oom")  # 64-token pieces: the second one fails
         store(side, ps)
-        write = loads_mod.write_2ltd
+        assert side.kv is not None
+        write = side.kv.write_2ltd
         calls = []
 
         def second_fails(*args: Any) -> None:
@@ -123,7 +123,7 @@ def test_a_tcp_load_that_raises_midway_keeps_what_it_wrote(
                 raise OOM
             write(*args)
 
-        monkeypatch.setattr(loads_mod, "write_2ltd", second_fails)
+        monkeypatch.setattr(side.kv, "write_2ltd", second_fails)
         assert load(side, ps) == blocks_from(64)
         assert torch.equal(kv(side, DST, 64), kv(side, SRC, 64))
         counts = side.counters.drain()
@@ -226,6 +226,9 @@ def test_a_store_whose_copies_cannot_be_waited_for_keeps_its_slots_from_others(
         assert side.take_sent() == {"s"}
         assert side.counters.drain()["store_errors"] == 1
         assert sidecar.local.leases == 1  # the write lease stays open
+        side.close()  # a clean close, while this process lives: its lock file stays held
+        sidecar.local.expire(now=float("inf"))
+        assert sidecar.local.leases == 1  # still kept from others
     finally:
         side.close()
 

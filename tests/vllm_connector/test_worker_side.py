@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from vllm_connector.config import ConnectorConfig
+from vllm_connector.loads import Job
 from vllm_connector.plan import LoadSpec
 from vllm_connector.scheduler import StepPlan
 from vllm_connector.worker import WorkerSide
@@ -56,11 +57,11 @@ def test_an_async_load_that_raises_is_reported_failed_not_lost(
 ) -> None:
     worker = side(async_loads=True)
 
-    def broken(_: LoadSpec) -> int:
+    def broken(_: list[Job]) -> set[int]:
         raise OSError("boom")
 
-    monkeypatch.setattr(worker, "sidecar", SimpleNamespace(close=lambda: None))  # enabled
-    monkeypatch.setattr(worker, "_load", broken)
+    # enabled, on a path whose load raises (a KV path never should: the worker still copes)
+    monkeypatch.setattr(worker, "tcp", SimpleNamespace(load=broken, close=lambda: None))
     try:
         worker.load(StepPlan(loads=[spec("a", 0, 256, [1, 2])]))
         assert reported(worker, 1) == {"a"}

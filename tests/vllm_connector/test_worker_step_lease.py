@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-import vllm_connector.worker as worker_mod
+import vllm_connector.shm_loads as shm_loads_mod
 from benchmarks.kvpath import flash_writer
 from sidecar.local_client import ReadLease
 from sidecar.service import Sidecar
@@ -232,7 +232,7 @@ def test_a_step_with_more_keys_than_one_lease_holds_takes_more_leases(
     local_dir: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(worker_mod, "_STEP_KEYS", 4)  # two requests' keys per lease
+    monkeypatch.setattr(shm_loads_mod, "_STEP_KEYS", 4)  # two requests' keys per lease
     side = worker(sidecar, local_dir)
     try:
         ps = stored(side)
