@@ -71,10 +71,10 @@ class _SlotOwner:
     """What a slot's arrays hang from: numpy makes every view of a view point at the first
     object that is not an array, so a view of a slot keeps this alive, and with it the slot."""
 
-    __slots__ = ("__array_interface__", "__weakref__", "_keep", "n", "start")
+    __slots__ = ("__array_interface__", "__weakref__", "n", "region", "start")
 
     def __init__(self, base: np.ndarray, address: int, start: int, n: int) -> None:
-        self._keep = base  # the region's bytes, mapped
+        self.region = base  # the region's bytes, mapped (kept while any view lives)
         self.start, self.n = start, n  # where the slot lies in the region
         self.__array_interface__ = {
             "shape": (n,),
@@ -159,7 +159,7 @@ class Arena:
         owner = slot.base
         if (
             type(owner) is _SlotOwner
-            and owner._keep is self._bytes
+            and owner.region is self._bytes
             and slot.ndim == 1
             and slot.nbytes == owner.n
             and slot.strides[0] == slot.itemsize
