@@ -13,7 +13,9 @@ write into (`claim`), cleared when that engine has said it stopped writing (`unc
 It lives in the mapping, so it survives a `kill -9` of the sidecar: the next sidecar on
 this directory takes the region over (`recycle_stale`) and keeps every extent listed
 there out of its allocator until that writer commits, aborts or is gone
-(`inherited`, docs/sidecar.md "Invariants of the local path").
+(`inherited`, docs/sidecar.md "Invariants of the local path"), whatever the sizes of the
+two regions: the file only grows, so the part of an extent that lies in the new region is
+kept out, and its record is kept whole in the table for the sidecars after this one.
 
 The rest of the region is an allocator of block slots: first fit over free extents,
 coalescing on free, 4 KiB aligned. A slot is a numpy array over the mapping; the slot is
@@ -95,6 +97,9 @@ class Arena:
         ensure_directory(directory)
         # callers first make sure no live sidecar uses `directory` (`sidecar.local.claim_directory`)
         fd = recycle_stale(directory, self.path)
+        # the bytes of the file taken over: every mapping of it, ever, lay within them (a
+        # region file only grows, `posix_fallocate`, however its sidecars were sized)
+        found = os.fstat(fd).st_size if fd >= 0 else 0
         if fd < 0:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o660)
         try:
@@ -125,7 +130,7 @@ class Arena:
         self._records: dict[int, list[int]] = {}
         self._free_records = list(range(TABLE_RECORDS - 1, -1, -1))
         self.inherited: dict[int, tuple[int, list[tuple[int, int]]]] = {}
-        self._take_over_table()
+        self._take_over_table(found)
         self._map[: len(MAGIC)] = MAGIC
         gen = self.generation.encode()
         self._map[len(MAGIC) : len(MAGIC) + len(gen)] = gen
@@ -199,23 +204,31 @@ class Arena:
                 self._starts.insert(i, start)
                 self._sizes.insert(i, size)
 
-    def _reserve(self, start: int, size: int) -> bool:
-        """Take [start, start + size) out of the free extents (an inherited write); False
-        if it is not wholly free (a record that overlaps another: ignored)."""
+    def _reserve(self, start: int, size: int) -> list[tuple[int, int]]:
+        """Take out of the free extents whatever of [start, start + size) they hold (an
+        inherited write): the pieces taken, which `end_inherited` frees. What lies past
+        this region's end (an extent of a larger region, the same file) or is taken
+        already is not this call's: nothing of it is ever handed out here."""
+        end = start + size
+        taken: list[tuple[int, int]] = []
         with self._lock:
-            i = bisect.bisect_right(self._starts, start) - 1
-            if i < 0 or start + size > self._starts[i] + self._sizes[i]:
-                return False
-            first, total = self._starts[i], self._sizes[i]
-            del self._starts[i], self._sizes[i]
-            for s, n in ((first, start - first), (start + size, first + total - start - size)):
-                if n:
-                    j = bisect.bisect_left(self._starts, s)
-                    self._starts.insert(j, s)
-                    self._sizes.insert(j, n)
-            self.used += size
-            self.slots += 1
-            return True
+            i = max(0, bisect.bisect_right(self._starts, start) - 1)
+            while i < len(self._starts) and self._starts[i] < end:
+                first, total = self._starts[i], self._sizes[i]
+                lo, hi = max(first, start), min(first + total, end)
+                if lo >= hi:
+                    i += 1
+                    continue
+                del self._starts[i], self._sizes[i]
+                for s, n in ((first, lo - first), (hi, first + total - hi)):
+                    if n:
+                        self._starts.insert(i, s)
+                        self._sizes.insert(i, n)
+                        i += 1
+                taken.append((lo, hi - lo))
+            self.used += sum(n for _, n in taken)
+            self.slots += len(taken)
+        return taken
 
     def largest_free(self) -> int:
         with self._lock:
@@ -256,10 +269,15 @@ class Arena:
             self._free(start, size)
         return True
 
-    def _take_over_table(self) -> None:
+    def _take_over_table(self, found: int) -> None:
         """Read the write table this file had (a region taken over from an earlier
-        sidecar): every extent some engine may still be writing stays taken, under its
-        lease, until that writer is done. Anything else in the table is cleared."""
+        sidecar; `found`: the file's bytes then): every extent some engine may still be
+        writing stays out of the allocator — the part of it that lies in this region, which
+        may be smaller or larger than the one the extent was given in — under its lease,
+        until that writer is done. Its record stays in the table whole, so the next sidecar,
+        of whatever size, keeps it out too, until the writer is done (docs/sidecar.md,
+        "Invariants of the local path": region size changes). A record that no writer can
+        hold (outside the file, unaligned, no lease) is cleared."""
         old = bytes(self._map[: len(MAGIC)])
         records = []
         if old == MAGIC:
@@ -269,31 +287,36 @@ class Arena:
                 if start or size or lease:
                     records.append((start, size, lease, client, rec))
         self._map[TABLE_OFFSET:HEADER_BYTES] = bytes(HEADER_BYTES - TABLE_OFFSET)
+        kept, beyond = set(), 0
         for start, size, lease, client, rec in sorted(records):
             valid = (
                 start >= HEADER_BYTES
                 and start % ALIGN == 0
                 and size > 0
                 and size % ALIGN == 0
-                and start + size <= self.size
+                and start + size <= found
                 and lease
             )
-            if not valid or not self._reserve(start, size):
+            if not valid:
                 log.warning("ignoring a malformed write-table record in %s", self.path)
                 continue
             RECORD.pack_into(
                 self._map, TABLE_OFFSET + rec * RECORD.size, start, size, lease, client
             )
-            self._free_records.remove(rec)
+            kept.add(rec)
             self._records.setdefault(lease, []).append(rec)
             held = self.inherited.setdefault(lease, (client, []))
-            held[1].append((start, size))
+            held[1].extend(self._reserve(start, size))
+            beyond += start + size > self.size
+        self._free_records = [r for r in self._free_records if r not in kept]
         if self.inherited:
             log.warning(
-                "the earlier sidecar's engines may still be writing %d slots of %s: kept "
-                "until they commit, abort or exit",
-                sum(len(x[1]) for x in self.inherited.values()),
+                "the earlier sidecar's engines may still be writing %d slots of %s (%d of "
+                "them past this region's end, in the larger file): kept until they commit, "
+                "abort or exit",
+                len(kept),
                 self.path.name,
+                beyond,
             )
 
     def close(self, keep: bool = False) -> None:
