@@ -15,10 +15,11 @@ else a keep-alive generator of our own. Between rounds the keys file is swapped 
 few keys, alternating, the order flipped every round so drift falls on both) and the
 gateway told with SIGHUP; a probe key that only the new file holds says when it took it.
 
-The table: wrong-key requests per second with each count (the median of the rounds, every
-round listed), p50/p99 latency (wrk only), and the ratio few/many. Acceptance: the ratio
-is at most 1.2. `--gateway-tree PATH` runs the gateway from another checkout (its
-`PYTHONPATH`), the driver from this one: the same bench against older code.
+The table (and `gateway_keys.json`, a row per count; `gateway_keys.png`): wrong-key requests
+per second with each count (the median of the rounds, every round listed), p50/p99 latency
+(wrk only), and the ratio few/many (`vs_many`). Acceptance: the ratio is at most 1.2.
+`--gateway-tree PATH` runs the gateway from another checkout (its `PYTHONPATH`), the
+driver from this one: the same bench against older code.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from typing import Any
 
 NAME = "gateway_keys"
 PATH = "/v1/models"  # a route that checks a presented key and needs nothing else
+TARGET = 1.2  # the few keys' rate over the many's, at most
 _WRK_SCRIPT = """
 local n = 0
 request = function()
@@ -78,8 +80,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
     a("--keys", type=int, default=100_000, help="the many keys' count (default 100000)")
     a("--few", type=int, default=10, help="the few keys' count (default 10)")
-    a("--rounds", type=int, default=3, help="rounds, each measuring both counts (default 3)")
-    a("--seconds", type=float, default=5.0, help="load per count per round (default 5)")
+    a("--rounds", type=int, default=None, help="rounds, each loading both counts (default 3)")
+    a("--seconds", type=float, default=None, help="load per count per round (default 5)")
+    a("--quick", action="store_true", help="a short run (1 round of 1 s per count)")
     a("--connections", type=int, default=16, help="keep-alive connections (default 16)")
     a("--no-wrk", action="store_true", help="use our own load generator even if wrk is here")
     a(
@@ -94,9 +97,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from benchmarks.util import markdown_table, run_meta, write_outputs
+    from benchmarks.util import bar_plot, markdown_table, plot_path, run_meta, write_outputs
     from ctxcache.net import free_port
 
+    if args.rounds is None:
+        args.rounds = 1 if args.quick else 3
+    if args.seconds is None:
+        args.seconds = 1.0 if args.quick else 5.0
     wrk = None if args.no_wrk else _which("wrk")
     counts = [args.keys, args.few]
     with tempfile.TemporaryDirectory() as tmp:
@@ -129,6 +136,7 @@ def main(args: argparse.Namespace) -> int:
         connections=args.connections,
         generator="wrk" if wrk else "python",
         gateway_tree=str(args.gateway_tree) if args.gateway_tree else None,
+        target_ratio=TARGET,
     )
     rows = [
         [
@@ -139,20 +147,30 @@ def main(args: argparse.Namespace) -> int:
             "-" if s["p99_ms"] is None else s["p99_ms"],
             s["errors"],
         ]
-        for s in results["by_keys"]
+        for s in results
     ]
     table = markdown_table(
         ["keys", "wrong keys/s (median)", "each round", "p50 ms", "p99 ms", "errors"], rows
     )
-    ratio = results["ratio"]
-    verdict = "met" if results["met"] else "NOT met"
-    table += f"\n\n{args.few} keys / {args.keys} keys: {ratio:.2f}x (target <= 1.2x: {verdict})\n"
+    ratio = results[1]["vs_many"]
+    verdict = "met" if ratio <= TARGET else "NOT met"
+    table += (
+        f"\n\n{args.few} keys / {args.keys} keys: {ratio:.2f}x (target <= {TARGET}x: {verdict})\n"
+    )
     write_outputs(Path(args.out), NAME, {"meta": meta, "results": results}, table)
+    bar_plot(
+        plot_path(args, NAME),
+        "wrong API keys refused per second, one gateway",
+        [f"{s['keys']:,} keys" for s in results],
+        {"median of the rounds": [s["per_s"] for s in results]},
+        "requests/s",
+    )
     sys.stdout.write(table)
     return 0 if all(r.errors == 0 for r in rounds) else 1
 
 
-def _summarise(rounds: list[Round], counts: list[int]) -> dict[str, Any]:
+def _summarise(rounds: list[Round], counts: list[int]) -> list[dict[str, Any]]:
+    """A row per count (the many first); `vs_many`: its rate over the many keys' rate."""
     by_keys = []
     for n in counts:
         mine = [r for r in rounds if r.keys == n]
@@ -170,9 +188,10 @@ def _summarise(rounds: list[Round], counts: list[int]) -> dict[str, Any]:
                 "p99_ms": statistics.median(p99) if p99 else None,
             }
         )
-    many, few = by_keys[0]["per_s"], by_keys[1]["per_s"]
-    ratio = few / many if many else float("inf")
-    return {"by_keys": by_keys, "ratio": ratio, "met": ratio <= 1.2}
+    many = by_keys[0]["per_s"]
+    for row in by_keys:
+        row["vs_many"] = row["per_s"] / many if many else float("inf")
+    return by_keys
 
 
 # ---- the gateway --------------------------------------------------------------------------
