@@ -44,12 +44,14 @@ from typing import Any
 
 import numpy as np
 
+from sidecar.arena_clients import live_clients
 from sidecar.arena_dir import RegionError, ensure_directory, recycle_stale
 
 log = logging.getLogger(__name__)
 
 MAGIC = b"CTXKV002"  # 002: the write table follows the first page
-OLD_MAGICS = (b"CTXKV001",)  # regions without a write table (taken over, table zeroed)
+OLD_MAGICS = (b"CTXKV001",)  # regions without a write table (taken over, table zeroed,
+# only when no engine client lives: `_takeable`)
 PAGE = 4096
 ALIGN = 4096
 # the write table: (start, size, lease, client) per slot an engine may be writing
@@ -97,6 +99,15 @@ class Arena:
         ensure_directory(directory)
         # callers first make sure no live sidecar uses `directory` (`sidecar.local.claim_directory`)
         fd = recycle_stale(directory, self.path)
+        if fd >= 0 and not _takeable(fd, directory):
+            log.warning(
+                "not reusing the previous region (another format, engines alive: where they "
+                "write is unknown); a new file in %s, room for both until they let go",
+                directory,
+            )
+            os.close(fd)
+            self.path.unlink(missing_ok=True)
+            fd = -1
         # the bytes of the file taken over: every mapping of it, ever, lay within them (a
         # region file only grows, `posix_fallocate`, however its sidecars were sized)
         found = os.fstat(fd).st_size if fd >= 0 else 0
@@ -328,6 +339,18 @@ class Arena:
             log.info("leaving the region %s to the next sidecar: engines map it", self.path)
             return
         self.path.unlink(missing_ok=True)
+
+
+def _takeable(fd: int, directory: Path) -> bool:
+    """Whether a previous sidecar's region file can become this one's: one of this format
+    (its write table says what its writers hold), one never headed (no engine had it), or
+    one no engine client can be writing (none alive). Not one of another format (an older
+    or newer ctxcache) while engines live: its writers' slots are unknown and may lie
+    anywhere, this format's write table included."""
+    head = os.pread(fd, len(MAGIC), 0)
+    if head == MAGIC or not head.strip(b"\0"):
+        return True
+    return live_clients(directory) == 0
 
 
 def read_generation(path: Path) -> str | None:

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.arena import ALIGN, HEADER_BYTES, Arena
+from sidecar.arena import ALIGN, HEADER_BYTES, OLD_MAGICS, Arena, region_name
+from sidecar.arena_clients import drop_client_lock, take_client_lock
 from sidecar.client import KVClient
 from sidecar.local_client import LocalClient, WriteLease
 from sidecar.local_protocol import TCP, Slot
@@ -157,3 +158,27 @@ def test_a_record_wholly_past_a_smaller_region_is_kept_and_ends_with_its_writer(
     assert small.free_bytes() == small.capacity
     assert Arena(local_dir, MIB).inherited == {9: (1, [(HEADER_BYTES + 512 * KIB, 128 * KIB)])}
     del head, tail
+
+
+@pytest.mark.parametrize("engine_alive", [True, False])
+def test_a_region_of_another_format_is_not_reused_while_an_engine_may_write_it(
+    local_dir: Path, engine_alive: bool
+) -> None:
+    """A region an older ctxcache left (no write table: where its writers write is unknown,
+    this format's table included) becomes the new region only when no engine client lives;
+    otherwise a new file takes its place, and the old one's writers write where nobody
+    reads."""
+    old = local_dir / region_name("0" * 16)
+    old.write_bytes(OLD_MAGICS[0] + b"0" * 16 + bytes(MIB))
+    inode = old.stat().st_ino
+    token = "ab" * 8
+    lock = take_client_lock(local_dir, token) if engine_alive else -1
+    try:
+        arena = Arena(local_dir, 64 * KIB)
+        assert not old.exists() and [p.name for p in local_dir.glob("kv-*.shm")] == [
+            arena.path.name
+        ]
+        assert (arena.path.stat().st_ino == inode) is not engine_alive
+        assert not arena.inherited and arena.free_bytes() == arena.capacity
+    finally:
+        drop_client_lock(local_dir, token, lock)
