@@ -288,16 +288,17 @@ class Arena:
         until that writer is done. Its record stays in the table whole, so the next sidecar,
         of whatever size, keeps it out too, until the writer is done (docs/sidecar.md,
         "Invariants of the local path": region size changes). A record that no writer can
-        hold (outside the file, unaligned, no lease) is cleared."""
-        old = bytes(self._map[: len(MAGIC)])
+        hold (outside the file, unaligned, no lease) is cleared; a kept one is never
+        rewritten, so a sidecar killed while it takes the table over leaves it whole."""
+        if bytes(self._map[: len(MAGIC)]) != MAGIC:  # no table: never headed, another format
+            self._map[TABLE_OFFSET:HEADER_BYTES] = bytes(HEADER_BYTES - TABLE_OFFSET)
+            return
         records = []
-        if old == MAGIC:
-            for rec in range(TABLE_RECORDS):
-                at = TABLE_OFFSET + rec * RECORD.size
-                start, size, lease, client = RECORD.unpack_from(self._map, at)
-                if start or size or lease:
-                    records.append((start, size, lease, client, rec))
-        self._map[TABLE_OFFSET:HEADER_BYTES] = bytes(HEADER_BYTES - TABLE_OFFSET)
+        for rec in range(TABLE_RECORDS):
+            at = TABLE_OFFSET + rec * RECORD.size
+            start, size, lease, client = RECORD.unpack_from(self._map, at)
+            if start or size or lease:
+                records.append((start, size, lease, client, rec))
         kept, beyond = set(), 0
         for start, size, lease, client, rec in sorted(records):
             valid = (
@@ -310,10 +311,8 @@ class Arena:
             )
             if not valid:
                 log.warning("ignoring a malformed write-table record in %s", self.path)
+                RECORD.pack_into(self._map, TABLE_OFFSET + rec * RECORD.size, 0, 0, 0, 0)
                 continue
-            RECORD.pack_into(
-                self._map, TABLE_OFFSET + rec * RECORD.size, start, size, lease, client
-            )
             kept.add(rec)
             self._records.setdefault(lease, []).append(rec)
             held = self.inherited.setdefault(lease, (client, []))

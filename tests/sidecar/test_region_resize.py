@@ -160,6 +160,26 @@ def test_a_record_wholly_past_a_smaller_region_is_kept_and_ends_with_its_writer(
     del head, tail
 
 
+def test_a_sidecar_killed_while_it_takes_the_table_over_leaves_the_table_whole(
+    local_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Kept records are never cleared and written again: a sidecar that dies between two
+    of them (here: at the first) leaves every record for the one after it."""
+    first = Arena(local_dir, MIB)
+    a, b = first.alloc(64 * KIB), first.alloc(64 * KIB)
+    assert first.claim(1, 1, [a]) and first.claim(2, 1, [b])
+
+    def killed(*args: object) -> None:
+        raise SystemExit("kill -9")
+
+    with monkeypatch.context() as m:
+        m.setattr(Arena, "_reserve", killed)
+        with pytest.raises(SystemExit):
+            Arena(local_dir, MIB)
+    assert set(Arena(local_dir, MIB).inherited) == {1, 2}
+    del a, b
+
+
 @pytest.mark.parametrize("engine_alive", [True, False])
 def test_a_region_of_another_format_is_not_reused_while_an_engine_may_write_it(
     local_dir: Path, engine_alive: bool
