@@ -13,6 +13,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "worker": ("benchmarks.worker", "TTFT with cached history vs full recompute"),
     "gateway": ("benchmarks.gateway", "gateway overhead vs calling the worker directly"),
     "gateway-ab": ("benchmarks.gateway_ab", "streaming TTFT of two checkouts' gateways"),
+    "gateway-keys": ("benchmarks.gateway_keys", "wrong API keys/s with 100,000 keys vs 10"),
     "multiturn": ("benchmarks.multiturn", "multi-turn chat replay, session vs full history"),
     "capacity": ("benchmarks.capacity", "req/s held at a p95 TTFT target, one vLLM at a time"),
     "load": ("benchmarks.load", "concurrent sessions through the stack, then leak checks"),

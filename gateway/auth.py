@@ -1,4 +1,12 @@
-"""API keys -> tenants. `Authorization: Bearer <key>`, compared in constant time.
+"""API keys -> tenants. `Authorization: Bearer <key>`, looked up by its SHA-256 digest.
+
+A presented key costs one hash and one dictionary lookup whether it is right or wrong, and
+however many keys there are (a wrong one was compared with every key's digest: 100,000 keys
+cost 10-30 ms of the event loop per guess). What is looked up is the digest of the secret,
+never the secret: how long the lookup takes can tell at most how a guess's digest relates
+to the digests the ring holds, which says nothing of the keys (SHA-256 is preimage
+resistant). A hit and a miss take the same path: the lookup gives an entry (a decoy for a
+miss), whose digest is checked with `hmac.compare_digest`.
 
 The keys come from settings (`--api-key`, `CTX_GATEWAY_API_KEYS`) or a keys file that
 `reload` reads again: on SIGHUP (`ctxcache gateway`), and when the file changes
@@ -59,24 +67,27 @@ OPEN_KEY = ApiKey(OPEN_TENANT, "")
 # has seen it, so a ring of 100,000 keys costs its collections nothing; 100,000 ApiKey
 # objects would be walked by every oldest-generation collection, the event loop stopped.
 _Entry = tuple[bytes, str, str, int | None, int | None]
+# What a miss finds: a digest no key has (SHA-256 of nothing a key can be: keys are not
+# empty), so a miss goes through the same check as a hit and fails it.
+_DECOY: _Entry = (hashlib.sha256(b"").digest(), "", "", None, None)
 
 
 @dataclass(frozen=True, slots=True)
 class _Keys:
     """A ring's keys made ready to swap in."""
 
-    entries: list[_Entry]
+    entries: dict[bytes, _Entry]  # by digest
     limited: bool  # any key with a rate limit
     tenants: int
 
     @classmethod
     def of(cls, keys: Iterable[tuple[str, str | KeyPolicy]]) -> _Keys:
-        # Compare fixed-size digests: the time taken does not depend on where a guess
-        # differs, nor on the length of the real keys. A key may be configured as its
-        # digest (`sha256:<hex>`): then the ring never holds the key itself.
-        entries = [_entry(k, p) for k, p in keys]
-        tenants = len({e[1] for e in entries})
-        limited = any(e[3] is not None or e[4] is not None for e in entries)
+        # Keyed by fixed-size digests: a lookup costs the same whatever the guess, and a
+        # key may be configured as its digest (`sha256:<hex>`): then the ring never holds
+        # the key itself. Two spellings of one key (itself and its digest): the last wins.
+        entries = {e[0]: e for e in (_entry(k, p) for k, p in keys)}
+        tenants = len({e[1] for e in entries.values()})
+        limited = any(e[3] is not None or e[4] is not None for e in entries.values())
         return cls(entries, limited, tenants)
 
     @classmethod
@@ -145,7 +156,7 @@ class KeyRing:
     @property
     def tenants(self) -> list[str]:
         """Every tenant a key names (the open gateway's one tenant if there are none)."""
-        return sorted({e[1] for e in self._keys}) if self._keys else [OPEN_TENANT]
+        return sorted({e[1] for e in self._keys.values()}) if self._keys else [OPEN_TENANT]
 
     def tenant_for(self, authorization: str | None) -> str:
         if not self._keys:  # (open)
@@ -168,11 +179,8 @@ class KeyRing:
         if (known := self._known.get(key)) is not None:
             return known
         digest = hashlib.sha256(key.encode()).digest()
-        entry = None
-        for e in self._keys:  # no early exit: same work for every key
-            if hmac.compare_digest(digest, e[0]):
-                entry = e
-        if entry is None:
+        entry = self._keys.get(digest, _DECOY)  # one lookup, hit or miss (the module's doc)
+        if not hmac.compare_digest(digest, entry[0]):
             raise InvalidAPIKey()
         found = ApiKey(*entry[1:])
         if len(self._known) < _KNOWN_MAX:
@@ -198,10 +206,11 @@ def _yielding(keys: Iterator[T], every: int = 256) -> Iterator[T]:
             time.sleep(0)  # releases the GIL: a thread waiting for it takes it now
 
 
-def _free(entries: list[_Entry], every: int = 256) -> None:
-    """Empty a list nothing else refers to, a few entries at a time (as `_yielding`)."""
+def _free(entries: dict[bytes, _Entry], every: int = 256) -> None:
+    """Empty a dict nothing else refers to, a few entries at a time (as `_yielding`)."""
     while entries:
-        del entries[-every:]
+        for _ in range(min(every, len(entries))):
+            entries.popitem()
         time.sleep(0)
 
 

@@ -13,7 +13,9 @@ write into (`claim`), cleared when that engine has said it stopped writing (`unc
 It lives in the mapping, so it survives a `kill -9` of the sidecar: the next sidecar on
 this directory takes the region over (`recycle_stale`) and keeps every extent listed
 there out of its allocator until that writer commits, aborts or is gone
-(`inherited`, docs/sidecar.md "Invariants of the local path").
+(`inherited`, docs/sidecar.md "Invariants of the local path"), whatever the sizes of the
+two regions: the file only grows, so the part of an extent that lies in the new region is
+kept out, and its record is kept whole in the table for the sidecars after this one.
 
 The rest of the region is an allocator of block slots: first fit over free extents,
 coalescing on free, 4 KiB aligned. A slot is a numpy array over the mapping; the slot is
@@ -42,12 +44,14 @@ from typing import Any
 
 import numpy as np
 
+from sidecar.arena_clients import live_clients
 from sidecar.arena_dir import RegionError, ensure_directory, recycle_stale
 
 log = logging.getLogger(__name__)
 
 MAGIC = b"CTXKV002"  # 002: the write table follows the first page
-OLD_MAGICS = (b"CTXKV001",)  # regions without a write table (taken over, table zeroed)
+OLD_MAGICS = (b"CTXKV001",)  # regions without a write table (taken over, table zeroed,
+# only when no engine client lives: `_takeable`)
 PAGE = 4096
 ALIGN = 4096
 # the write table: (start, size, lease, client) per slot an engine may be writing
@@ -71,10 +75,10 @@ class _SlotOwner:
     """What a slot's arrays hang from: numpy makes every view of a view point at the first
     object that is not an array, so a view of a slot keeps this alive, and with it the slot."""
 
-    __slots__ = ("__array_interface__", "__weakref__", "_keep", "n", "start")
+    __slots__ = ("__array_interface__", "__weakref__", "n", "region", "start")
 
     def __init__(self, base: np.ndarray, address: int, start: int, n: int) -> None:
-        self._keep = base  # the region's bytes, mapped
+        self.region = base  # the region's bytes, mapped (kept while any view lives)
         self.start, self.n = start, n  # where the slot lies in the region
         self.__array_interface__ = {
             "shape": (n,),
@@ -95,6 +99,18 @@ class Arena:
         ensure_directory(directory)
         # callers first make sure no live sidecar uses `directory` (`sidecar.local.claim_directory`)
         fd = recycle_stale(directory, self.path)
+        if fd >= 0 and not _takeable(fd, directory):
+            log.warning(
+                "not reusing the previous region (another format, engines alive: where they "
+                "write is unknown); a new file in %s, room for both until they let go",
+                directory,
+            )
+            os.close(fd)
+            self.path.unlink(missing_ok=True)
+            fd = -1
+        # the bytes of the file taken over: every mapping of it, ever, lay within them (a
+        # region file only grows, `posix_fallocate`, however its sidecars were sized)
+        found = os.fstat(fd).st_size if fd >= 0 else 0
         if fd < 0:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o660)
         try:
@@ -125,7 +141,7 @@ class Arena:
         self._records: dict[int, list[int]] = {}
         self._free_records = list(range(TABLE_RECORDS - 1, -1, -1))
         self.inherited: dict[int, tuple[int, list[tuple[int, int]]]] = {}
-        self._take_over_table()
+        self._take_over_table(found)
         self._map[: len(MAGIC)] = MAGIC
         gen = self.generation.encode()
         self._map[len(MAGIC) : len(MAGIC) + len(gen)] = gen
@@ -159,7 +175,7 @@ class Arena:
         owner = slot.base
         if (
             type(owner) is _SlotOwner
-            and owner._keep is self._bytes
+            and owner.region is self._bytes
             and slot.ndim == 1
             and slot.nbytes == owner.n
             and slot.strides[0] == slot.itemsize
@@ -199,23 +215,31 @@ class Arena:
                 self._starts.insert(i, start)
                 self._sizes.insert(i, size)
 
-    def _reserve(self, start: int, size: int) -> bool:
-        """Take [start, start + size) out of the free extents (an inherited write); False
-        if it is not wholly free (a record that overlaps another: ignored)."""
+    def _reserve(self, start: int, size: int) -> list[tuple[int, int]]:
+        """Take out of the free extents whatever of [start, start + size) they hold (an
+        inherited write): the pieces taken, which `end_inherited` frees. What lies past
+        this region's end (an extent of a larger region, the same file) or is taken
+        already is not this call's: nothing of it is ever handed out here."""
+        end = start + size
+        taken: list[tuple[int, int]] = []
         with self._lock:
-            i = bisect.bisect_right(self._starts, start) - 1
-            if i < 0 or start + size > self._starts[i] + self._sizes[i]:
-                return False
-            first, total = self._starts[i], self._sizes[i]
-            del self._starts[i], self._sizes[i]
-            for s, n in ((first, start - first), (start + size, first + total - start - size)):
-                if n:
-                    j = bisect.bisect_left(self._starts, s)
-                    self._starts.insert(j, s)
-                    self._sizes.insert(j, n)
-            self.used += size
-            self.slots += 1
-            return True
+            i = max(0, bisect.bisect_right(self._starts, start) - 1)
+            while i < len(self._starts) and self._starts[i] < end:
+                first, total = self._starts[i], self._sizes[i]
+                lo, hi = max(first, start), min(first + total, end)
+                if lo >= hi:
+                    i += 1
+                    continue
+                del self._starts[i], self._sizes[i]
+                for s, n in ((first, lo - first), (hi, first + total - hi)):
+                    if n:
+                        self._starts.insert(i, s)
+                        self._sizes.insert(i, n)
+                        i += 1
+                taken.append((lo, hi - lo))
+            self.used += sum(n for _, n in taken)
+            self.slots += len(taken)
+        return taken
 
     def largest_free(self) -> int:
         with self._lock:
@@ -256,44 +280,53 @@ class Arena:
             self._free(start, size)
         return True
 
-    def _take_over_table(self) -> None:
+    def _take_over_table(self, found: int) -> None:
         """Read the write table this file had (a region taken over from an earlier
-        sidecar): every extent some engine may still be writing stays taken, under its
-        lease, until that writer is done. Anything else in the table is cleared."""
-        old = bytes(self._map[: len(MAGIC)])
+        sidecar; `found`: the file's bytes then): every extent some engine may still be
+        writing stays out of the allocator — the part of it that lies in this region, which
+        may be smaller or larger than the one the extent was given in — under its lease,
+        until that writer is done. Its record stays in the table whole, so the next sidecar,
+        of whatever size, keeps it out too, until the writer is done (docs/sidecar.md,
+        "Invariants of the local path": region size changes). A record that no writer can
+        hold (outside the file, unaligned, no lease) is cleared; a kept one is never
+        rewritten, so a sidecar killed while it takes the table over leaves it whole."""
+        if bytes(self._map[: len(MAGIC)]) != MAGIC:  # no table: never headed, another format
+            self._map[TABLE_OFFSET:HEADER_BYTES] = bytes(HEADER_BYTES - TABLE_OFFSET)
+            return
         records = []
-        if old == MAGIC:
-            for rec in range(TABLE_RECORDS):
-                at = TABLE_OFFSET + rec * RECORD.size
-                start, size, lease, client = RECORD.unpack_from(self._map, at)
-                if start or size or lease:
-                    records.append((start, size, lease, client, rec))
-        self._map[TABLE_OFFSET:HEADER_BYTES] = bytes(HEADER_BYTES - TABLE_OFFSET)
+        for rec in range(TABLE_RECORDS):
+            at = TABLE_OFFSET + rec * RECORD.size
+            start, size, lease, client = RECORD.unpack_from(self._map, at)
+            if start or size or lease:
+                records.append((start, size, lease, client, rec))
+        kept, beyond = set(), 0
         for start, size, lease, client, rec in sorted(records):
             valid = (
                 start >= HEADER_BYTES
                 and start % ALIGN == 0
                 and size > 0
                 and size % ALIGN == 0
-                and start + size <= self.size
+                and start + size <= found
                 and lease
             )
-            if not valid or not self._reserve(start, size):
+            if not valid:
                 log.warning("ignoring a malformed write-table record in %s", self.path)
+                RECORD.pack_into(self._map, TABLE_OFFSET + rec * RECORD.size, 0, 0, 0, 0)
                 continue
-            RECORD.pack_into(
-                self._map, TABLE_OFFSET + rec * RECORD.size, start, size, lease, client
-            )
-            self._free_records.remove(rec)
+            kept.add(rec)
             self._records.setdefault(lease, []).append(rec)
             held = self.inherited.setdefault(lease, (client, []))
-            held[1].append((start, size))
+            held[1].extend(self._reserve(start, size))
+            beyond += start + size > self.size
+        self._free_records = [r for r in self._free_records if r not in kept]
         if self.inherited:
             log.warning(
-                "the earlier sidecar's engines may still be writing %d slots of %s: kept "
-                "until they commit, abort or exit",
-                sum(len(x[1]) for x in self.inherited.values()),
+                "the earlier sidecar's engines may still be writing %d slots of %s (%d of "
+                "them past this region's end, in the larger file): kept until they commit, "
+                "abort or exit",
+                len(kept),
                 self.path.name,
+                beyond,
             )
 
     def close(self, keep: bool = False) -> None:
@@ -305,6 +338,18 @@ class Arena:
             log.info("leaving the region %s to the next sidecar: engines map it", self.path)
             return
         self.path.unlink(missing_ok=True)
+
+
+def _takeable(fd: int, directory: Path) -> bool:
+    """Whether a previous sidecar's region file can become this one's: one of this format
+    (its write table says what its writers hold), one never headed (no engine had it), or
+    one no engine client can be writing (none alive). Not one of another format (an older
+    or newer ctxcache) while engines live: its writers' slots are unknown and may lie
+    anywhere, this format's write table included."""
+    head = os.pread(fd, len(MAGIC), 0)
+    if head == MAGIC or not head.strip(b"\0"):
+        return True
+    return live_clients(directory) == 0
 
 
 def read_generation(path: Path) -> str | None:
