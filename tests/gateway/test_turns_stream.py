@@ -9,6 +9,7 @@ end to end against real processes in test_streams_e2e.py and test_stream_break.p
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -219,3 +220,61 @@ async def test_a_format_that_ends_badly_gets_its_last_event_after_the_release() 
     assert shaper.released_at_failure == ["lock"]  # given back before the last event
     assert manager.appended == [] and manager.released == ["lock"]
     assert not turns.pool.workers[0].healthy  # marked down: the next turn goes elsewhere
+
+
+async def test_a_chat_turn_with_tools_keeps_the_tool_call_its_deltas_streamed() -> None:
+    """On the engine's chat endpoint a tool call comes in pieces (OpenAI's deltas, by
+    `index`): relayed as they come, put together for the history the commit appends."""
+    call = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "weather"}}
+    deltas = [
+        {"delta": {"role": "assistant", "content": None, "tool_calls": [call]}},
+        {"delta": {"tool_calls": [{"index": 0, "function": {"arguments": '{"city": '}}]}},
+        {"delta": {"tool_calls": [{"index": 0, "function": {"arguments": '"Oslo"}'}}]}},
+        {"delta": {}, "finish_reason": "tool_calls"},
+    ]
+
+    async def answer(writer: asyncio.StreamWriter) -> None:
+        for i, d in enumerate(deltas):
+            writer.write(chunk(event({"choices": [{"index": 0, "token_ids": [20 + i], **d}]})))
+        usage = {"prompt_tokens": len(HISTORY) + 2, "completion_tokens": 4}
+        writer.write(chunk(event({"choices": [], "usage": usage})))
+        writer.write(chunk(event("[DONE]")) + b"0\r\n\r\n")
+        await writer.drain()
+
+    manager = Manager()
+    async with server(worker(answer)) as port:
+        turns, completion = await planned(manager, port)  # (for its pool and its lock)
+        assert completion.state is not None
+        state = completion.state.model_copy(
+            update={"info": completion.state.info.model_copy(update={"kind": "chat"})}
+        )
+        new = [{"role": "user", "content": "weather in Oslo?"}]
+        turn = dataclasses.replace(
+            completion, kind="chat", new_messages=new, state=state, chat_engine=True
+        )
+        shaper = ChunkShaper("chat", "m", False)
+        response = await turns.stream(turn, shaper, False, await commit_with(turns, turn))
+        sent = [e async for e in response.events]
+        await turns.pool.workers[0].client.aclose()
+
+    relayed = [c["choices"][0]["delta"] for c in chunks_of(sent)]
+    assert relayed[0]["role"] == "assistant" and relayed[0]["tool_calls"] == [call]
+    assert [d.get("tool_calls", [{}])[0].get("function") for d in relayed[1:3]] == [
+        {"arguments": '{"city": '},
+        {"arguments": '"Oslo"}'},
+    ]
+    (append,) = manager.appended
+    assert append.tokens == [4, 5, 20, 21, 22, 23]
+    user, assistant = append.messages
+    assert user == new[0]
+    assert assistant == {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "weather", "arguments": '{"city": "Oslo"}'},
+            }
+        ],
+    }
