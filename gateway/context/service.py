@@ -107,13 +107,11 @@ class ContextService:
             out["expires_at"] = claim.replay.session["expires_at"]
             return JSONResponse(out, headers=REPLAYED)
         assert claim.lock is not None
-        # a create that fails frees its key once its lock is gone (nothing was written)
-        # (given back in the background: the error answer does not wait for it)
-        what = "idempotency claim release"
-        ttl = claim.lock_ttl_ms
-        async with self.turns.held(
-            session_id, tenant, claim.lock, ttl, what=what, wait=False
-        ) as held:
+        # a create that fails frees its key once the claim's lock is gone (nothing was
+        # written), given back in the background: the error answer does not wait for it
+        what, ttl = "idempotency claim release", claim.lock_ttl_ms
+        held = self.turns.held(session_id, tenant, claim.lock, ttl, what=what, wait=False)
+        async with held:
             turn = await self._plan(tenant, req, body, session_id)
             if req.stream:  # from here on, the stream gives the claim back
                 return await self._stream(turn, req, body, key, held)
