@@ -111,7 +111,7 @@ def create_app(settings: GatewaySettings, *, freeze_heap: bool = False) -> FastA
             )
             stack.push_async_callback(keeper.aclose)
             turns = TurnService(manager, pool, metrics, PromptBuilder(), salt, recent, keeper)
-            stack.push_async_callback(turns.background.drain)
+            stack.push_async_callback(turns.drain)
             app.state.components = components
             app.state.keys = KeyRing(settings.api_keys)
             if settings.api_keys_file is not None and settings.api_keys_file_poll_s > 0:
@@ -125,7 +125,7 @@ def create_app(settings: GatewaySettings, *, freeze_heap: bool = False) -> FastA
             app.state.metrics = metrics
             app.state.turns = turns
             app.state.completions = CompletionService(
-                turns, pool, idempotency_ttl_s=settings.idempotency_ttl_s
+                turns, pool, salt, metrics, idempotency_ttl_s=settings.idempotency_ttl_s
             )
             app.state.contexts = ContextService(manager, turns, pool, settings, metrics)
             app.state.responses = ResponseService(manager, turns, settings, metrics)

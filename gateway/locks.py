@@ -4,18 +4,24 @@ The manager takes a lock for `lock_ttl_ms` (short, so that the lock of a gateway
 crashed runs out soon); the turn's holder extends it every third of that while the turn
 runs, and stops at its commit or release. A turn cannot hold a lock past
 `request_timeout_s` (and a little): a keeper whose turn was somehow never ended stops then.
+
+`Held` is one such lock's lifetime (a turn's lock, or an idempotency claim's), handed out
+by `TurnService.held`: renewed from the start, given back once if what it guards fails.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
 
 from cache_manager.client import ManagerClient
 from ctxcache.errors import CtxError
 from ctxcache.logs import bind_session
+from ctxcache.tasks import BackgroundTasks
 
 log = logging.getLogger(__name__)
 MARGIN_S = 30.0  # past request_timeout_s: the commit after a turn's last token
@@ -109,3 +115,98 @@ class _Kept:
             self.timer.cancel()
         if self.renewing is not None:
             self.renewing.cancel()
+
+
+class Held:
+    """One lock held while a turn (or a create's idempotency claim) runs: renewed from the
+    start, and ended one of two ways: `done` (the write it guarded took it: a create;
+    a commit only `stop`s renewing it, as a failed append still gives it back) or
+    `release`, once (given back in the background; `give_back` waits for that, shielded,
+    so that the client's next turn finds the session free).
+
+    As an async context manager, a failure inside gives the lock back (`give_back`, or
+    `release` if `wait` is false) and lets the error through; leaving it otherwise keeps
+    the lock held, for the rest of the turn (a stream, a commit) to end. A `Held` of no
+    lock (`lock` None: a turn that locks nothing) does nothing.
+    """
+
+    __slots__ = (
+        "background",
+        "keeper",
+        "lock",
+        "record",
+        "released",
+        "releaser",
+        "session_id",
+        "tenant",
+        "wait",
+        "what",
+    )
+
+    def __init__(
+        self,
+        keeper: LockKeeper | None,
+        background: BackgroundTasks | None,
+        session_id: str,
+        tenant: str,
+        lock: str | None,
+        *,
+        record: str | None = None,
+        what: str = "turn lock release",
+        wait: bool = True,
+        releaser: Callable[[], Coroutine[Any, Any, Any]] | None = None,
+    ) -> None:
+        self.keeper, self.background = keeper, background
+        self.session_id, self.tenant, self.lock = session_id, tenant, lock
+        self.record = record  # an idempotency record the release frees with the lock
+        self.what, self.wait = what, wait
+        self.releaser = releaser  # how to give it back; None: the manager's `release`
+        self.released = False
+
+    async def __aenter__(self) -> Held:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc_type is not None:
+            await self.give_back()
+
+    def stop(self) -> None:
+        """No longer renewed: the write it guarded took it (or the manager released it)."""
+        if self.keeper is not None:
+            self.keeper.stop(self.lock)
+
+    def done(self) -> None:
+        """The write it guarded took the lock with it: not renewed, nothing to give back."""
+        self.released = True
+        self.stop()
+
+    def release(self) -> asyncio.Task[None] | None:
+        """Give the lock back in the background (it expires by itself if this fails); only
+        the first call does."""
+        if self.lock is None or self.released or self.keeper is None or self.background is None:
+            return None
+        self.released = True
+        self.keeper.stop(self.lock)
+        manager, sid = self.keeper.manager, self.session_id
+        if self.releaser is not None:
+            work = self.releaser()
+        elif self.record is None:
+            work = manager.release(sid, self.tenant, self.lock)
+        else:
+            work = manager.release(sid, self.tenant, self.lock, record=self.record)
+        return self.background.spawn(work, what=self.what, session_id=sid)
+
+    async def give_back(self) -> None:
+        """`release`; waited for if `wait` (shielded: a request being cancelled still
+        completes it)."""
+        task = self.release()
+        if task is not None and self.wait:
+            await asyncio.shield(task)
+
+
+NO_LOCK = Held(None, None, "", "", None)  # (a turn that holds none)

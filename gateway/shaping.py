@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import orjson
@@ -119,9 +120,14 @@ DONE = b"data: [DONE]\n\n"
 
 class Shaper(Protocol):
     """What `TurnService.stream` turns the worker's stream into: an event per choice, the
-    closing event(s) with usage (and what the commit returned), then `end`."""
+    closing event(s) with usage (and what the commit returned), then `end`. `failed`, if
+    the format can end badly by itself (a Responses stream's `response.failed`): the last
+    event of a stream whose turn failed after it started; None: such a stream is cut."""
 
     end: bytes
+
+    @property
+    def failed(self) -> Callable[[Exception], bytes] | None: ...
 
     def start(self) -> bytes: ...
 
@@ -134,6 +140,7 @@ class ChunkShaper:
     """Re-shapes a worker's text-completion stream into the client's stream format."""
 
     end = DONE
+    failed = None  # (a stream that fails is cut: `gateway.completions.streams`)
 
     def __init__(self, kind: str, model: str, want_token_ids: bool) -> None:
         self.kind = kind

@@ -17,8 +17,8 @@ from jsonschema import validators
 
 from ctxcache.errors import InvalidRequest
 
-# Fields that only the engine's chat endpoint honours (`TurnService` sends a turn that
-# carries any of them there, with the prompt as token ids).
+# Fields that only the engine's chat endpoint honours (a turn that carries any of them is
+# sent there, with the prompt as token ids: `gateway.turn_engine`).
 AGENT_FIELDS = (
     "tools",
     "tool_choice",

@@ -1,13 +1,15 @@
 """Running a planned turn on a worker's engine: the engine request, failover to another
 worker when one cannot be reached, and the metering and tracing around the call, for an
-answer in one piece (`generate`) or a stream (`open_stream`; `gateway.turn_stream` relays it).
+answer in one piece (`generate`) or a stream (`open_stream`, whose events `StreamedAnswer`
+reads as `TurnService` relays them). What the call learns comes back with its result (the
+`Generation` names the worker that ran it), never written into the `Turn`.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -19,9 +21,9 @@ from gateway.metrics import GatewayMetrics
 from gateway.pool import Worker, WorkerPool
 from gateway.salt import CacheSalt
 from gateway.shaping import normalize_usage
-from gateway.tools import AGENT_FIELDS
-from gateway.turn_types import Generation, Turn, span_attributes
-from gateway.upstream import SSEStream, WorkerDown, open_stream, post_json
+from gateway.tools import StreamedCalls, assistant_message
+from gateway.turn_kinds import Turn, span_attributes
+from gateway.upstream import SSEStream, failover, open_stream, post_json
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +31,27 @@ log = logging.getLogger(__name__)
 # A chat request's messages when its prompt is given as token ids: vLLM does not render them
 # (it feeds `kv_transfer_params.prompt_token_ids` to the engine); a message says so in its log.
 PLACEHOLDER = [{"role": "user", "content": "(ctxcache: the prompt is prompt_token_ids)"}]
+
+
+@dataclass
+class Generation:
+    """What the engine answered a turn, and the worker that ran it."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    usage: dict[str, Any]
+    # from the engine's chat endpoint (a turn with tools, a format, logprobs): the answer's
+    # message as the engine parsed it (content, tool_calls, ...) and its logprobs
+    message: dict[str, Any] | None = None
+    logprobs: Any = None
+    worker: Worker | None = None  # (after a failover: not the one the turn was planned on)
+
+    def assistant(self) -> dict[str, Any]:
+        """The assistant message the history keeps."""
+        if self.message is None:
+            return {"role": "assistant", "content": self.text}
+        return assistant_message(self.message)
 
 
 def engine_path(turn: Turn) -> str:
@@ -50,7 +73,7 @@ def check_prompt(turn: Turn, usage: dict[str, Any]) -> None:
 
 
 class TurnEngine:
-    """Runs `TurnService`'s turns (and any call that should fail over) on the pool's workers."""
+    """Runs `TurnService`'s turns on the pool's workers."""
 
     def __init__(self, pool: WorkerPool, metrics: GatewayMetrics, salt: CacheSalt) -> None:
         self.pool = pool
@@ -77,9 +100,8 @@ class TurnEngine:
             transfer["prompt_token_ids"] = turn.prompt
         else:
             body["prompt"] = turn.prompt
-            if turn.kind == "chat":  # (only empty ones are left: `tools: []`, and such)
-                for name in AGENT_FIELDS:
-                    body.pop(name, None)
+            for name in turn.variant.drops:
+                body.pop(name, None)
         if stream:
             body["stream_options"] = {"include_usage": True}
         if turn.kv_tag is not None:
@@ -90,36 +112,6 @@ class TurnEngine:
             body["priority"] = turn.priority
         self.salt.apply(turn.tenant, body)
         return body
-
-    async def failover(
-        self,
-        model: str,
-        call: Callable[[Worker], Awaitable[Any]],
-        *,
-        affinity: str | None = None,
-        first: Worker | None = None,
-    ) -> tuple[Any, Worker]:
-        """Run `call` on a worker; if that worker is down, on the next healthy one.
-
-        Only a worker that could not be reached counts as down: nothing ran there, so
-        running the call elsewhere is safe (the KV is recomputed there). When no healthy
-        worker is left, `pick` raises `backend_unavailable`.
-        """
-        tried: list[str] = []
-        worker = first or self.pool.pick(model, affinity=affinity)
-        while True:
-            try:
-                async with self.pool.lease(worker):
-                    return await call(worker), worker
-            except WorkerDown as exc:
-                self.pool.mark_down(worker, str(exc))
-                tried.append(worker.id)
-                worker = self.pool.pick(model, exclude=tried)
-                log.info("retrying on worker %s (KV is recomputed there)", worker.id)
-
-    async def _with_failover(self, turn: Turn, call: Callable[[Worker], Awaitable[Any]]) -> Any:
-        result, turn.worker = await self.failover(turn.model, call, first=turn.worker)
-        return result
 
     async def generate(self, turn: Turn) -> Generation:
         fields = self._worker_body(turn, stream=False)
@@ -135,7 +127,9 @@ class TurnEngine:
             tracing.span("ctxcache.generate", span_attributes(turn), client=True),
             call,
         ):
-            out = await self._with_failover(turn, lambda w: post_json(w, path, body))
+            out, worker = await failover(
+                self.pool, turn.model, lambda w: post_json(w, path, body), first=turn.worker
+            )
         if not prefill_only:  # (a context only prefilled has no first token to wait for)
             # from the turn's start: loading the session and tokenizing count, as a client
             # waiting for its first token sees them (here with the whole answer: not streamed)
@@ -160,11 +154,13 @@ class TurnEngine:
             usage=usage,
             message=message,
             logprobs=choice.get("logprobs"),
+            worker=worker,
         )
 
-    async def open_stream(self, turn: Turn) -> SSEStream:
+    async def open_stream(self, turn: Turn) -> tuple[SSEStream, metering.EngineCall]:
         """Start the worker's stream before answering: an error the worker answers (a bad
-        sampling field, say) still reaches the client as an error, not a broken 200."""
+        sampling field, say) still reaches the client as an error, not a broken 200. With
+        the stream, its call's meter (it counts the tokens relayed, until its usage)."""
         body = orjson.dumps(self._worker_body(turn, stream=True))
         call = metering.call(len(turn.prompt))
         with (
@@ -172,9 +168,53 @@ class TurnEngine:
             call,
         ):
             path = engine_path(turn)
-            upstream: SSEStream = await self._with_failover(
-                turn, lambda w: open_stream(w, path, body)
+            upstream, _ = await failover(
+                self.pool, turn.model, lambda w: open_stream(w, path, body), first=turn.worker
             )
         call.streaming()  # from here on: its prompt + the tokens relayed, until its usage
-        turn.engine_call = call
-        return upstream
+        return upstream, call
+
+
+class StreamedAnswer:
+    """A turn's answer read from its stream's choices, as they are relayed: the text and
+    token ids, and from the engine's chat endpoint the deltas' other fields (tool calls,
+    reasoning, logprobs), put together into the `Generation` the turn commits."""
+
+    def __init__(self, turn: Turn, call: metering.EngineCall) -> None:
+        self.chat = turn.chat_engine
+        self.call = call
+        self.text: list[str] = []
+        self.ids: list[int] = []
+        self.finish: str | None = None
+        self.calls = StreamedCalls()
+        self.role: dict[str, Any] = {}  # a chat delta's other fields (reasoning, ...)
+        self.logprobs: list[Any] = []
+
+    def add(self, choice: dict[str, Any]) -> None:
+        if self.chat:
+            delta = choice.get("delta") or {}
+            self.text.append(delta.get("content") or "")
+            self.calls.add(delta.get("tool_calls"))
+            self.role.update(delta)
+            if choice.get("logprobs"):
+                self.logprobs.append(choice["logprobs"])
+        else:
+            self.text.append(choice.get("text") or "")
+        ids = choice.get("token_ids") or ()
+        self.ids.extend(ids)
+        self.call.relayed(len(ids))
+        self.finish = choice.get("finish_reason") or self.finish
+
+    def generation(
+        self, usage: dict[str, Any] | None, worker: Worker, metrics: GatewayMetrics
+    ) -> Generation:
+        text = "".join(self.text)
+        message, logprobs = None, None
+        if self.chat:
+            tool_calls = self.calls.list()
+            content = text if text or not tool_calls else None
+            message = {**self.role, "content": content, "tool_calls": tool_calls}
+            logprobs = self.logprobs or None
+            metrics.tool_calls.inc(len(tool_calls))
+        usage = normalize_usage(usage)
+        return Generation(text, self.ids, self.finish, usage, message, logprobs, worker)

@@ -5,14 +5,16 @@ that cannot be reached (connection refused, or closed before answering) raises
 `WorkerDown`: nothing was answered there, so the caller may retry on another worker. A
 worker that took too long is `backend_timeout`; an answer that is not valid HTTP is a
 worker failure (`backend_unavailable`); an error the worker answered (its own OpenAI
-envelope, e.g. `context_length_exceeded`) is passed on as the same error.
+envelope, e.g. `context_length_exceeded`) is passed on as the same error. `failover` runs a
+call on the next healthy worker when one is down.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
-from typing import Any, NoReturn
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, NoReturn, TypeVar
 
 import orjson
 
@@ -23,8 +25,11 @@ from ctxcache.errors import (
     InvalidRequest,
     error_from_envelope,
 )
-from gateway.pool import Worker
+from gateway.pool import Worker, WorkerPool
 from gateway.worker_client import Answer, ConnectionLost, Headers, Misframed
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class WorkerDown(Exception):
@@ -140,3 +145,30 @@ async def open_stream(
     except Exception as exc:  # (no context manager: this runs on every stream)
         reraise_mapped(worker, exc)
     return SSEStream(worker, answer)
+
+
+async def failover(
+    pool: WorkerPool,
+    model: str,
+    call: Callable[[Worker], Awaitable[T]],
+    *,
+    affinity: str | None = None,
+    first: Worker | None = None,
+) -> tuple[T, Worker]:
+    """Run `call` on a worker; if that worker is down, on the next healthy one.
+
+    Only a worker that could not be reached counts as down: nothing ran there, so
+    running the call elsewhere is safe (the KV is recomputed there). When no healthy
+    worker is left, `pick` raises `backend_unavailable`.
+    """
+    tried: list[str] = []
+    worker = first or pool.pick(model, affinity=affinity)
+    while True:
+        try:
+            async with pool.lease(worker):
+                return await call(worker), worker
+        except WorkerDown as exc:
+            pool.mark_down(worker, str(exc))
+            tried.append(worker.id)
+            worker = pool.pick(model, exclude=tried)
+            log.info("retrying on worker %s (KV is recomputed there)", worker.id)

@@ -227,7 +227,7 @@ class Answer:
         self.done = True
         self._stop_expiry()
         self._conn = None
-        self._wake()
+        self.wake()
 
     def fail(self, error: BaseException) -> None:
         if self.done or self.error is not None:
@@ -235,7 +235,7 @@ class Answer:
         self.error = error
         self._stop_expiry()
         self._conn = None
-        self._wake()
+        self.wake()
 
     def _stop_expiry(self) -> None:
         if self._expiry is not None:
@@ -254,7 +254,9 @@ class Answer:
         finally:
             self._waiter = None
 
-    def _wake(self) -> None:
+    def wake(self) -> None:
+        """Wake the reader waiting for more of the answer (its connection calls this when
+        the head or more of the body is in)."""
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
@@ -301,7 +303,7 @@ class _Connection(asyncio.Protocol):
         if answer.done:
             self._finished()
         else:
-            answer._wake()
+            answer.wake()
 
     def _finished(self) -> None:
         """The answer is whole: the connection serves the next call, unless it cannot."""
@@ -342,7 +344,7 @@ class _Connection(asyncio.Protocol):
             return
         answer.status = self.parser.get_status_code()
         answer.has_head = True
-        answer._wake()
+        answer.wake()
 
     def on_body(self, body: bytes) -> None:
         if not self.unasked and self.answer is not None:

@@ -19,15 +19,17 @@ import orjson
 from fastapi import Response
 from pydantic import BaseModel
 
-from cache_manager.protocol import Replay
+from cache_manager.protocol import Replay, SessionInfo
 from ctxcache.logs import bind_session
 from ctxcache.responses import JSONResponse
 from gateway import metering
 from gateway.completions.streams import SSEResponse, UsageTap, relayed
 from gateway.idempotency import REPLAYED, IdempotencyKey, check_header, with_session
+from gateway.metrics import GatewayMetrics
 from gateway.pool import WorkerPool
 from gateway.protocol import ChatBody, CompletionBody
 from gateway.requests import parse_body, parse_json, session_id_of
+from gateway.salt import CacheSalt
 from gateway.shaping import (
     DONE,
     ChunkShaper,
@@ -35,9 +37,10 @@ from gateway.shaping import (
     session_ref,
     text_completion,
 )
-from gateway.turn_types import Generation, Turn
+from gateway.turn_engine import Generation
+from gateway.turn_kinds import Turn
 from gateway.turns import TurnService
-from gateway.upstream import open_stream, post_raw
+from gateway.upstream import failover, open_stream, post_raw
 
 log = logging.getLogger(__name__)
 
@@ -49,10 +52,18 @@ BODIES: dict[str, type[BaseModel]] = {"chat": ChatBody, "completion": Completion
 
 class CompletionService:
     def __init__(
-        self, turns: TurnService, pool: WorkerPool, *, idempotency_ttl_s: int = 86_400
+        self,
+        turns: TurnService,
+        pool: WorkerPool,
+        salt: CacheSalt,
+        metrics: GatewayMetrics,
+        *,
+        idempotency_ttl_s: int = 86_400,
     ) -> None:
         self.turns = turns
         self.pool = pool
+        self.salt = salt
+        self.metrics = metrics
         self.idempotency_ttl_s = idempotency_ttl_s
 
     async def serve(
@@ -83,8 +94,8 @@ class CompletionService:
         idempotency_key: list[str] | str | None = None,
     ) -> Response:
         """A completion request from its raw body (`parsed`: the same, already decoded):
-        validated, then passed through to a worker, or run as a session turn. (The FastAPI
-        routes and `gateway.fastpath` both answer through here.) `idempotency_key`: the
+        validated, then passed through to a worker, or run as a session turn.
+        `idempotency_key`: the
         request's `Idempotency-Key` header value(s); a session turn that appends records
         its answer under it (docs/limits.md), anything else ignores it."""
         body, _ = parse_json(raw, BODIES[kind], parsed)
@@ -115,22 +126,23 @@ class CompletionService:
             return await self.passthrough(tenant, kind, raw, body)
         record = key.record() if key is not None else None
         turn = await self.turns.begin(tenant, session_id, kind, body, record)
-        if (replay := turn.replay) is not None:
-            self.turns.metrics.replayed(tenant)
+        if isinstance(turn, Replay):
+            self.metrics.replayed(tenant)
             if body.get("stream"):
-                return SSEResponse(replay_stream(turn.kind, body, replay), headers=REPLAYED)
-            return JSONResponse(with_session(replay.answer, replay.session), headers=REPLAYED)
-        try:
-            if body.get("stream"):  # from here on, the stream releases the lock
-                return await self._stream(turn, body)
-            gen = await self.turns.generate(turn)
+                return SSEResponse(replay_stream(kind, body, turn), headers=REPLAYED)
+            return JSONResponse(with_session(turn.answer, turn.session), headers=REPLAYED)
+
+        async def finish(gen: Generation) -> tuple[dict[str, Any], SessionInfo]:
             out = self._shape(turn, gen, body)
-            info = await self.turns.commit(turn, gen, answer=out)
-        except BaseException as exc:
-            await self.turns.release_now(tenant, turn.state)
-            if isinstance(exc, asyncio.CancelledError):
-                with bind_session(session_id):
-                    log.info("turn dropped: the client left before its answer")
+            return out, await self.turns.commit(turn, gen, answer=out)
+
+        try:
+            if body.get("stream"):  # from here on, the stream ends the turn
+                return await self._stream(turn, body)
+            out, info = await self.turns.run(turn, finish)
+        except asyncio.CancelledError:
+            with bind_session(session_id):
+                log.info("turn dropped: the client left before its answer")
             raise
         return JSONResponse(with_session(out, session_ref(info)))
 
@@ -155,18 +167,11 @@ class CompletionService:
         shaper = ChunkShaper(turn.kind, turn.model, bool(body.get("return_token_ids")))
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
 
-        async def on_done(gen: Generation) -> dict[str, Any]:
+        async def finish(gen: Generation) -> dict[str, Any]:
             answer = self._shape(turn, gen, body, shaper) if turn.idempotency else None
             return session_ref(await self.turns.commit(turn, gen, answer=answer))
 
-        upstream = await self.turns.open_stream(turn)
-
-        async def never_started() -> None:
-            await self.turns.release_now(turn.tenant, turn.state)
-            await upstream.aclose()
-
-        events = self.turns.stream(turn, upstream, shaper, include_usage, on_done)
-        return SSEResponse(events, never_started)
+        return await self.turns.stream(turn, shaper, include_usage, finish)
 
     async def passthrough(
         self, tenant: str, kind: str, raw: bytes, body: dict[str, Any]
@@ -179,29 +184,29 @@ class CompletionService:
         drop_usage = False
         if stream and counted:
             raw, drop_usage = with_usage(body, raw)
-        raw = self.turns.salt.salted(tenant, body, raw)
+        raw = self.salt.salted(tenant, body, raw)
         t0 = time.perf_counter()
         call = metering.call()
         if stream:
             with call:
-                upstream, _ = await self.turns.engine.failover(
-                    body["model"], lambda w: open_stream(w, path, raw)
+                upstream, _ = await failover(
+                    self.pool, body["model"], lambda w: open_stream(w, path, raw)
                 )
             call.streaming()
-            self.turns.metrics.relayed_streams.inc()
+            self.metrics.relayed_streams.inc()
             tap = UsageTap(call, drop=drop_usage) if counted else None
-            return relayed(self.pool, upstream, self.turns.metrics, t0, tap)
+            return relayed(self.pool, upstream, self.metrics, t0, tap)
         with call:
-            (status, payload), _ = await self.turns.engine.failover(
-                body["model"], lambda w: post_raw(w, path, raw)
+            (status, payload), _ = await failover(
+                self.pool, body["model"], lambda w: post_raw(w, path, raw)
             )
         if status >= 400:
             call.refused()  # the worker's error answer: the engine ran nothing
         else:  # not streamed: the first token came with the whole answer
             call.answered()  # (its usage is in it: the rate limiter reads it there)
             seconds = time.perf_counter() - t0
-            self.turns.metrics.first_token("plain", seconds, streamed=False)
-            self.turns.metrics.completed("plain", seconds)
+            self.metrics.first_token("plain", seconds, streamed=False)
+            self.metrics.completed("plain", seconds)
         return Response(payload, status_code=status, media_type="application/json")
 
 

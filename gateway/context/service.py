@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import AsyncGenerator
 from typing import Any
 
 from fastapi import Response
@@ -19,22 +17,17 @@ from ctxcache.settings import check_ttl
 from gateway.completions.service import replay_stream
 from gateway.completions.streams import SSEResponse
 from gateway.idempotency import REPLAYED, IdempotencyKey, with_session
+from gateway.locks import NO_LOCK, Held
 from gateway.metrics import GatewayMetrics
-from gateway.pool import Worker, WorkerPool
+from gateway.pool import WorkerPool
 from gateway.protocol import ContextCreate, ContextList, ContextObject
 from gateway.settings import GatewaySettings
-from gateway.shaping import (
-    ChunkShaper,
-    chat_completion,
-    sampling_fields,
-    session_ref,
-    text_completion,
-)
-from gateway.tools import check_agent_fields, check_tool_messages, check_tools, uses_chat_engine
-from gateway.turn_types import Generation, Turn, check_window
+from gateway.shaping import ChunkShaper, chat_completion, session_ref, text_completion
+from gateway.tools import check_agent_fields, check_tool_messages, check_tools
+from gateway.turn_engine import Generation
+from gateway.turn_kinds import Turn
 from gateway.turns import TurnService
 
-CREATE_ONLY = ("ttl", "metadata")
 log = logging.getLogger(__name__)
 
 
@@ -98,8 +91,8 @@ class ContextService:
         if key is None:
             turn = await self._plan(tenant, req, body, new_session_id())
             if req.stream:
-                return await self._stream(turn, req, body, None, None)
-            return JSONResponse(await self._create(turn, req, None, None))
+                return await self._stream(turn, req, body, None, NO_LOCK)
+            return JSONResponse(await self._create(turn, req, None, NO_LOCK))
         session_id = key.session_id()
         claim = await self.manager.claim(
             session_id, ClaimKey(tenant=tenant, idempotency=key.record())
@@ -114,85 +107,44 @@ class ContextService:
             out["expires_at"] = claim.replay.session["expires_at"]
             return JSONResponse(out, headers=REPLAYED)
         assert claim.lock is not None
-        lock = claim.lock
-        self.turns.keeper.keep(session_id, tenant, lock, claim.lock_ttl_ms)
-        streaming = False
-        try:
+        # a create that fails frees its key once the claim's lock is gone (nothing was
+        # written), given back in the background: the error answer does not wait for it
+        what, ttl = "idempotency claim release", claim.lock_ttl_ms
+        held = self.turns.held(session_id, tenant, claim.lock, ttl, what=what, wait=False)
+        async with held:
             turn = await self._plan(tenant, req, body, session_id)
             if req.stream:  # from here on, the stream gives the claim back
-                response = await self._stream(turn, req, body, key, lock)
-                streaming = True
-                return response
-            return JSONResponse(await self._create(turn, req, key, lock))
-        except BaseException:
-            self._unclaim(tenant, session_id, lock)
-            raise
-        finally:
-            if not streaming:
-                self.turns.keeper.stop(lock)
-
-    def _unclaim(self, tenant: str, session_id: str, lock: str) -> None:
-        """A create that failed frees its key once its lock is gone (nothing was written)."""
-        self.turns.keeper.stop(lock)
-        self.turns.background.spawn(
-            self.manager.release(session_id, tenant, lock),
-            what="idempotency claim release",
-            session_id=session_id,
-        )
+                return await self._stream(turn, req, body, key, held)
+            return JSONResponse(await self._create(turn, req, key, held))
 
     async def _plan(
         self, tenant: str, req: ContextCreate, body: dict[str, Any], session_id: str
     ) -> Turn:
         """The create's engine request: its prompt (tokenized on a worker) and sampling."""
-        started = time.perf_counter()
-        generate = req.max_tokens > 0
-        messages = [m.model_dump(exclude_none=True) for m in req.messages or []]
-        kind = _kind(req)
-
-        tools = body.get("tools") or None  # rendered into the prefix, kept with the session
-
-        async def build(worker: Worker) -> tuple[list[int], int]:
-            if kind == "chat":  # prefill only: the conversation so far, closed
-                return await self.turns.prompts.chat(
-                    worker, req.model, messages, generation_prompt=generate, tools=tools
-                )
-            assert req.prompt is not None
-            return await self.turns.prompts.text(worker, req.model, req.prompt, special=True)
-
-        (prompt, window), worker = await self.turns.engine.failover(req.model, build)
-        sampling = {k: v for k, v in sampling_fields(body).items() if k not in CREATE_ONLY}
-        sampling["max_tokens"] = req.max_tokens  # the worker's own default is not ours (0)
-        turn = Turn(
-            kind=kind,
+        return await self.turns.plan_create(
+            tenant,
+            session_id,
+            _kind(req),
+            body,
             model=req.model,
-            tenant=tenant,
-            prompt=prompt,
-            new_tokens=prompt,
-            new_messages=messages,
-            history=[],
-            window=window,
-            session_id=session_id,
-            worker=worker,
-            sampling=sampling,
-            started=started,
+            messages=[m.model_dump(exclude_none=True) for m in req.messages or []],
+            prompt=req.prompt,
+            max_tokens=req.max_tokens,
             priority=self.settings.create_priority,  # (docs/vllm.md, "Scheduling")
-            tools=tools,
-            chat_engine=kind == "chat" and generate and uses_chat_engine(body, tools),
         )
-        check_window(turn)
-        await self.turns.check_quota(tenant, len(prompt))
-        return turn
 
     async def _create(
-        self, turn: Turn, req: ContextCreate, key: IdempotencyKey | None, lock: str | None
+        self, turn: Turn, req: ContextCreate, key: IdempotencyKey | None, claim: Held
     ) -> dict[str, Any]:
-        gen = await self.turns.generate(turn)
-        out = _answer(turn, gen, gen.text if req.max_tokens > 0 else None)
-        info = await self._keep(turn, req, gen, out, key, lock)
-        out.update(
-            session_id=info.session_id, expires_at=info.expires_at, session=session_ref(info)
-        )
-        return out
+        async def finish(gen: Generation) -> dict[str, Any]:
+            out = _answer(turn, gen, gen.text if req.max_tokens > 0 else None)
+            info = await self._keep(turn, req, gen, out, key, claim)
+            out.update(
+                session_id=info.session_id, expires_at=info.expires_at, session=session_ref(info)
+            )
+            return out
+
+        return await self.turns.run(turn, finish, creates=True)
 
     async def _stream(
         self,
@@ -200,47 +152,24 @@ class ContextService:
         req: ContextCreate,
         body: dict[str, Any],
         key: IdempotencyKey | None,
-        lock: str | None,
+        claim: Held,
     ) -> SSEResponse:
         """The create's answer as it is generated; the session is written after its last
         token, before the usage chunk and `[DONE]`. A stream that breaks off (the client
         left, the worker failed) wrote nothing, and an idempotency key is free again."""
         assert turn.session_id is not None
-        session_id = turn.session_id
         shaper = ChunkShaper(turn.kind, req.model, bool(body.get("return_token_ids")))
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        kept = False
 
-        async def on_done(gen: Generation) -> dict[str, Any]:
-            nonlocal kept
+        async def finish(gen: Generation) -> dict[str, Any]:
             out = _answer(turn, gen, gen.text)
             out.update(id=shaper.id, created=shaper.created)  # a replay is the same stream
-            info = await self._keep(turn, req, gen, out, key, lock)
-            kept = True
-            return session_ref(info)
+            return session_ref(await self._keep(turn, req, gen, out, key, claim))
 
-        upstream = await self.turns.open_stream(turn)
-        events = self.turns.stream(turn, upstream, shaper, include_usage, on_done)
-        headers = {"x-session-id": session_id}
-        if lock is None:
-            return SSEResponse(events, upstream.aclose, headers=headers)
-
-        async def claimed() -> AsyncGenerator[bytes, None]:
-            try:
-                async for event in events:
-                    yield event
-            finally:
-                await events.aclose()
-                if kept:
-                    self.turns.keeper.stop(lock)
-                else:
-                    self._unclaim(turn.tenant, session_id, lock)
-
-        async def never_started() -> None:
-            self._unclaim(turn.tenant, session_id, lock)
-            await upstream.aclose()
-
-        return SSEResponse(claimed(), never_started, headers=headers)
+        headers = {"x-session-id": turn.session_id}
+        return await self.turns.stream(
+            turn, shaper, include_usage, finish, holds=(claim,), creates=True, headers=headers
+        )
 
     async def _keep(
         self,
@@ -249,10 +178,11 @@ class ContextService:
         gen: Generation,
         out: dict[str, Any],
         key: IdempotencyKey | None,
-        lock: str | None,
+        claim: Held,
     ) -> SessionInfo:
-        """Write the session: the prompt and what was generated (one write)."""
-        assert turn.worker is not None and turn.session_id is not None
+        """Write the session: the prompt and what was generated (one write; it takes the
+        claim's lock)."""
+        assert gen.worker is not None and turn.session_id is not None
         messages = turn.new_messages
         if req.max_tokens > 0 and turn.kind == "chat":
             messages = [*messages, gen.assistant()]
@@ -267,15 +197,16 @@ class ContextService:
                 tools=turn.tools,
                 ttl=self.check_ttl(req.ttl),
                 metadata=req.metadata or {},
-                worker=turn.worker.id,
-                sidecar=turn.worker.sidecar,
+                worker=gen.worker.id,
+                sidecar=gen.worker.sidecar,
                 idempotency=key.record(out) if key is not None else None,
-                lock=lock,
+                lock=claim.lock,
             )
         )
+        claim.done()
         self.metrics.sessions_created.inc()
         if turn.kind == "chat":
-            self.turns.recent.put(turn.session_id, info.version, messages, info.expires_at)
+            self.turns.remember(turn.session_id, info.version, messages, info.expires_at)
         with bind_session(turn.session_id):
             log.info("created: %d tokens, %d generated", len(turn.prompt), len(gen.token_ids))
         return info
@@ -300,7 +231,7 @@ class ContextService:
 
     async def delete(self, tenant: str, session_id: str) -> None:
         await self.manager.delete(session_id, tenant)
-        self.turns.recent.drop(session_id)
+        self.turns.forget(session_id)
         self.metrics.sessions_deleted.inc()
 
 

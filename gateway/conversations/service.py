@@ -79,17 +79,13 @@ class ConversationService:
             "object": "conversation",
             "metadata": req.metadata or {},
         }
-        try:
+        # a create that fails gives its claim back, and its record with it, in the background
+        record = key.name if key is not None else None
+        what = "idempotency claim release"
+        async with self.turns.held(
+            session_id, tenant, lock, None, record=record, what=what, wait=False
+        ):
             info = await self._create(tenant, req, session_id, key, lock, answer)
-        except BaseException:
-            if lock is not None:
-                assert key is not None
-                self.turns.background.spawn(
-                    self.manager.release(session_id, tenant, lock, record=key.name),
-                    what="idempotency claim release",
-                    session_id=session_id,
-                )
-            raise
         return answered(conversation_object(info), replayed=False)
 
     async def _create(
@@ -154,7 +150,7 @@ class ConversationService:
             await self.manager.delete(info.session_id, tenant)
         except SessionNotFound:
             raise ConversationNotFound.of(conv) from None
-        self.turns.recent.drop(info.session_id)
+        self.turns.forget(info.session_id)
         return {"id": conv, "object": "conversation.deleted", "deleted": True}
 
     async def _messages(self, tenant: str, conv: str) -> SessionState:
@@ -220,7 +216,7 @@ class ConversationService:
                 continue
             except SessionNotFound:
                 raise ConversationNotFound.of(conv) from None
-            self.turns.recent.drop(sid)
+            self.turns.forget(sid)
             if done.replay is not None:
                 self.metrics.replayed(tenant)
                 return answered(done.replay.answer, replayed=True)
@@ -242,7 +238,7 @@ class ConversationService:
                 continue
             except SessionNotFound:
                 raise ConversationNotFound.of(conv) from None
-            self.turns.recent.drop(sid)
+            self.turns.forget(sid)
             assert done.info is not None
             return conversation_object(done.info)
         raise VersionConflict("the conversation keeps changing: retry")

@@ -8,6 +8,7 @@ how continuing and forking work).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -31,6 +32,7 @@ from ctxcache.errors import (
 )
 from ctxcache.lmcache_keys import session_key
 from gateway.idempotency import IdempotencyKey
+from gateway.locks import Held
 from gateway.responses.items import chat_tool_choice, chat_tools, items_of, response_format
 from gateway.responses.protocol import (
     ResponseCreate,
@@ -41,7 +43,7 @@ from gateway.responses.protocol import (
 )
 from gateway.responses.shaping import ResponseDraft
 from gateway.settings import GatewaySettings
-from gateway.turn_types import Turn
+from gateway.turn_kinds import Turn
 from gateway.turns import TurnService
 
 Mode = Literal["append", "create", "none"]  # how a finished response is kept
@@ -62,8 +64,7 @@ class Planned:
     missing: CtxError  # what a session deleted under the turn answers
     parent: SessionInfo | None = None  # a fork's parent: its KV key is the fork's
     key: IdempotencyKey | None = None
-    claim: str | None = None  # mode create with a key: the claim's lock on session_id
-    kept: bool = False  # the response is stored (the claim's lock went with the create)
+    claim: Held | None = None  # mode create with a key: the claim's lock on session_id
 
 
 def with_instructions(
@@ -130,7 +131,12 @@ class ResponsePlanner:
         self.settings = settings
 
     async def plan(
-        self, tenant: str, req: ResponseCreate, key: IdempotencyKey | None, claim: str | None
+        self,
+        tenant: str,
+        req: ResponseCreate,
+        key: IdempotencyKey | None,
+        claim: Held | None,
+        started: float,
     ) -> Planned | Replay:
         new = req.messages()
         conv = req.conversation_id
@@ -154,7 +160,7 @@ class ResponsePlanner:
         state = loaded
         appending = state.lock is not None and (at is None or state.info.version == at["version"])
         if state.lock is not None and not appending:  # the chain moved on: fork
-            await self.turns.release_now(tenant, state)
+            await self.turns.give_back(tenant, state)
         if at is not None and not appending:
             state = cut(state, at)
         messages = with_instructions(req.instructions, state.messages, new)
@@ -163,20 +169,33 @@ class ResponsePlanner:
         fields |= agent_fields(req)
         body = {"model": req.model, "messages": messages}
         body.update({k: v for k, v in fields.items() if v is not None})
+        fork = not appending and state.info.version > 0
+        mode: Mode = "append" if appending else "create" if req.store else "none"
         try:
-            turn = await self.turns.planner.plan(tenant, sid, "chat", body, state)
+            turn = await self.turns.plan(
+                tenant,
+                sid,
+                body,
+                state,
+                idempotency=record if mode == "append" else None,
+                started=started,
+            )
         except InvalidRequest as exc:  # (a tool message is an input item here)
             if exc.param and exc.param.startswith("messages"):
                 exc.param = "input"
             raise
+        changes: dict[str, Any] = {}
         if req.max_output_tokens is None and turn.window:  # OpenAI's default: up to the window
-            turn.sampling["max_tokens"] = max(1, turn.window - len(turn.prompt))
-
-        fork = not appending and state.info.version > 0
-        mode: Mode = "append" if appending else "create" if req.store else "none"
+            changes["sampling"] = {
+                **turn.sampling,
+                "max_tokens": max(1, turn.window - len(turn.prompt)),
+            }
+        if mode == "none" and not fork:  # nothing to find or keep: no session tag
+            changes.update(session_id=None, kv_key=None)
+        if changes:
+            turn = dataclasses.replace(turn, **changes)
         if mode == "append":
             target = sid
-            turn.idempotency = record
         elif fork and key is not None:
             target = key.session_id()  # a retry finds the fork its first attempt made
         elif fork or mode == "none":
@@ -185,8 +204,6 @@ class ResponsePlanner:
             target = sid
         if mode == "create" and key is not None:
             assert claim is not None and target == key.session_id()  # claimed in `_plan`
-        if mode == "none" and not fork:  # nothing to find or keep: no session tag
-            turn.session_id, turn.kv_key = None, None
         if mode == "create" and fork:
             await self._share(tenant, state.info)
         first = len(state.messages) + len(messages) - len(new)
@@ -296,7 +313,7 @@ class ResponsePlanner:
         if isinstance(state, Replay):
             return sid, state
         if state.info.origin != "conversation":
-            await self.turns.release_now(tenant, state)
+            await self.turns.give_back(tenant, state)
             raise missing
         return sid, state
 

@@ -42,13 +42,14 @@ from ctxcache.logs import bind_session
 from ctxcache.responses import JSONResponse
 from gateway.completions.streams import SSEResponse
 from gateway.idempotency import REPLAYED, IdempotencyKey, KeyOf
+from gateway.locks import NO_LOCK, Held
 from gateway.metrics import GatewayMetrics
 from gateway.requests import parse_json
 from gateway.responses.planning import Planned, ResponsePlanner
 from gateway.responses.protocol import ResponseCreate, parse_response_id
 from gateway.responses.shaping import Page, ResponseEvents, replay_events
 from gateway.settings import GatewaySettings
-from gateway.turn_types import Generation
+from gateway.turn_engine import Generation
 from gateway.turns import TurnService
 
 log = logging.getLogger(__name__)
@@ -90,121 +91,83 @@ class ResponseService:
         retry answers what the first attempt answered (a stream: as a stream)."""
         body, req = parse_json(raw, ResponseCreate)
         check_supported(req, body)
-        started = time.perf_counter()
+        started = time.perf_counter()  # (the load counts, as it does for a completion's turn)
         key = key_of(raw) if key_of is not None and req.store else None
-        planned = await self._plan(tenant, req, key)
+        planned = await self._plan(tenant, req, key, started)
         if isinstance(planned, Replay):
             self.metrics.replayed(tenant)
             if req.stream:
                 return SSEResponse(_events(replay_events(planned.answer)), headers=REPLAYED)
             return JSONResponse(planned.answer, headers=REPLAYED)
         turn = planned.turn
-        turn.started = started  # (the load counts, as it does for a completion's turn)
-        try:
-            if planned.mode == "create":  # a new session: refused now if it cannot be kept
-                await self.turns.check_quota(tenant, len(turn.prompt))
-            if req.stream:  # from here on, the stream releases the lock (and the claim)
-                return await self._stream(tenant, planned)
-            gen = await self.turns.generate(turn)
-            final = await self._keep(tenant, planned, gen)
-        except BaseException:
-            await self.turns.release_now(tenant, turn.state)
-            self._unclaim(tenant, planned)
-            raise
+        claim = planned.claim or NO_LOCK
+
+        async def finish(gen: Generation) -> dict[str, Any]:
+            return await self._keep(tenant, planned, gen)
+
+        creates = planned.mode == "create"  # a new session: refused now if it cannot be kept
+        async with claim:  # a create that fails gives its claim back (nothing was written)
+            if req.stream:  # from here on, the stream ends the turn (and the claim)
+                events = ResponseEvents(planned.draft)
+                return await self.turns.stream(
+                    turn, events, True, finish, holds=(claim,), creates=creates
+                )
+            final = await self.turns.run(turn, finish, creates=creates)
         return JSONResponse(final)
 
-    async def _claim(self, tenant: str, session_id: str, key: IdempotencyKey) -> Replay | str:
+    async def _claim(self, tenant: str, session_id: str, key: IdempotencyKey) -> Replay | Held:
         """Claim the key on the id it derives (the session a new chain or a fork creates):
-        its lock (renewed while the turn runs), or the answer of the first attempt, which
-        created that session."""
+        its lock (renewed while the turn runs; given back in the background, its record
+        with it, if the turn fails), or the answer of the first attempt, which created
+        that session."""
         claim = await self.manager.claim(
             session_id, ClaimKey(tenant=tenant, idempotency=key.record())
         )
         if claim.replay is not None:
             return claim.replay
-        assert claim.lock is not None
-        self.turns.keeper.keep(session_id, tenant, claim.lock, claim.lock_ttl_ms)
-        return claim.lock
-
-    def _unclaim(self, tenant: str, planned: Planned) -> None:
-        """A create that failed frees its key (nothing was written)."""
-        if planned.claim is not None and planned.key is not None and not planned.kept:
-            self._give_back(tenant, planned.key, planned.claim)
-
-    def _give_back(self, tenant: str, key: IdempotencyKey, claim: str) -> None:
-        """`_release` in the background: the answer does not wait for it (a claim left
-        behind runs out in the lock TTL, no longer renewed)."""
-        self.turns.keeper.stop(claim)
-        self.turns.background.spawn(
-            self._release(tenant, key, claim),
+        lock = claim.lock
+        assert lock is not None
+        return self.turns.held(
+            session_id,
+            tenant,
+            lock,
+            claim.lock_ttl_ms,
             what="idempotency claim release",
-            session_id=key.session_id(),
+            wait=False,
+            releaser=lambda: self._release(tenant, key, lock),
         )
 
     async def _release(self, tenant: str, key: IdempotencyKey, claim: str) -> None:
         """Release a claim, and its record if it recorded nothing (it binds nothing)."""
-        self.turns.keeper.stop(claim)
         with contextlib.suppress(SessionNotFound):  # (ran out meanwhile)
             await self.manager.release(key.session_id(), tenant, claim, record=key.name)
 
-    async def _stream(self, tenant: str, planned: Planned) -> Response:
-        turn = planned.turn
-
-        async def on_done(gen: Generation) -> dict[str, Any]:
-            return await self._keep(tenant, planned, gen)
-
-        upstream = await self.turns.open_stream(turn)
-
-        async def never_started() -> None:
-            await self.turns.release_now(tenant, turn.state)
-            self._unclaim(tenant, planned)
-            await upstream.aclose()
-
-        shaper = ResponseEvents(planned.draft)
-        events = self.turns.stream(turn, upstream, shaper, True, on_done)
-        return SSEResponse(self._unclaim_after(tenant, planned, events), never_started)
-
-    async def _unclaim_after(
-        self, tenant: str, planned: Planned, events: AsyncGenerator[bytes, None]
-    ) -> AsyncGenerator[bytes, None]:
-        """A stream's events; a create's claim is given back unless it was kept."""
-        try:
-            async for event in events:
-                yield event
-        finally:
-            await events.aclose()
-            if not planned.kept:
-                self._unclaim(tenant, planned)
-
     async def _plan(
-        self, tenant: str, req: ResponseCreate, key: IdempotencyKey | None = None
+        self, tenant: str, req: ResponseCreate, key: IdempotencyKey | None, started: float
     ) -> Planned | Replay:
         """Load the point the response continues from and plan the turn on it (with an
         idempotency key whose first attempt wrote: its answer). With a key, a new chain or
         a continuation claims it first (see the module); the claim is given back if the
         planning fails or finds the answer in the chain."""
-        claim: str | None = None
+        claim: Held | None = None
         if key is not None and req.conversation is None:  # (a conversation never forks)
             claimed = await self._claim(tenant, key.session_id(), key)
             if isinstance(claimed, Replay):
                 return claimed
             claim = claimed
-        try:
-            planned = await self.planner.plan(tenant, req, key, claim)
-        except BaseException:
-            if claim is not None and key is not None:
-                self._give_back(tenant, key, claim)
-            raise
+        async with claim or NO_LOCK:
+            planned = await self.planner.plan(tenant, req, key, claim, started)
         if claim is not None and key is not None:
             if isinstance(planned, Replay):
                 # before the answer: a retry right after it finds the key free (the store
                 # failing now: the claim runs out, no longer renewed)
+                claim.done()
                 with contextlib.suppress(CtxError):
-                    await self._release(tenant, key, claim)
+                    await self._release(tenant, key, claim.lock or "")
             elif planned.mode == "append":
                 # the chain's begin marked the key running under the chain's lock: a retry
                 # finds it there (then the answer), so the claim has done its work
-                self._give_back(tenant, key, claim)
+                claim.release()
                 planned.claim = None
         return planned
 
@@ -216,7 +179,7 @@ class ResponseService:
         )
         if planned.mode == "none":
             return final
-        assert turn.worker is not None
+        assert gen.worker is not None
         messages = [*planned.history, *planned.messages, gen.assistant()]
         version = turn.state.info.version + 1 if planned.mode == "append" and turn.state else 1
         at = {
@@ -243,17 +206,17 @@ class ResponseService:
                 messages=messages,
                 tools=turn.tools,
                 ttl=planned.ttl,
-                worker=turn.worker.id,
-                sidecar=turn.worker.sidecar,
+                worker=gen.worker.id,
+                sidecar=gen.worker.sidecar,
                 origin="response",
                 kv_key=parent.kv_key if parent is not None else None,
                 response=stored,
                 idempotency=planned.key.record(final) if planned.key is not None else None,
-                lock=planned.claim,
+                lock=planned.claim.lock if planned.claim is not None else None,
             )
         )
-        planned.kept = True
-        self.turns.keeper.stop(planned.claim)
+        if planned.claim is not None:
+            planned.claim.done()
         self.metrics.sessions_created.inc()
         with bind_session(planned.session_id):
             what = f"fork of {parent.session_id}" if parent is not None else "new chain"
@@ -288,7 +251,7 @@ class ResponseService:
         if left.remaining == 0 and record["response"].get("conversation") is None:
             try:
                 await self.manager.delete(sid, tenant)
-                self.turns.recent.drop(sid)
+                self.turns.forget(sid)
             except SessionNotFound:
                 pass
         return {"id": response_id, "object": "response", "deleted": True}

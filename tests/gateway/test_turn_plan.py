@@ -30,9 +30,10 @@ from gateway.protocol import ContextCreate
 from gateway.recent import RecentHistories
 from gateway.settings import GatewaySettings, WorkerEndpoint
 from gateway.shaping import ChunkShaper
-from gateway.turn_types import Generation, Turn
+from gateway.turn_engine import Generation
+from gateway.turn_kinds import Turn
 from gateway.turns import TurnService
-from gateway.upstream import WorkerDown, open_stream
+from gateway.upstream import WorkerDown
 from gateway.worker_client import WorkerClient
 from tests.gateway.rawhttp import CHUNKED_HEAD, chunk, read_request, server
 
@@ -247,7 +248,8 @@ async def test_a_committed_chat_turn_is_remembered_for_the_next(evicted: bool) -
         return turn.state.info.model_copy(update={"version": req.expected_version + 1})
 
     manager.append = append  # type: ignore[attr-defined]
-    await turns.commit(turn, Generation("fine.", [7, 8], "stop", {"prompt_tokens": 1}))
+    gen = Generation("fine.", [7, 8], "stop", {"prompt_tokens": 1}, worker=turn.worker)
+    await turns.commit(turn, gen)
     reply = {"role": "assistant", "content": "fine."}
     assert turns.recent.get(SID) == (4, [*MESSAGES, *CHAT["messages"], reply])  # type: ignore[list-item]
 
@@ -317,9 +319,9 @@ async def test_a_streamed_turn_reads_its_answer_to_the_end_and_keeps_the_connect
         )
         turn = Turn("completion", "m", "t", [1], [1], [], [], 4096, worker=worker)
         for _ in range(3):
-            upstream = await open_stream(worker, "/v1/completions", b"{}")
             shaper = ChunkShaper("completion", "m", False)
-            sent = [e async for e in turns.stream(turn, upstream, shaper, False, on_done)]
+            response = await turns.stream(turn, shaper, False, on_done)
+            sent = [e async for e in response.events]
             assert sent[-1] == shaper.end
         assert connections == 1 and len(worker.client._idle) == 1
         await worker.client.aclose()
@@ -355,14 +357,14 @@ async def test_a_create_carries_the_configured_priority_and_a_turn_none(
         settings = GatewaySettings(create_priority=5)
         contexts = ContextService(None, turns, turns.pool, settings, GatewayMetrics())  # type: ignore[arg-type]
         planned: list[Turn] = []
-        generate = turns.generate
+        generate = turns.engine.generate
 
         async def capture(turn: Turn) -> Generation:
             planned.append(turn)
             await generate(turn)
             raise Planned  # (stop before the manager's create)
 
-        monkeypatch.setattr(turns, "generate", capture)
+        monkeypatch.setattr(turns.engine, "generate", capture)
         with pytest.raises(Planned):
             await contexts.create("t", ContextCreate(model="m", prompt="hello"), {})
         assert planned[0].priority == 5 and bodies[0]["priority"] == 5

@@ -1,4 +1,5 @@
-"""A streamed session turn gives its turn back however its client leaves: before the first
+"""`SSEResponse` (gateway/completions/streams.py), every streamed answer's ASGI response: a
+streamed session turn gives its turn back however its client leaves: before the first
 byte (`never_started`), or mid-stream (the event generator's own `finally`).
 
 (The end-to-end case — a client leaving mid-stream — runs against real processes in
