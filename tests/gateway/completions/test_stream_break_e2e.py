@@ -13,8 +13,8 @@ import openai
 import orjson
 import pytest
 
-from tests.gateway import test_turn_failures_e2e as failures
 from tests.gateway.conftest import SDK
+from tests.gateway.turns import test_failures_e2e as failures
 from tests.utils import ServiceProcess
 
 doomed_worker = failures.doomed_worker  # (the fixture: a worker of its own, and a gateway)

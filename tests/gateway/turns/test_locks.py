@@ -1,5 +1,5 @@
 """`LockKeeper` at its unit boundary: a manager that only answers `renew` (the real path,
-a turn longer than the lock's TTL keeping its lock, is tests/gateway/test_turn_failures_e2e.py)."""
+a turn longer than the lock's TTL keeping its lock, is tests/gateway/turns/test_failures_e2e.py)."""
 
 from __future__ import annotations
 

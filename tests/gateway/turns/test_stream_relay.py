@@ -3,7 +3,7 @@ before the usage chunk, its lock given back when the worker's stream breaks off.
 
 Unit tests with fakes at the boundaries: a worker that answers a scripted SSE stream on a
 raw socket, a manager that records the turn's append and release. (The same relay runs
-end to end against real processes in test_streams_e2e.py and test_stream_break.py.)
+end to end against real processes in completions/test_streams_e2e.py and completions/test_stream_break_e2e.py.)
 """
 
 from __future__ import annotations
@@ -179,7 +179,7 @@ async def test_a_worker_that_breaks_off_mid_stream_releases_the_turn_and_appends
         response = await turns.stream(turn, shaper, True, await commit_with(turns, turn))
         sent: list[bytes] = []
         with pytest.raises(WorkerDown):  # (the response cuts the client's stream: see
-            async for e in response.events:  # test_completion_streams.py)
+            async for e in response.events:  # completions/test_streams.py)
                 sent.append(e)
         await turns.pool.workers[0].client.aclose()
 
