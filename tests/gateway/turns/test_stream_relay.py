@@ -3,7 +3,8 @@ before the usage chunk, its lock given back when the worker's stream breaks off.
 
 Unit tests with fakes at the boundaries: a worker that answers a scripted SSE stream on a
 raw socket, a manager that records the turn's append and release. (The same relay runs
-end to end against real processes in completions/test_streams_e2e.py and completions/test_stream_break_e2e.py.)
+end to end against real processes in completions/test_streams_e2e.py and
+completions/test_stream_break_e2e.py.)
 """
 
 from __future__ import annotations
