@@ -22,7 +22,7 @@ from gateway.pool import Worker, WorkerPool
 from gateway.salt import CacheSalt
 from gateway.shaping import normalize_usage
 from gateway.tools import StreamedCalls, assistant_message
-from gateway.turn_kinds import Turn, span_attributes
+from gateway.turn_planning import Turn, span_attributes
 from gateway.upstream import SSEStream, failover, open_stream, post_json
 
 log = logging.getLogger(__name__)

@@ -1,21 +1,16 @@
-"""A session turn's data and its two kinds: the `Turn` (built whole by the planner, never
-changed after), and what differs between a chat turn and a completion turn (`ChatKind`,
-`CompletionKind`, behind the `TurnKind` protocol; `KINDS` by name): the body each
-refuses, what each tokenizes early and renders, what each sends the engine and appends.
-The checks that need nothing but the plan are here too (`check_window`).
+"""What differs between a chat turn and a completion turn: `ChatKind` and
+`CompletionKind`, behind the `TurnKind` protocol (`KINDS` by name). The planner asks a
+turn's kind what the body may not hold, what to tokenize early and render, what to check
+and leave out of the engine request; the commit asks it what to append and remember. The
+`Turn` itself is the planner's (`gateway.turn_planning`).
 """
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from cache_manager.protocol import Idempotency, SessionInfo, SessionState
-from ctxcache import tracing
-from ctxcache.errors import ContextLengthExceeded, InvalidRequest
-from ctxcache.lmcache_keys import session_key
-from gateway.locks import NO_LOCK, Held
+from cache_manager.protocol import SessionInfo
+from ctxcache.errors import InvalidRequest
 from gateway.pool import Worker
 from gateway.prompts import PromptBuilder
 from gateway.recent import RecentHistories
@@ -32,73 +27,9 @@ from gateway.tools import (
 
 if TYPE_CHECKING:
     from gateway.turn_engine import Generation
+    from gateway.turn_planning import Turn
 
 Messages = list[dict[str, Any]]
-
-
-@dataclass(frozen=True)
-class Turn:
-    """A planned turn: the whole prompt, and what to append if it succeeds."""
-
-    kind: str  # "chat" or "completion" (`KINDS`)
-    model: str
-    tenant: str
-    prompt: list[int]
-    new_tokens: list[int]  # appended before the generated ids
-    new_messages: Messages
-    history: Messages  # a chat session's messages before this turn
-    window: int
-    state: SessionState | None = None
-    session_id: str | None = None
-    worker: Worker | None = None  # where it was planned (the engine may fail over)
-    sampling: dict[str, Any] = field(default_factory=dict)
-    kv_key: str | None = None  # the tag of the KV blocks; None: the session's own key
-    started: float = field(default_factory=time.perf_counter)  # for the end-to-end time
-    idempotency: Idempotency | None = None  # the request's key, recorded with the append
-    priority: int = 0  # vLLM's scheduling priority (lower first); 0: none sent
-    tools: Tools | None = None  # the tools the prompt is rendered with, sent to the engine
-    chat_engine: bool = False  # run on the engine's chat endpoint (docs/agents.md)
-    new_tools: bool = False  # the session's tools change to `tools` with this turn
-    replace: bool = False  # `new_tokens` are the whole history rendered again (new tools)
-    lock: Held = NO_LOCK  # the session's turn lock, while the turn runs
-
-    @property
-    def append(self) -> bool:
-        return self.state is not None and self.state.lock is not None
-
-    @property
-    def variant(self) -> TurnKind:
-        return KINDS[self.kind]
-
-    @property
-    def kv_tag(self) -> str | None:
-        if self.kv_key is not None:
-            return self.kv_key
-        return session_key(self.session_id) if self.session_id is not None else None
-
-
-def check_window(turn: Turn) -> None:
-    """The prompt, and the tokens it may generate, fit the model's window; it is not empty."""
-    want = int(turn.sampling.get("max_tokens") or 0)
-    if turn.window and len(turn.prompt) + want > turn.window:
-        raise ContextLengthExceeded(
-            f"this turn needs {len(turn.prompt)} prompt tokens (session context + new "
-            f"input) + {want} to generate, over the model's {turn.window}-token window",
-            param=turn.variant.param,
-        )
-    if not turn.prompt:
-        raise InvalidRequest("the prompt is empty", param="prompt")
-
-
-def span_attributes(turn: Turn, worker: Worker | None = None) -> dict[str, Any]:
-    """A turn's attributes on its trace spans (generate: where it was planned; commit:
-    `worker`, where it ran)."""
-    worker = worker or turn.worker
-    return {
-        tracing.SESSION_ATTR: turn.session_id or "",
-        "ctxcache.worker": worker.id if worker is not None else "",
-        "ctxcache.prompt_tokens": len(turn.prompt),
-    }
 
 
 # -- the two kinds --------------------------------------------------------------------

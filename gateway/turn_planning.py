@@ -1,7 +1,7 @@
 """Planning a session turn (`TurnPlanner`): load the session, tokenize the new input, and
-build the whole prompt on a worker that serves the model: the `Turn`
-(`gateway.turn_kinds`), built whole; what differs between chat and completion turns is
-their kind's (`TurnKind`).
+build the whole prompt on a worker that serves the model: the `Turn` (defined here), built
+whole and never changed after; what differs between chat and completion turns is their
+kind's (`TurnKind`, `gateway.turn_kinds`).
 
 The `/tokenize` calls start before the session is loaded (`TurnPlanner.start`), so the
 manager's round trip and the worker's overlap. The turn's lock is not the planner's: the
@@ -19,7 +19,13 @@ from typing import Any
 from cache_manager.client import ManagerClient
 from cache_manager.protocol import BeginTurn, Idempotency, SessionState
 from ctxcache import tracing
-from ctxcache.errors import BackendUnavailable, InvalidRequest, SessionModelMismatch
+from ctxcache.errors import (
+    BackendUnavailable,
+    ContextLengthExceeded,
+    InvalidRequest,
+    SessionModelMismatch,
+)
+from ctxcache.lmcache_keys import session_key
 from ctxcache.logs import bind_session
 from gateway.locks import NO_LOCK, Held
 from gateway.metrics import GatewayMetrics
@@ -28,10 +34,77 @@ from gateway.prompts import PromptBuilder
 from gateway.recent import RecentHistories
 from gateway.shaping import sampling_fields
 from gateway.tools import Tools, same_tools
-from gateway.turn_kinds import KINDS, Messages, Turn, TurnKind, check_window
+from gateway.turn_kinds import KINDS, Messages, TurnKind
 from gateway.upstream import WorkerDown, failover
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Turn:
+    """A planned turn: the whole prompt, and what to append if it succeeds."""
+
+    kind: str  # "chat" or "completion" (`KINDS`)
+    model: str
+    tenant: str
+    prompt: list[int]
+    new_tokens: list[int]  # appended before the generated ids
+    new_messages: Messages
+    history: Messages  # a chat session's messages before this turn
+    window: int
+    state: SessionState | None = None
+    session_id: str | None = None
+    worker: Worker | None = None  # where it was planned (the engine may fail over)
+    sampling: dict[str, Any] = field(default_factory=dict)
+    kv_key: str | None = None  # the tag of the KV blocks; None: the session's own key
+    started: float = field(default_factory=time.perf_counter)  # for the end-to-end time
+    idempotency: Idempotency | None = None  # the request's key, recorded with the append
+    priority: int = 0  # vLLM's scheduling priority (lower first); 0: none sent
+    tools: Tools | None = None  # the tools the prompt is rendered with, sent to the engine
+    chat_engine: bool = False  # run on the engine's chat endpoint (docs/agents.md)
+    new_tools: bool = False  # the session's tools change to `tools` with this turn
+    replace: bool = False  # `new_tokens` are the whole history rendered again (new tools)
+    lock: Held = NO_LOCK  # the session's turn lock, while the turn runs
+
+    @property
+    def append(self) -> bool:
+        return self.state is not None and self.state.lock is not None
+
+    @property
+    def variant(self) -> TurnKind:
+        return KINDS[self.kind]
+
+    @property
+    def kv_tag(self) -> str | None:
+        if self.kv_key is not None:
+            return self.kv_key
+        return session_key(self.session_id) if self.session_id is not None else None
+
+
+def check_window(turn: Turn) -> None:
+    """The prompt, and the tokens it may generate, fit the model's window; it is not empty."""
+    want = int(turn.sampling.get("max_tokens") or 0)
+    if turn.window and len(turn.prompt) + want > turn.window:
+        raise ContextLengthExceeded(
+            f"this turn needs {len(turn.prompt)} prompt tokens (session context + new "
+            f"input) + {want} to generate, over the model's {turn.window}-token window",
+            param=turn.variant.param,
+        )
+    if not turn.prompt:
+        raise InvalidRequest("the prompt is empty", param="prompt")
+
+
+def span_attributes(turn: Turn, worker: Worker | None = None) -> dict[str, Any]:
+    """A turn's attributes on its trace spans (generate: where it was planned; commit:
+    `worker`, where it ran)."""
+    worker = worker or turn.worker
+    return {
+        tracing.SESSION_ATTR: turn.session_id or "",
+        "ctxcache.worker": worker.id if worker is not None else "",
+        "ctxcache.prompt_tokens": len(turn.prompt),
+    }
+
+
 CREATE_ONLY = ("ttl", "metadata")  # a create's fields that are not the engine's
 
 

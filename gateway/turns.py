@@ -46,8 +46,7 @@ from gateway.recent import Messages, RecentHistories
 from gateway.salt import CacheSalt
 from gateway.shaping import Shaper, cached_tokens, normalize_usage
 from gateway.turn_engine import Generation, StreamedAnswer, TurnEngine, check_prompt
-from gateway.turn_kinds import Turn, span_attributes
-from gateway.turn_planning import Early, TurnPlanner
+from gateway.turn_planning import Early, Turn, TurnPlanner, span_attributes
 from gateway.upstream import SSEStream, WorkerDown
 
 log = logging.getLogger(__name__)

@@ -38,7 +38,7 @@ from gateway.shaping import (
     text_completion,
 )
 from gateway.turn_engine import Generation
-from gateway.turn_kinds import Turn
+from gateway.turn_planning import Turn
 from gateway.turns import TurnService
 from gateway.upstream import failover, open_stream, post_raw
 

@@ -25,7 +25,7 @@ from gateway.settings import GatewaySettings
 from gateway.shaping import ChunkShaper, chat_completion, session_ref, text_completion
 from gateway.tools import check_agent_fields, check_tool_messages, check_tools
 from gateway.turn_engine import Generation
-from gateway.turn_kinds import Turn
+from gateway.turn_planning import Turn
 from gateway.turns import TurnService
 
 log = logging.getLogger(__name__)

@@ -43,7 +43,7 @@ from gateway.responses.protocol import (
 )
 from gateway.responses.shaping import ResponseDraft
 from gateway.settings import GatewaySettings
-from gateway.turn_kinds import Turn
+from gateway.turn_planning import Turn
 from gateway.turns import TurnService
 
 Mode = Literal["append", "create", "none"]  # how a finished response is kept

@@ -31,7 +31,7 @@ from gateway.recent import RecentHistories
 from gateway.settings import GatewaySettings, WorkerEndpoint
 from gateway.shaping import ChunkShaper
 from gateway.turn_engine import Generation
-from gateway.turn_kinds import Turn
+from gateway.turn_planning import Turn
 from gateway.turns import TurnService
 from gateway.upstream import WorkerDown
 from gateway.worker_client import WorkerClient

@@ -25,7 +25,7 @@ from gateway.prompts import PromptBuilder
 from gateway.settings import WorkerEndpoint
 from gateway.shaping import ChunkShaper, session_ref
 from gateway.turn_engine import Generation
-from gateway.turn_kinds import Turn
+from gateway.turn_planning import Turn
 from gateway.turns import TurnService
 from gateway.upstream import WorkerDown
 from gateway.worker_client import WorkerClient
