@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import vllm_connector.worker as worker_mod
-from benchmarks.kvpath import flash_writer
+from benchmarks.kvpath.kvpath import flash_writer
 from sidecar.local_client import Lease
 from sidecar.service import Sidecar
 from tests.utils import local_dir_fixture  # noqa: F401 (the local_dir fixture)
