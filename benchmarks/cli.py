@@ -8,17 +8,38 @@ import importlib
 # benchmark -> module with add_arguments(parser) and main(args) -> int
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "manager": ("benchmarks.manager", "session operations per second vs raw redis-py"),
-    "sidecar": ("benchmarks.sidecar", "KV block PUT/GET bandwidth vs LMCache's server and Redis"),
-    "kvpath": ("benchmarks.kvpath", "KV load/store through the connector, tcp vs shm vs a copy"),
-    "worker": ("benchmarks.worker", "TTFT with cached history vs full recompute"),
-    "gateway": ("benchmarks.gateway", "gateway overhead vs calling the worker directly"),
-    "gateway-ab": ("benchmarks.gateway_ab", "streaming TTFT of two checkouts' gateways"),
-    "gateway-keys": ("benchmarks.gateway_keys", "wrong API keys/s with 100,000 keys vs 10"),
-    "multiturn": ("benchmarks.multiturn", "multi-turn chat replay, session vs full history"),
-    "capacity": ("benchmarks.capacity", "req/s held at a p95 TTFT target, one vLLM at a time"),
-    "load": ("benchmarks.load", "concurrent sessions through the stack, then leak checks"),
-    "sessions": ("benchmarks.sessions", "live sessions to 100k on one node; sidecar pin policies"),
-    "agents": ("benchmarks.agents", "an agent's tool loop: session, stateless vLLM, Responses"),
+    "sidecar": (
+        "benchmarks.sidecar.sidecar",
+        "KV block PUT/GET bandwidth vs LMCache's server and Redis",
+    ),
+    "kvpath": (
+        "benchmarks.kvpath.kvpath",
+        "KV load/store through the connector, tcp vs shm vs a copy",
+    ),
+    "worker": ("benchmarks.worker.worker", "TTFT with cached history vs full recompute"),
+    "gateway": ("benchmarks.gateway.gateway", "gateway overhead vs calling the worker directly"),
+    "gateway-ab": ("benchmarks.gateway.gateway_ab", "streaming TTFT of two checkouts' gateways"),
+    "gateway-keys": (
+        "benchmarks.gateway.gateway_keys",
+        "wrong API keys/s with 100,000 keys vs 10",
+    ),
+    "multiturn": (
+        "benchmarks.multiturn.multiturn",
+        "multi-turn chat replay, session vs full history",
+    ),
+    "capacity": (
+        "benchmarks.capacity.capacity",
+        "req/s held at a p95 TTFT target, one vLLM at a time",
+    ),
+    "load": ("benchmarks.load.load", "concurrent sessions through the stack, then leak checks"),
+    "sessions": (
+        "benchmarks.sessions.sessions",
+        "live sessions to 100k on one node; sidecar pin policies",
+    ),
+    "agents": (
+        "benchmarks.agents.agents",
+        "an agent's tool loop: session, stateless vLLM, Responses",
+    ),
 }
 
 
@@ -33,8 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             continue
         p = sub.add_parser(name, help=help_text, description=help_text)
         module.add_arguments(p)
-        p.set_defaults(_bench_main=module.main)
+        p.set_defaults(bench_main=module.main)
 
 
 def main(args: argparse.Namespace) -> int:
-    return int(args._bench_main(args) or 0)
+    return int(args.bench_main(args) or 0)

@@ -16,7 +16,7 @@ from typing import Any
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from benchmarks.util import add_output_arguments
+    from benchmarks.lib.util import add_output_arguments
 
     p.add_argument(
         "--ops", type=int, default=None, help="operations per measurement (3000; 300 --quick)"
@@ -41,7 +41,7 @@ async def _run(args: argparse.Namespace) -> int:
     import redis.asyncio as aioredis
     from tqdm import tqdm
 
-    from benchmarks.util import (
+    from benchmarks.lib.util import (
         Result,
         bar_plot,
         markdown_table,

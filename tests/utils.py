@@ -1,14 +1,12 @@
-"""Test helpers that start real processes on free ports (after vLLM's RemoteOpenAIServer)."""
+"""Test helpers that start real processes on free ports (after vLLM's RemoteOpenAIServer), on
+the one stack builder of benchmarks/lib/ (process.py, stack.py)."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -16,14 +14,17 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from ctxcache.net import free_port, wait_http
+from benchmarks.lib.process import Process, ctxcache_argv
+from benchmarks.lib.stack import sidecar_command
+from ctxcache.net import free_port
 
 if TYPE_CHECKING:  # (the web stack it imports is absent on a GPU box that runs the copies)
     from ctxcache.vllm_engine import VllmLaunch
 
 
-class ServiceProcess:
-    """`ctxcache <command> ... --port <free>` as a child process, health-gated.
+class ServiceProcess(Process):
+    """`ctxcache <command> ... --port <free>` as a child process, health-gated: a `Process`
+    of the one stack builder's (benchmarks/lib/process.py).
 
     `health_path` is polled on `port` (or `health_port`) until it answers 2xx.
     Output goes to `log_path` so a failing test can show it.
@@ -39,81 +40,28 @@ class ServiceProcess:
         log_path: Path | None = None,
         env: dict[str, str] | None = None,
         startup_timeout: float = 60.0,
+        group: bool = False,
     ) -> None:
-        self.port = port or free_port()
-        self.health_port = health_port or self.port
-        self.health_path = health_path
+        port = port or free_port()
         command = list(command)
         if "--port" not in command:
-            command += ["--port", str(self.port)]
-        self.command = [sys.executable, "-m", "ctxcache.cli", *command]
-        self.log_path = log_path
-        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        self.startup_timeout = startup_timeout
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> ServiceProcess:
-        out = subprocess.DEVNULL
-        if self.log_path:
-            with open(self.log_path, "ab") as log_file:
-                return self._spawn(log_file)
-        return self._spawn(out)
-
-    def _spawn(self, out: object) -> ServiceProcess:
-        self.proc = subprocess.Popen(
-            self.command,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=self.env,
-            start_new_session=True,
+            command += ["--port", str(port)]
+        super().__init__(
+            ctxcache_argv(*command),
+            port=port,
+            health_port=health_port,
+            health_path=health_path,
+            log_path=log_path,
+            env=env,
+            startup_timeout=startup_timeout,
+            group=group,
         )
-        deadline = time.monotonic() + self.startup_timeout
-        url = f"http://127.0.0.1:{self.health_port}{self.health_path}"
-        while True:
-            try:
-                wait_http(url, timeout=1.0)
-                return self
-            except TimeoutError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError(
-                        f"{self.command} did not become healthy:\n{self.logs()}"
-                    ) from None
-
-    def logs(self) -> str:
-        if self.log_path and self.log_path.exists():
-            return self.log_path.read_text(errors="replace")[-4000:]
-        return "(no log)"
-
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.proc = None
-
-    def kill(self) -> None:
-        self.stop(signal.SIGKILL)
-
-    def __enter__(self) -> ServiceProcess:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 class SidecarProcess(ServiceProcess):
-    """A real `ctxcache sidecar` with a disk tier; free ports unless given (to restart on
-    the same ones); with `local_dir`, its shared-memory data path there too."""
+    """A real `ctxcache sidecar` (`sidecar_command`) with a disk tier; free ports unless
+    given (to restart on the same ones); with `local_dir`, its shared-memory data path
+    there too."""
 
     def __init__(
         self,
@@ -127,24 +75,11 @@ class SidecarProcess(ServiceProcess):
         self.data_port = data_port or free_port()
         self.local_dir = local_dir  # its shared-memory directory (the local data path)
         control = control_port or free_port()
+        disk = ["--data-dir", str(data_dir), "--disk-bytes", str(1 << 30)]
+        # (a region for the tiny model's KV: the 4 GiB default takes seconds to reserve)
+        local = ["--local-dir", str(local_dir), "--memory-bytes", str(256 << 20)]
         super().__init__(
-            [
-                "sidecar",
-                "--port",
-                str(self.data_port),
-                "--control-port",
-                str(control),
-                "--data-dir",
-                str(data_dir),
-                "--disk-bytes",
-                str(1 << 30),
-                # (a region for the tiny model's KV: the 4 GiB default takes seconds to reserve)
-                *(
-                    ["--local-dir", str(local_dir), "--memory-bytes", str(256 << 20)]
-                    if local_dir
-                    else []
-                ),
-            ],
+            sidecar_command(self.data_port, control, [*disk, *(local if local_dir else [])]),
             port=control,
             log_path=log_path or data_dir / "sidecar.log",
         )
@@ -166,21 +101,10 @@ class VllmProcess(ServiceProcess):
             log_path=log_path,
             env=launch.env(),
             startup_timeout=startup_timeout,
+            group=True,
         )
         self.launch = launch
         self.command = launch.argv()
-
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc is None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, sig)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=30)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)  # anything left of the group
-        self.proc.wait()
-        self.proc = None
 
 
 def require_vllm() -> None:

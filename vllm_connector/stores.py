@@ -30,7 +30,7 @@ from vllm_connector.stats import Counters
 from vllm_connector.tcp_path import TcpPath
 
 if TYPE_CHECKING:
-    from vllm_connector.worker import WorkerSide
+    pass
 
 # the connector's worker half logs as one (operators' settings name this logger)
 log = logging.getLogger("vllm_connector.worker")
@@ -206,7 +206,3 @@ class ShmStorer:
         tracing.annotate({"ctxcache.kv.bytes_shm": nbytes})
         return True
 
-
-def settle(side: WorkerSide, *, wait: bool = False) -> None:
-    """(Kept for `benchmarks.kvpath`, which calls it: `WorkerSide.settle` is the API.)"""
-    side.settle(wait=wait)

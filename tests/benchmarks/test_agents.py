@@ -13,9 +13,9 @@ import httpx
 import orjson
 import pytest
 
-from benchmarks import agents_report as report
-from benchmarks.agents import TOOLS, USER, Workload
-from benchmarks.agents_ways import run
+from benchmarks.agents import agents_report as report
+from benchmarks.agents.agents import TOOLS, USER, Workload
+from benchmarks.agents.agents_ways import run
 from tests.benchmarks.test_commands import RUN_TIMEOUT_S, run_bench
 from tests.utils import require_vllm
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import capacity_report as report
-from benchmarks.capacity import USERS_PER_RATE
-from benchmarks.capacity_load import Driver, Point, Sent, Texts, Workload
+from benchmarks.capacity import capacity_report as report
+from benchmarks.capacity.capacity import USERS_PER_RATE
+from benchmarks.capacity.capacity_load import Driver, Point, Sent, Texts, Workload
 from tests.utils import check_png, require_vllm
 
 

@@ -3,7 +3,7 @@
 Each test runs the real command in a subprocess (real redis-server, sidecar, workers and
 gateway, all started by the benchmark itself on free ports) with the smallest settings that
 still exercise every case, then checks the three files every benchmark writes into `--out`
-(see benchmarks/util.py): `NAME.json` with `meta` (benchmark, date, the exact command,
+(see benchmarks/lib/util.py): `NAME.json` with `meta` (benchmark, date, the exact command,
 the machine) and `results`, `NAME.md` (that header line and the table) and a valid `NAME.png`.
 Speed is not asserted here (that is what the benchmarks are for): only that the numbers are
 there, sane, and that the runs did what they say (no errors, the cached tokens were reused).

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from benchmarks.gateway_stack import Placement
+from benchmarks.gateway.gateway_stack import Placement
 
 
 @dataclass

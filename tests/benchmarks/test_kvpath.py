@@ -48,7 +48,7 @@ def test_the_default_kernel_block_sizes_follow_the_device() -> None:
     """CPU: vLLM's CPU backend's 128; CUDA: the GPU default 16 beside 128."""
     import torch
 
-    from benchmarks.kvpath import block_sizes
+    from benchmarks.kvpath.kvpath import block_sizes
 
     assert block_sizes(None, torch.device("cpu")) == [128]
     assert block_sizes(None, torch.device("cuda")) == [16, 128]
@@ -57,7 +57,7 @@ def test_the_default_kernel_block_sizes_follow_the_device() -> None:
 
 def test_the_gpu_table_puts_peak_memory_beside_the_ring() -> None:
     """The CUDA rows' own table (built from rows as a GPU run writes them)."""
-    from benchmarks.kvpath import cuda_markdown
+    from benchmarks.kvpath.kvpath import cuda_markdown
 
     row = {"shape": "Llama-3-8B", "block_tokens": 16, "path": "shm", "op": "load"}
     row |= {"gpu_seconds": 0.02, "gpu_copy_seconds": 0.015, "gpu_vs_copy": 0.75}

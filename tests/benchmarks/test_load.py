@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks.load_driver import TurnResult, history_problems
+from benchmarks.load.load_driver import TurnResult, history_problems
 from tests.utils import check_png
 
 ALLOWED = {"200", "409", "429", "503"}

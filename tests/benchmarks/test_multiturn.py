@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.multiturn import TARGET_CONTEXT, user_token_targets
-from benchmarks.multiturn_stacks import idle_cpu
+from benchmarks.multiturn.multiturn import TARGET_CONTEXT, user_token_targets
+from benchmarks.multiturn.multiturn_stacks import idle_cpu
 from ctxcache.supervisor import Child, Supervisor
 from tests.utils import check_png, require_vllm
 

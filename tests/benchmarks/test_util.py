@@ -1,4 +1,4 @@
-"""benchmarks.util: what every benchmark's files are made of."""
+"""benchmarks.lib.util: what every benchmark's files are made of."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 import math
 from pathlib import Path
 
-from benchmarks.util import write_outputs
+from benchmarks.lib.util import write_outputs
 
 
 def test_results_are_strict_json_a_nan_or_inf_is_null(tmp_path: Path) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.wrk import MARK, lua_script, parse
+from benchmarks.gateway.wrk import MARK, lua_script, parse
 
 WRK_OUTPUT = """Running 5s test @ http://127.0.0.1:4000/v1/chat/completions
   1 threads and 32 connections

@@ -158,7 +158,7 @@ def test_the_launch_carries_its_dtype() -> None:
 def test_the_benchmarks_machine_line_names_the_cpu_class_and_dtype(
     monkeypatch: pytest.MonkeyPatch, flags: frozenset[str], line: str
 ) -> None:
-    from benchmarks.util import describe_machine, machine
+    from benchmarks.lib.util import describe_machine, machine
 
     monkeypatch.setattr(cpu, "cpu_flags", lambda: flags)
     m = machine()

@@ -3,7 +3,7 @@ turn is one trace across the gateway, the manager and the worker (three processe
 
 The gateway runs in this process with the SDK's in-memory exporter; the manager and the
 worker are real `ctxcache manager` / `ctxcache worker` processes exporting over OTLP/HTTP
-to a receiver of this test (`benchmarks.otlp_sink`), so the worker's spans prove it got the
+to a receiver of this test (`benchmarks.lib.otlp_sink`), so the worker's spans prove it got the
 gateway's `traceparent`.
 """
 
@@ -21,7 +21,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
-from benchmarks.otlp_sink import OtlpSink, ReceivedSpan
+from benchmarks.lib.otlp_sink import OtlpSink, ReceivedSpan
 from ctxcache import tracing
 from gateway.app import create_app
 from gateway.settings import GatewaySettings

@@ -520,7 +520,7 @@ class TestOnCuda:
         """A 32k-token history (4 layers of Llama-3-8B's heads, 16-token blocks: 512 MiB)
         loads with device memory beyond the caches bounded by the ring and its indices,
         not by the load's size (the old copier staged all of it, then `torch.cat`)."""
-        from benchmarks import kvpath
+        from benchmarks.kvpath import kvpath
 
         shape, n, tokens, layers = kvpath.Shape("8b-ish", 4, 8, 128, 32768), 16, 32768, 4
         blocks = tokens // n + 8

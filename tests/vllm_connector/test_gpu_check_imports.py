@@ -41,10 +41,10 @@ IMPORTS = (
     "vllm_connector.blockcopy",
     "vllm_connector.ring",
     "vllm_connector.ring_kernel",
-    "benchmarks.kvpath",
-    "benchmarks.kvpath_cuda",
-    "benchmarks.kvpath_report",
-    "benchmarks.util",  # (kvpath's main imports these two when it runs)
+    "benchmarks.kvpath.kvpath",
+    "benchmarks.kvpath.kvpath_cuda",
+    "benchmarks.kvpath.kvpath_report",
+    "benchmarks.lib.util",  # (kvpath's main imports these two when it runs)
     "ctxcache.logs",
     "tests.vllm_connector.test_blockcopy",
     "tests.vllm_connector.test_ring",

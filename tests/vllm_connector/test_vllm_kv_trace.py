@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.otlp_sink import OtlpSink, ReceivedSpan
+from benchmarks.lib.otlp_sink import OtlpSink, ReceivedSpan
 from ctxcache import tracing
 from ctxcache.redis_server import RedisServer
 from tests.vllm_connector.conftest import VLLM_TIMEOUT, VllmStack, document, started_stack

@@ -13,7 +13,7 @@ import pytest
 from asgi_lifespan import LifespanManager
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from benchmarks.otlp_sink import OtlpSink
+from benchmarks.lib.otlp_sink import OtlpSink
 from ctxcache import tracing
 from ctxcache.net import free_port
 from ctxcache.vllm_engine import VllmLaunch

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.kvpath import flash_writer as flash_writer_of
+from benchmarks.kvpath.kvpath import flash_writer as flash_writer_of
 from ctxcache.net import free_port
 from sidecar.local_client import ReadLease
 from sidecar.service import Sidecar

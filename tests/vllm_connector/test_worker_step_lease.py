@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import vllm_connector.shm_loads as shm_loads_mod
-from benchmarks.kvpath import flash_writer
+from benchmarks.kvpath.kvpath import flash_writer
 from sidecar.local_client import ReadLease
 from sidecar.service import Sidecar
 from tests.utils import local_dir_fixture  # noqa: F401 (the local_dir fixture)

@@ -1,0 +1,342 @@
+"""`ctxcache bench capacity`: how many requests per second one engine holds at a latency
+target — ctxcache sessions against vLLM at its best, one engine at a time.
+
+The workload is multi-round QA (`capacity_load.py`): `--users` conversations at once, each
+arriving with a shared system prompt and a long history of its own, asking `--rounds`
+questions with `--answer-tokens`-token answers, replaced by a new user when done. For each
+mode, the engine is started alone, the offered rate climbs through `--qps`, and each rate
+runs until `--requests` questions (after `--warmup` more) are sent. A rate is **held** when
+its p95 time to first token is within `--slo` and at least 90% of it was achieved with no
+error; the headline is the highest rate each mode held. A mode's sweep stops after its first
+rate that is not held (`--keep-going` runs them all).
+
+Modes (`benchmarks/multiturn/multiturn_stacks.py` starts them; every vLLM gets the same
+model, dtype, threads, CPU reservation and scheduler settings):
+- `vllm-full`: vLLM alone, the whole conversation every question, its own prefix cache;
+- `vllm-full-connector`: the same vLLM with the ctxcache connector loaded and idle (no
+  request carries a session): the same engine configuration as `session`;
+- `session`: the ctxcache gateway, vLLM with the connector, the sidecar: a create per user,
+  then the new question only;
+- `roomy`: vLLM alone with a KV cache that holds every conversation: the floor.
+
+Per mode and rate: requests done per second, TTFT p50/p95/p99, inter-token latency, output
+tokens per second, the cached share of prompt tokens, creates, errors, and the engine's time
+in connector work per step (from vLLM's `/metrics`). Every answer of the other modes is
+compared with the same engine's (`vllm-full-connector`) full-history answer for the same user
+and round: the session's is the check, vllm-full's and roomy's the controls (how often the
+engine's own batching and prefix cache change a greedy answer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from argparse import Namespace
+from pathlib import Path
+from typing import Any
+
+from benchmarks.capacity.capacity_load import Driver, Point, Texts, Workload
+from benchmarks.lib.util import add_output_arguments, plot_path, run_meta, write_outputs
+from benchmarks.multiturn.multiturn import DEFAULT_MODEL
+from ctxcache.cpu import DTYPES, given_dtype, vllm_dtype
+
+NAME = "capacity"
+MODES = ("vllm-full", "vllm-full-connector", "session", "roomy")
+DEFAULT_QPS = "0.25,0.5,0.75,1,1.25,1.5,2,2.5,3,4"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        type=Path,
+        default=DEFAULT_MODEL / "models" / "small",
+        help="local model dir (the preset named by --preset is built there if missing)",
+    )
+    p.add_argument("--preset", choices=("tiny", "small"), default="small")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated: {', '.join(MODES)}")
+    p.add_argument("--users", type=int, default=12, help="conversations at once")
+    p.add_argument("--rounds", type=int, default=5, help="questions per user")
+    p.add_argument("--system-tokens", type=int, default=200, help="shared system prompt")
+    p.add_argument("--history-tokens", type=int, default=900, help="each user's own history")
+    p.add_argument("--question-tokens", type=int, default=115)
+    p.add_argument("--answer-tokens", type=int, default=32)
+    p.add_argument("--qps", default=DEFAULT_QPS, help="offered rates to sweep (req/s)")
+    p.add_argument("--requests", type=int, default=48, help="questions measured per rate")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="questions sent before measuring (default: --users x --rounds, one lifetime of "
+        "the first users: a run starts with every user's first question at once, and the "
+        "measured questions must come after the backlog that leaves)",
+    )
+    p.add_argument("--slo", type=float, default=2.0, help="p95 TTFT target, seconds")
+    p.add_argument("--keep-going", action="store_true", help="run every rate of every mode")
+    p.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="auto",
+        help="vLLM's --dtype (auto: by the CPU, bfloat16 with AMX or avx512_bf16, else float32; "
+        "the runs in docs/benchmarks.md before 2026-11-28 are float32, the default then)",
+    )
+    p.add_argument("--kv-blocks", type=int, default=48, help="vLLM's KV cache in blocks")
+    p.add_argument("--roomy-gib", type=int, default=2, help="the roomy vLLM's KV cache, GiB")
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument(
+        "--reserved-cpus",
+        type=int,
+        default=None,
+        help="CPUs vLLM keeps off its compute threads (VLLM_CPU_NUM_OF_RESERVED_CPU), the same "
+        "for every mode; default: `ctxcache vllm`'s (docs/vllm.md)",
+    )
+    p.add_argument(
+        "--vllm-arg", action="append", default=[], metavar="ARG", help="more vLLM arguments"
+    )
+    p.add_argument(
+        "--async-loads",
+        action="store_true",
+        help="the session's connector loads KV beside vLLM's steps (`ctxcache vllm --async-loads`)",
+    )
+    p.add_argument(
+        "--create-priority",
+        type=int,
+        default=None,
+        help="the session's vLLM schedules by priority, the gateway's creates at this one and "
+        "turns at 0 (lower first: 1 puts turns ahead of new conversations' prefills)",
+    )
+    p.add_argument(
+        "--separate-create",
+        action="store_true",
+        help="the session's users arrive with a prefill-only create and ask their first "
+        "question as a turn (two requests), not in a streamed create (one)",
+    )
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="engine threads")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="CI size: the tiny preset, 3 users, 2 rounds, 2 rates, 6 requests each",
+    )
+    add_output_arguments(p, NAME)
+
+
+def main(args: Namespace) -> int:
+    from benchmarks.capacity import capacity_report as report
+    from ctxcache.logs import setup_logging
+    from ctxcache.vllm_engine import auto_reserved_cpus
+
+    setup_logging("bench", "WARNING")
+    if args.quick:
+        _quick(args)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        sys.stderr.write(f"unknown mode(s) {bad}; choose from {', '.join(MODES)}\n")
+        return 2
+    rates = sorted({float(q) for q in args.qps.split(",") if q.strip()})
+    if not rates or min(rates) <= 0:
+        sys.stderr.write("--qps: positive rates, comma-separated\n")
+        return 2
+    warmup = args.users * args.rounds if args.warmup is None else args.warmup
+    model = _model(args)
+    workload = Workload(
+        users=args.users,
+        rounds=args.rounds,
+        system_tokens=args.system_tokens,
+        history_tokens=args.history_tokens,
+        question_tokens=args.question_tokens,
+        answer_tokens=args.answer_tokens,
+    )
+    texts = Texts(workload, _tokenizer(model), args.seed)
+    args.engine = "vllm"  # multiturn_stacks' vLLM stack
+    dtype = vllm_dtype(args.dtype, args.vllm_arg)
+    if given_dtype(args.vllm_arg) is None:
+        args.vllm_arg = ["--dtype", dtype.dtype, *args.vllm_arg]
+    points: list[Point] = []
+    rows: list[dict[str, Any]] = []
+    for mode in modes:  # one engine at a time
+        got = _sweep(args, mode, model, texts, rates, warmup)
+        points += [p for p, _ in got]
+        rows += [r for _, r in got]
+    summary = report.summary(rows, modes, points, args.slo)
+    meta = run_meta(
+        NAME,
+        model=str(model),
+        modes=modes,
+        workload=vars(workload),
+        qps=rates,
+        requests=args.requests,
+        warmup=warmup,
+        slo_s=args.slo,
+        dtype=dtype.dtype,
+        kv_blocks=args.kv_blocks,
+        roomy_gib=args.roomy_gib,
+        max_model_len=args.max_model_len,
+        reserved_cpus=auto_reserved_cpus() if args.reserved_cpus is None else args.reserved_cpus,
+        vllm_args=args.vllm_arg,
+        async_loads=args.async_loads,
+        create_priority=args.create_priority,
+        separate_create=args.separate_create,
+        seed=args.seed,
+    )
+    data = {"meta": meta, "summary": summary, "results": rows, "requests": report.sent_rows(points)}
+    text = report.headline(summary) + "\n" + report.table(rows)
+    paths = write_outputs(Path(args.out), NAME, data, text)
+    png = plot_path(args, NAME)
+    report.plot(png, rows, modes, args.slo, f"{args.users} users, {_context(workload)}")
+    for path in [*paths, png]:
+        sys.stdout.write(f"{path}\n")
+    sys.stdout.write(report.headline(summary))
+    return 0
+
+
+def _sweep(
+    args: Namespace, mode: str, model: Path, texts: Texts, rates: list[float], warmup: int
+) -> list[tuple[Point, dict[str, Any]]]:
+    """One mode's engine, alone, through the rates (until one is not held)."""
+    from tqdm import tqdm
+
+    from benchmarks.capacity import capacity_report as report
+    from benchmarks.multiturn.multiturn_stacks import start
+
+    out: list[tuple[Point, dict[str, Any]]] = []
+    args.out = Path(args.out)
+    with start(args, [mode], model, log_name=f"servers-{mode}.log") as (stack, sup):
+        m = stack[0]
+        name = _served_name(m.url)
+        for i, qps in enumerate(rates):
+            if sup.stopping.is_set():
+                raise KeyboardInterrupt
+            driver = Driver(
+                mode, m.url, name, texts, session=m.session, separate_create=args.separate_create
+            )
+            before = _scrape(m.engine)
+            with tqdm(
+                total=warmup + args.requests, desc=f"{mode} @ {qps:g} req/s", unit="req"
+            ) as bar:
+                run = driver.run(qps, args.requests, warmup, bar.update, i * USERS_PER_RATE)
+                point = asyncio.run(run)
+            r = report.row(point, warmup, args.slo)
+            r |= _connector(before, _scrape(m.engine))
+            out.append((point, r))
+            sys.stderr.write(
+                f"{mode} @ {qps:g} req/s: done {r['achieved_qps']:.2f} req/s, TTFT p95 "
+                f"{r['ttft_p95_ms']:,.0f} ms, errors {r['errors']}, held: {r['held']}\n"
+            )
+            if not r["held"] and not args.keep_going:
+                break
+    return out
+
+
+# each rate's users are numbered from its index times this (more than a rate's users), so no
+# engine has seen a rate's conversations before; every mode gets the same ones at a rate
+USERS_PER_RATE = 100_000
+
+# vLLM's counters read before and after each rate
+_METRICS = (
+    "vllm:iteration_tokens_total_count",
+    "vllm:ctxcache_load_ms_total",
+    "vllm:ctxcache_store_copy_ms_total",
+    "vllm:ctxcache_lookup_us_total",
+    "vllm:ctxcache_loaded_tokens_total",
+    "vllm:ctxcache_load_failures_total",
+    "vllm:num_preemptions_total",
+)
+
+
+def _scrape(engine: str) -> dict[str, float]:
+    import httpx
+
+    try:
+        text = httpx.get(f"{engine}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    out: dict[str, float] = {"connector": float("vllm:ctxcache_" in text)}
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in _METRICS:
+            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def _connector(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+    """Engine steps during the rate and the connector's share of them."""
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    steps = delta("vllm:iteration_tokens_total_count")
+    work_ms = (
+        delta("vllm:ctxcache_load_ms_total")
+        + delta("vllm:ctxcache_store_copy_ms_total")
+        + delta("vllm:ctxcache_lookup_us_total") / 1e3
+    )
+    loaded = bool(after.get("connector"))
+    return {
+        "engine_steps": steps,
+        "connector_ms": work_ms if loaded else None,
+        "connector_ms_per_step": work_ms / steps if loaded and steps else None,
+        "loaded_tokens": delta("vllm:ctxcache_loaded_tokens_total") if loaded else None,
+        "load_failures": delta("vllm:ctxcache_load_failures_total") if loaded else None,
+        "preemptions": delta("vllm:num_preemptions_total"),
+    }
+
+
+def _served_name(url: str) -> str:
+    import httpx
+
+    r = httpx.get(f"{url}/v1/models", timeout=30)
+    r.raise_for_status()
+    return str(r.json()["data"][0]["id"])
+
+
+# `--quick`: the CI size; an option given explicitly still wins
+QUICK: dict[str, Any] = {
+    "preset": "tiny",
+    "users": 3,
+    "rounds": 2,
+    "requests": 6,
+    "warmup": 2,
+    "system_tokens": 40,
+    "history_tokens": 200,
+    "question_tokens": 30,
+    "answer_tokens": 8,
+    "qps": "1,2",
+    "keep_going": True,
+}
+
+
+def _quick(args: Namespace) -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)  # its defaults tell an option given from one left alone
+    for name, value in QUICK.items():
+        if getattr(args, name) == parser.get_default(name):
+            setattr(args, name, value)
+    if args.model == parser.get_default("model"):
+        args.model = DEFAULT_MODEL / "models" / "tiny"
+
+
+def _model(args: Namespace) -> Path:
+    model: Path = args.model
+    if not (model / "config.json").exists():
+        from worker.presets import create_model
+
+        sys.stderr.write(f"building the {args.preset} preset into {model} ...\n")
+        create_model(args.preset, model)
+    return model
+
+
+def _tokenizer(model: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model))
+
+
+def _context(w: Workload) -> str:
+    start = w.system_tokens + w.history_tokens
+    end = start + w.rounds * w.question_tokens + (w.rounds - 1) * w.answer_tokens
+    return f"context ~{start:,}→{end:,} tokens"

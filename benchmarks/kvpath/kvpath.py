@@ -1,0 +1,392 @@
+"""`ctxcache bench kvpath`: how fast a session's KV gets into (and out of) the engine's cache.
+
+Through the vLLM connector's own worker code (`vllm_connector.worker.WorkerSide`, no vLLM
+needed: the caches are random tensors in a paged layout and the layout probe runs on a
+plain-torch cache write), for each KV shape and each data path:
+- **tcp**: lm:// to the sidecar, LMCache's `KV_2LTD` payload, scattered into the blocks;
+- **shm**: the sidecar's shared region, leases over its Unix socket, the engine's own
+  block layout, block copies.
+Each round times, back to back: a plain copy of the same bytes (on CUDA: a pinned
+host-to-device copy for loads, device-to-host for stores), the store, the load, and for
+tcp the GETs alone. Ratios are paired per round (the same round's copy), medians over the
+rounds. The sidecar runs in its own process, as it does beside an engine. Every load is
+checked once against the blocks it was stored from.
+
+On CUDA each shm row also reports (`--block-tokens 16,128` by default: each kernel block
+size is a case of its own): the copies' GPU time from CUDA events (the copier's ring
+records timing events; from just before the copies are issued to the handle's event) ÷ the
+GPU time of a pinned host<->device copy of the same bytes, the wall time split into lease
+(or alloc), copies and release (or commit), and the peak device memory a load or store
+took beyond what was allocated before it (`torch.cuda.max_memory_allocated`), beside the
+ring's size (`device_bytes`): a bounded copier keeps the first within the second.
+
+Here: the shapes, the sidecar process and one case's rounds. The CUDA probe is
+`benchmarks.kvpath.kvpath_cuda`; the rows, tables and plot are `benchmarks.kvpath.kvpath_report`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from benchmarks.kvpath.kvpath_cuda import CudaProbe
+from benchmarks.kvpath.kvpath_report import cuda_markdown as cuda_markdown  # (re-exported)
+from benchmarks.kvpath.kvpath_report import markdown, plot, rows_of
+
+if TYPE_CHECKING:
+    import torch
+
+    from vllm_connector.worker import WorkerSide
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    layers: int
+    kv_heads: int
+    head_dim: int
+    tokens: int
+
+
+SHAPES = {
+    "small": Shape("small preset", 12, 4, 64, 4096),
+    "llama3-8b": Shape("Llama-3-8B", 32, 8, 128, 2048),
+    "llama3-70b-tp8": Shape("Llama-3-70B per GPU (TP 8)", 80, 1, 128, 2048),
+}
+PATHS = ("tcp", "shm")
+CHUNK = 256
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from benchmarks.lib.util import add_output_arguments
+
+    add_output_arguments(parser, "kvpath")
+    a = parser.add_argument
+    a("--shapes", default=",".join(SHAPES), help=f"comma list of {', '.join(SHAPES)}")
+    a("--paths", default=",".join(PATHS), help="comma list of tcp, shm")
+    a("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    a("--device", default="cpu", help="where the KV cache lives: cpu or cuda")
+    a("--rounds", type=int, default=5, help="timed rounds (the median is reported)")
+    a("--tokens", type=int, default=None, help="tokens per case (default: per shape)")
+    a(
+        "--block-tokens",
+        default=None,
+        help="tokens per kernel block, a comma list: each is a case (default: 128 on cpu as "
+        "vLLM's CPU backend; 16,128 on cuda)",
+    )
+    a(
+        "--engine",
+        choices=("none", "vllm"),
+        default="none",
+        help="vllm: a cold session turn's TTFT beside a hot one's on real vLLM "
+        "(benchmarks/kvpath/kvpath_vllm.py)",
+    )
+    from benchmarks.kvpath.kvpath_vllm import add_arguments as add_vllm_arguments
+
+    add_vllm_arguments(parser)
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.engine == "vllm":
+        from benchmarks.kvpath.kvpath_vllm import run
+
+        return run(args)
+    import torch
+    from tqdm import tqdm
+
+    from benchmarks.lib.util import plot_path, run_meta, write_outputs
+    from ctxcache.logs import setup_logging
+
+    setup_logging("bench", "WARNING")
+    shapes = [SHAPES[s] for s in args.shapes.split(",") if s]
+    paths = [p for p in args.paths.split(",") if p]
+    dtype = getattr(torch, args.dtype)
+    device = torch.device(args.device)
+    sizes = block_sizes(args.block_tokens, device)
+    meta = run_meta(
+        "kvpath",
+        shapes=[s.name for s in shapes],
+        paths=paths,
+        dtype=args.dtype,
+        device=args.device,
+        device_name=torch.cuda.get_device_name() if device.type == "cuda" else None,
+        rounds=args.rounds,
+        block_tokens=sizes[0] if len(sizes) == 1 else sizes,
+        chunk_tokens=CHUNK,
+    )
+    rows: list[dict[str, Any]] = []
+    with start_sidecar(max(_case_bytes(s, args.tokens, dtype) for s in shapes)) as (url, local):
+        total = len(shapes) * len(sizes) * len(paths) * args.rounds
+        bar = tqdm(total=total, desc="kvpath", unit="round")
+        for shape in shapes:
+            tokens = args.tokens or shape.tokens
+            for n in sizes:
+                for path in paths:
+                    rows += run_case(
+                        shape, tokens, path, dtype, device, n, args.rounds, url, local, bar
+                    )
+        bar.close()
+    data = {"meta": meta, "results": rows}
+    write_outputs(Path(args.out), "kvpath", data, markdown(rows, meta))
+    plot(rows, plot_path(args, "kvpath"), meta)
+    return 0
+
+
+def block_sizes(arg: str | None, device: torch.device) -> list[int]:
+    """`--block-tokens` as a list (the default per device: see its help)."""
+    if arg is None:
+        return [16, 128] if device.type == "cuda" else [128]
+    sizes = [int(v) for v in arg.split(",") if v.strip()]
+    if not sizes or min(sizes) <= 0:
+        raise SystemExit(f"--block-tokens {arg!r}: positive integers, comma-separated")
+    return sizes
+
+
+def _case_bytes(shape: Shape, tokens: int | None, dtype: torch.dtype) -> int:
+    n = tokens or shape.tokens
+    return 2 * shape.layers * shape.kv_heads * shape.head_dim * dtype.itemsize * n
+
+
+def shm_tempdir() -> tempfile.TemporaryDirectory[str]:
+    """A private directory for a sidecar's `--local-dir`: in /dev/shm (memory, as in
+    production) where it is writable, else in the default temporary directory."""
+    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+    return tempfile.TemporaryDirectory(prefix="ctxcache-kvpath-", dir=base)
+
+
+# ---- the sidecar, in its own process ----------------------------------------------------
+_SIDECAR = """
+import sys, threading
+from pathlib import Path
+from sidecar.service import Sidecar
+from sidecar.settings import SidecarSettings
+s = Sidecar(SidecarSettings(port=0, memory_bytes=int(sys.argv[1]), local_dir=Path(sys.argv[2])))
+s.start()
+print(s.port, flush=True)
+sys.stdin.read()
+s.stop()
+"""
+
+
+@contextmanager
+def start_sidecar(case_bytes: int) -> Iterator[tuple[str, str]]:
+    """A sidecar process with room for two paths' copies of the largest case."""
+    with shm_tempdir() as local:
+        memory = 3 * case_bytes + (64 << 20)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _SIDECAR, str(memory), local],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=Path(__file__).resolve().parents[2],
+        )
+        try:
+            assert proc.stdout is not None
+            line = proc.stdout.readline()
+            if not line.strip().isdigit():
+                raise RuntimeError(f"the sidecar did not start (exit {proc.wait()}); see above")
+            port = int(line)
+            yield f"lm://127.0.0.1:{port}", local
+        finally:
+            assert proc.stdin is not None
+            proc.stdin.close()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+# ---- one case -----------------------------------------------------------------------------
+def flash_cache(blocks: int, n: int, shape: Shape, dtype: torch.dtype, device: torch.device):  # type: ignore[no-untyped-def]
+    """FlashAttention's cache: storage `[blocks, N, H, 2*D]`, vLLM's view `[blocks, H, N, 2*D]`."""
+    import torch
+
+    storage = torch.empty(blocks, n, shape.kv_heads, 2 * shape.head_dim, dtype=dtype, device=device)
+    return storage.transpose(1, 2)
+
+
+def flash_writer(n: int, head_dim: int) -> Callable[..., None]:
+    def write(k: Any, v: Any, cache: Any, slots: Any) -> None:
+        key_cache, value_cache = cache.transpose(1, 2).split(head_dim, dim=-1)
+        blocks, within = slots // n, slots % n
+        key_cache[blocks, within] = k
+        value_cache[blocks, within] = v
+
+    return write
+
+
+def cpu_cache_and_writer(
+    blocks: int, n: int, shape: Shape, dtype: torch.dtype
+) -> tuple[Any, Callable[..., None], str]:
+    """vLLM's CPU cache and its real cache write where vLLM is installed, else FlashAttention's."""
+    import torch
+
+    try:
+        from vllm import _custom_ops as ops
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa  # type: ignore[attr-defined]
+    except Exception:
+        return (
+            flash_cache(blocks, n, shape, dtype, torch.device("cpu")),
+            flash_writer(n, shape.head_dim),
+            "flash (vLLM not installed)",
+        )
+    isa = _get_attn_isa(dtype, n, shape.head_dim)
+
+    def write(k: Any, v: Any, cache: Any, slots: Any) -> None:
+        b, h, t, _ = cache.shape
+        key_cache, value_cache = cache.view(b, h, t * 2, -1).chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, isa)
+
+    cache = torch.empty(blocks, shape.kv_heads, n, 2 * shape.head_dim, dtype=dtype)
+    return cache, write, f"vLLM CPU ({isa})"
+
+
+def run_case(
+    shape: Shape,
+    tokens: int,
+    path: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    n: int,
+    rounds: int,
+    url: str,
+    local: str,
+    bar: Any,
+) -> list[dict[str, Any]]:
+    import torch
+
+    from vllm_connector.config import ConnectorConfig
+    from vllm_connector.plan import LoadSpec, Piece, StoreSpec
+    from vllm_connector.scheduler import StepPlan
+    from vllm_connector.worker import WorkerSide
+
+    per_req = math.ceil(tokens / n)
+    blocks = 2 * per_req + 1
+    caches, writers = {}, {}
+    for layer in range(shape.layers):
+        if device.type == "cuda":
+            cache, write, layout = (
+                flash_cache(blocks, n, shape, dtype, device),
+                flash_writer(n, shape.head_dim),
+                "flash",
+            )
+        else:
+            cache, write, layout = cpu_cache_and_writer(blocks, n, shape, dtype)
+        cache.copy_(torch.randn(cache.shape, device=device).to(dtype))
+        caches[f"layer.{layer}"] = cache
+        writers[f"layer.{layer}"] = (write, shape.kv_heads, shape.head_dim)
+    config = ConnectorConfig(
+        sidecar_url=url, local_dir=local if path == "shm" else None, chunk_size=CHUNK
+    )
+    side = WorkerSide(config, n)
+    side.register(caches, writers)
+    assert side.enabled, "the connector did not start"
+    perm = torch.randperm(blocks - 1).tolist()  # blocks in random order, as a paged cache has
+    src_ids, dst_ids = perm[:per_req], perm[per_req : 2 * per_req]
+    nbytes = 2 * shape.layers * shape.kv_heads * shape.head_dim * dtype.itemsize * tokens
+    copy_load, copy_store = plain_copies(nbytes, device)
+    samples: dict[str, list[float]] = {
+        k: [] for k in ("copy_load", "copy_store", "store", "load", "get")
+    }
+    # (CUDA, shm: the path whose copies go through the copier's ring)
+    probe = CudaProbe(side, nbytes, device) if device.type == "cuda" and path == "shm" else None
+    try:
+        for r in range(rounds):
+            pieces = [
+                Piece(f"bench@1@0@{path}{r}x{i:x}@{dtype}", i, min(CHUNK, tokens - i))
+                for i in range(0, tokens, CHUNK)
+            ]
+            samples["copy_store"].append(timed(copy_store, device))
+            store = StepPlan(stores=[StoreSpec(f"s{r}", "bench", pieces, src_ids)])
+            if probe is not None:
+                probe.start()
+            samples["store"].append(timed(partial(_store, side, store), device))
+            if probe is not None:
+                probe.stop("store")
+            samples["copy_load"].append(timed(copy_load, device))
+            for cache, lay in zip(side.caches, side.layouts, strict=True):
+                lay.blocks_view(cache)[dst_ids] = 0  # whatever was there must not help
+            load = StepPlan(loads=[LoadSpec(f"l{r}", 0, tokens, pieces, dst_ids)])
+            if probe is not None:
+                probe.start()
+            samples["load"].append(timed(partial(side.load, load), device))
+            if probe is not None:
+                probe.stop("load")
+            invalid = side.take_invalid()
+            assert not invalid, f"{path}: blocks failed to load: {sorted(invalid)}"
+            if r == 0:
+                check_equal(side, src_ids, dst_ids, tokens, n)
+            if path == "tcp" and side.sidecar is not None:
+                keys = [(p.key, p.length) for p in pieces]
+                samples["get"].append(timed(partial(side.sidecar.get_many, keys), device))
+            bar.update(1)
+        counters = side.counters.drain()
+    finally:
+        side.close()
+    rows = rows_of(shape, tokens, path, layout, nbytes, samples, counters)
+    for row in rows:
+        row["block_tokens"] = n
+        if probe is not None and row["op"] in probe.samples:
+            row.update(probe.summary(row["op"]))
+    return rows
+
+
+def _store(side: WorkerSide, plan: Any) -> None:
+    """A store until the sidecar has it: on CUDA `save` leaves a shared-memory store's
+    commit to a later step (`WorkerSide.settle`), which the timed store waits for here."""
+    side.save(plan)
+    side.settle(wait=True)
+    side.take_sent()
+    if side.sidecar is not None:
+        side.sidecar.drain()  # tcp: PUTs have no reply; until the sidecar has them
+
+
+def plain_copies(
+    nbytes: int, device: torch.device
+) -> tuple[Callable[[], None], Callable[[], None]]:
+    """The copies a load and a store are measured against: the same bytes, host to host on
+    CPU; pinned host to device (load) and device to pinned host (store) on CUDA."""
+    import torch
+
+    if device.type == "cuda":
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return (lambda: dev.copy_(host, non_blocking=True)), (
+            lambda: host.copy_(dev, non_blocking=True)
+        )
+    a = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+    b = torch.empty_like(a)
+    return (lambda: b.copy_(a)), (lambda: a.copy_(b))
+
+
+def timed(fn: Callable[[], object], device: torch.device) -> float:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def check_equal(side: WorkerSide, src: list[int], dst: list[int], tokens: int, n: int) -> None:
+    """The loaded blocks hold exactly the stored ones' KV (a partial last block: its tokens)."""
+    from vllm_connector.layout import gather, token_slots
+
+    a = gather(side.caches, side.layouts, token_slots(src, n, n, 0, tokens))
+    b = gather(side.caches, side.layouts, token_slots(dst, n, n, 0, tokens))
+    if not bool((a == b).all()):
+        raise AssertionError("the loaded KV differs from the stored KV")

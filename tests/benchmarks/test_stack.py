@@ -1,0 +1,68 @@
+"""The one stack builder (benchmarks/lib/stack.py) run the tests' way: every process a
+`Process` with its own log (`ProcessRunner`), a turn through the gateway it started, and
+nothing left running once it is stopped."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from benchmarks.lib.process import Process
+from benchmarks.lib.stack import (
+    Engine,
+    Gateway,
+    ProcessRunner,
+    StackBuilder,
+    StackSettings,
+    route,
+)
+from ctxcache.net import free_port
+
+
+def test_a_stack_of_the_tests_answers_through_its_gateway_and_stops_whole(tmp_path: Path) -> None:
+    settings = StackSettings(
+        redis_appendonly=False,
+        sidecar=("--memory-bytes", str(64 << 20)),
+        engines=(Engine("fake", "worker", store=True, route="w0"),),
+        gateway=Gateway(keys={"stack-key": "tenant-s"}, env={"CTX_GATEWAY_MIN_TTL": "1"}),
+    )
+    runner = ProcessRunner(tmp_path)
+    try:
+        with StackBuilder(settings, tmp_path, runner).started() as stack:
+            assert set(stack.pids) == {"redis", "sidecar", "worker", "gateway"}
+            assert stack.sidecar_lm is not None and stack.sidecar_lm.startswith("lm://")
+            body = {"model": "fake", "messages": [{"role": "user", "content": "hi"}]}
+            headers = {"authorization": "Bearer stack-key"}
+            r = httpx.post(
+                f"{stack.gateway}/v1/chat/completions", json=body, headers=headers, timeout=30
+            )
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["message"]["content"]
+            r = httpx.post(f"{stack.gateway}/v1/chat/completions", json=body, timeout=30)
+            assert r.status_code == 401  # the key it was given is the only one
+            procs = list(runner.procs.values())
+            assert all(p.proc is not None and p.proc.poll() is None for p in procs)
+            assert (tmp_path / "gateway.log").exists() and (tmp_path / "worker.log").exists()
+    finally:
+        runner.stop()
+    assert all(p.proc is None for p in procs)
+    assert runner.procs == {}
+
+
+def test_a_gateway_route_names_the_worker_and_its_sidecar() -> None:
+    assert route("http://127.0.0.1:1") == "http://127.0.0.1:1"
+    assert route("http://w:1", "http://s:2", "w0") == "w0@http://w:1=http://s:2"
+
+
+def test_a_process_that_exits_while_starting_fails_at_once_with_its_log(tmp_path: Path) -> None:
+    argv = [sys.executable, "-c", "import sys; print('no config here'); sys.exit(3)"]
+    proc = Process(argv, port=free_port(), log_path=tmp_path / "p.log", startup_timeout=60)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="no config here"):
+        proc.start()
+    assert time.monotonic() - t0 < 30  # not its whole startup_timeout
+    assert proc.proc is None
