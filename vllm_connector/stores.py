@@ -205,4 +205,3 @@ class ShmStorer:
         self.counters.add("store_us_shm", round((time.perf_counter() - pending.t0) * 1e6))
         tracing.annotate({"ctxcache.kv.bytes_shm": nbytes})
         return True
-
