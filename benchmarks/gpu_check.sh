@@ -56,7 +56,7 @@ else
     timeout 240 "$py" -m pytest -q -rs -p no:cacheprovider --noconftest -c /dev/null --rootdir . \
         -o faulthandler_timeout=60 \
         tests/vllm_connector/test_blockcopy.py tests/vllm_connector/test_ring.py \
-        tests/vllm_connector/test_worker_shm.py \
+        tests/vllm_connector/test_paths.py \
         2>&1 | tee "$out/tests.log"
     tests=${PIPESTATUS[0]}
 fi

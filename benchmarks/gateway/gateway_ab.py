@@ -17,6 +17,10 @@ machine does meanwhile falls on both. Cases (`--cases`), each at concurrency 1:
 With `--pin` (the default where there are two CPUs or more) the gateways run on the last
 CPU and every other process on the first, as a gateway and its workers sit on different
 hosts in production.
+
+Beside each latency, the CPU time each gateway process spent on the case (user + system,
+from /proc, per request): on a machine that other work shares, latency moves with what
+runs beside it, while a request's CPU time stays close to the code's own cost.
 """
 
 from __future__ import annotations
@@ -92,6 +96,21 @@ async def measure(case: str, port: int, args: argparse.Namespace, direct: bool =
     return await turns(port, "chat" if case == "chat-turn" else "completion", args.turn_requests)
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process `pid` so far (Linux /proc; 0.0 elsewhere)."""
+    import os
+
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def requests_of(case: str, args: argparse.Namespace) -> int:
+    return args.requests if case == "ttft" else args.turn_requests
+
+
 async def _run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
@@ -108,6 +127,7 @@ async def _run(args: argparse.Namespace) -> int:
             name: builder.gateway(bench_gateway(f"gateway-{name}", tree=tree, env=env)).port
             for name, tree in trees.items()
         }
+        pids = {c.name: c.proc.pid for c in sup.children if c.proc is not None}
         if args.pin:
             Placement(sup, apart={f"gateway-{name}" for name in trees}).set(pinned=True)
         for port in ports.values():  # warm up (/ready: the worker and its model are known)
@@ -119,7 +139,10 @@ async def _run(args: argparse.Namespace) -> int:
             if case == "ttft":
                 row["direct"] = await measure(case, fake, args, direct=True)
             for name in ("A", "B") if rnd % 2 == 0 else ("B", "A"):
+                cpu = cpu_seconds(pids[f"gateway-{name}"])
                 row[name] = await measure(case, ports[name], args)
+                spent = cpu_seconds(pids[f"gateway-{name}"]) - cpu
+                row[f"{name}_cpu"] = spent / requests_of(case, args)
             rows.append(row)
     results = [
         {k: v if isinstance(v, int | str) else round(v * 1e6) for k, v in r.items()} for r in rows
@@ -152,6 +175,11 @@ def medians(results: list[dict[str, Any]], cases: list[str]) -> dict[str, dict[s
             f"{n}_us": round(statistics.median(r[n] for r in rounds)) for n in sides
         }
         m["b_over_a"] = round(statistics.median(r["B"] / r["A"] for r in rounds), 3)
+        for n in ("A", "B"):
+            m[f"{n}_cpu_us"] = round(statistics.median(r[f"{n}_cpu"] for r in rounds))
+        m["cpu_b_over_a"] = round(
+            statistics.median(r["B_cpu"] / r["A_cpu"] for r in rounds if r["A_cpu"]), 3
+        )
         if case == "ttft":
             for n in ("A", "B"):
                 m[f"{n}_over_direct"] = round(
@@ -181,6 +209,9 @@ def _table(results: list[dict[str, Any]], median: dict[str, dict[str, Any]]) -> 
                 ratio(a_d),
                 ratio(b_d),
                 f"{r['B'] / r['A']:.3f}",
+                r["A_cpu"],
+                r["B_cpu"],
+                f"{r['B_cpu'] / r['A_cpu']:.3f}" if r["A_cpu"] else "–",
             ]
         )
     for case, m in median.items():
@@ -194,9 +225,13 @@ def _table(results: list[dict[str, Any]], median: dict[str, dict[str, Any]]) -> 
                 ratio(m.get("A_over_direct")),
                 ratio(m.get("B_over_direct")),
                 f"{m['b_over_a']:.3f}",
+                m["A_cpu_us"],
+                m["B_cpu_us"],
+                f"{m['cpu_b_over_a']:.3f}",
             ]
         )
     heads = ["case", "round", "direct µs", "A µs", "B µs", "A ÷ direct", "B ÷ direct", "B ÷ A"]
+    heads += ["A CPU µs/req", "B CPU µs/req", "CPU B ÷ A"]
     return markdown_table(heads, body)
 
 

@@ -48,7 +48,7 @@ IMPORTS = (
     "ctxcache.logs",
     "tests.vllm_connector.test_blockcopy",
     "tests.vllm_connector.test_ring",
-    "tests.vllm_connector.test_worker_shm",
+    "tests.vllm_connector.test_paths",
 )
 PROGRAM = """
 import importlib, importlib.abc, sys

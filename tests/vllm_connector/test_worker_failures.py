@@ -22,7 +22,7 @@ import vllm_connector.regions as regions_mod
 from sidecar.service import Sidecar
 from sidecar.settings import SidecarSettings
 from tests.utils import local_dir_fixture  # noqa: F401 (the local_dir fixture)
-from tests.vllm_connector.test_worker_shm import (  # noqa: F401 (the sidecar fixture)
+from tests.vllm_connector.test_paths import (  # noqa: F401 (the sidecar fixture)
     DST,
     SRC,
     TOKENS,

@@ -16,8 +16,7 @@ import torch
 from sidecar.local_client import LocalClient
 from sidecar.service import Sidecar
 from tests.utils import local_dir_fixture  # noqa: F401 (the local_dir fixture)
-from tests.vllm_connector.test_worker_failures import FakeHandle, load, ordering_copier
-from tests.vllm_connector.test_worker_shm import (  # noqa: F401 (the sidecar fixture)
+from tests.vllm_connector.test_paths import (  # noqa: F401 (the sidecar fixture)
     DST,
     SRC,
     kv,
@@ -25,6 +24,7 @@ from tests.vllm_connector.test_worker_shm import (  # noqa: F401 (the sidecar fi
     sidecar,
     worker,
 )
+from tests.vllm_connector.test_worker_failures import FakeHandle, load, ordering_copier
 from vllm_connector.plan import Piece, StoreSpec
 from vllm_connector.scheduler import StepPlan
 from vllm_connector.worker import WorkerSide

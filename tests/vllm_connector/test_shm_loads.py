@@ -20,7 +20,7 @@ from benchmarks.kvpath.kvpath import flash_writer
 from sidecar.local_client import ReadLease
 from sidecar.service import Sidecar
 from tests.utils import local_dir_fixture  # noqa: F401 (the local_dir fixture)
-from tests.vllm_connector.test_worker_shm import (  # noqa: F401 (the sidecar fixture)
+from tests.vllm_connector.test_paths import (  # noqa: F401 (the sidecar fixture)
     DIM,
     HEADS,
     N,
