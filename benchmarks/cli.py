@@ -19,6 +19,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "worker": ("benchmarks.worker.worker", "TTFT with cached history vs full recompute"),
     "gateway": ("benchmarks.gateway.gateway", "gateway overhead vs calling the worker directly"),
     "gateway-ab": ("benchmarks.gateway.gateway_ab", "streaming TTFT of two checkouts' gateways"),
+    "gateway-calls": (
+        "benchmarks.gateway.gateway_calls",
+        "function calls per session turn in the gateway, beside another checkout",
+    ),
     "gateway-keys": (
         "benchmarks.gateway.gateway_keys",
         "wrong API keys/s with 100,000 keys vs 10",
