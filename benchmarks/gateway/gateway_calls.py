@@ -46,7 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from benchmarks.lib.util import markdown_table, run_meta, write_outputs
+    from benchmarks.lib.util import bar_plot, markdown_table, plot_path, run_meta, write_outputs
 
     turns, rounds = (40, 1) if args.quick else (args.turns, args.rounds)
     trees = {"this": ROOT}
@@ -82,6 +82,13 @@ def main(args: argparse.Namespace) -> int:
     table = markdown_table(heads, body)
     meta = run_meta(NAME, turns=turns, rounds=rounds, trees={n: str(t) for n, t in trees.items()})
     write_outputs(args.out, NAME, {"meta": meta, "results": rows, "runs": runs}, table)
+    series = {
+        f"{name}: {what}": [row[f"{name}_{key}"] for row in rows]
+        for name in trees
+        for what, key in (("all", "calls"), ("in gateway/", "gateway"))
+    }
+    title = "Python function calls per session turn (median of rounds)"
+    bar_plot(plot_path(args, NAME), title, list(KINDS), series, "calls / turn")
     sys.stdout.write(table)
     return 0
 

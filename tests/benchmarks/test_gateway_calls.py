@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.utils import check_png
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -34,3 +36,4 @@ def test_bench_gateway_calls_counts_both_kinds_beside_another_checkout(tmp_path:
         # the same code on both sides: the same cost, up to the timers' calls
         assert 0.8 < row["this_calls"] / row["against_calls"] < 1.25
     assert (tmp_path / "gateway-calls.md").read_text().startswith("`ctxcache bench gateway-calls")
+    check_png(tmp_path / "gateway-calls.png")
