@@ -40,7 +40,7 @@ from gateway.shaping import (
 from gateway.turn_engine import Generation
 from gateway.turn_planning import Turn
 from gateway.turns import TurnService
-from gateway.upstream import failover, open_stream, post_raw
+from gateway.upstream import failover, open_stream, post_raw, refused_payload
 
 log = logging.getLogger(__name__)
 
@@ -202,6 +202,7 @@ class CompletionService:
             )
         if status >= 400:
             call.refused()  # the worker's error answer: the engine ran nothing
+            payload = refused_payload(status, payload)  # (a refusal: in our envelope)
         else:  # not streamed: the first token came with the whole answer
             call.answered()  # (its usage is in it: the rate limiter reads it there)
             seconds = time.perf_counter() - t0
