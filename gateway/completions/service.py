@@ -37,6 +37,7 @@ from gateway.shaping import (
     session_ref,
     text_completion,
 )
+from gateway.tools import passthrough_tool_choice
 from gateway.turn_engine import Generation
 from gateway.turn_planning import Turn
 from gateway.turns import TurnService
@@ -180,6 +181,8 @@ class CompletionService:
         least-loaded healthy worker. A stream whose tokens are counted also asks the worker
         for its usage (`with_usage`)."""
         path = PATHS[kind]
+        if kind == "chat":
+            raw = passthrough_tool_choice(body, raw)  # (`allowed_tools`: for the engine)
         stream, counted = body.get("stream"), metering.counted()
         drop_usage = False
         if stream and counted:
