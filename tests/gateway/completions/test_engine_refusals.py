@@ -19,6 +19,7 @@ import pytest
 from ctxcache.errors import BackendUnavailable, ContextLengthExceeded, SessionBusy
 from ctxcache.redis_server import RedisServer
 from gateway.upstream import EngineRefusal, refused_payload, worker_error
+from tests.gateway.conftest import Stack
 from tests.gateway.scripted import Gateways, ScriptedWorker, answer
 
 TOO_LONG = (
@@ -137,3 +138,19 @@ def test_a_refusal_in_our_envelope_keeps_its_bytes() -> None:
     assert refused_payload(400, raw) is raw
     code = {"error": {"message": "m", "type": "BadRequestError", "param": None, "code": "bad"}}
     assert orjson.loads(refused_payload(400, orjson.dumps(code)))["error"]["code"] == "bad"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_prompt_over_the_built_in_workers_window_without_a_session(
+    stack: Stack, stream: bool
+) -> None:
+    """End to end through the built-in worker (its envelope is ours, and stays so)."""
+    with stack.client() as http:
+        r = http.post(
+            "/v1/completions",
+            json={"model": "tiny", "prompt": "cache " * 5000, "max_tokens": 4, "stream": stream},
+        )
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["code"] == "context_length_exceeded"
