@@ -75,21 +75,29 @@ def _calls(calls: Any) -> Any:
 def _arguments(arguments: Any) -> Any:
     if not arguments:
         return None
+    value = arguments
     if isinstance(arguments, str):
         try:
             value = orjson.loads(arguments)
         except orjson.JSONDecodeError:
             return ("text", arguments)
+    try:
         return ("json", orjson.dumps(value, option=orjson.OPT_SORT_KEYS))
-    return ("json", orjson.dumps(arguments, option=orjson.OPT_SORT_KEYS))
+    except (orjson.JSONEncodeError, TypeError):  # (nested past orjson's limit, say)
+        return ("text", arguments if isinstance(arguments, str) else object())
 
 
-def _frozen(value: Any) -> Any:
+MAX_DEPTH = 32  # a part nested deeper than this equals nothing (its turn's messages are new)
+
+
+def _frozen(value: Any, depth: int = 0) -> Any:
     """A JSON value as something comparable (None fields of objects left out)."""
+    if depth > MAX_DEPTH:
+        return object()  # (equal to nothing else: no recursion into hostile nesting)
     if isinstance(value, dict):
-        return tuple(sorted((k, _frozen(v)) for k, v in value.items() if v is not None))
+        return tuple(sorted((k, _frozen(v, depth + 1)) for k, v in value.items() if v is not None))
     if isinstance(value, list):
-        return tuple(_frozen(v) for v in value)
+        return tuple(_frozen(v, depth + 1) for v in value)
     return value
 
 

@@ -115,3 +115,18 @@ def test_held_needs_the_whole_history_at_the_start() -> None:
     assert held([], [new]) == 0
     edited = [SYSTEM, {"role": "user", "content": "Weather in Rome?"}, history[2], new]
     assert held(history, edited) == 0
+
+
+def test_deeply_nested_content_is_never_held() -> None:
+    """A hostile part nested past any template's use: compared without recursing into it,
+    and equal to nothing (so the turn's messages are new, as before)."""
+    deep: Any = "x"
+    for _ in range(5000):
+        deep = {"a": deep}
+    message = {"role": "user", "content": [{"type": "text", "text": "a"}, deep]}
+    assert canonical(message) != canonical(message)
+    assert held([message], [message, USER]) == 0
+    arguments = "[" * 600 + "]" * 600  # (JSON orjson reads but will not write back)
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    sent = {"role": "assistant", "content": None, "tool_calls": [call]}
+    assert canonical(sent) == canonical(dict(sent))
