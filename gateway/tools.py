@@ -31,6 +31,7 @@ AGENT_FIELDS = (
 LEGACY_FIELDS = ("functions", "function_call")
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _CHOICES = ("none", "auto", "required")
+ALLOWED_MODES = ("auto", "required")  # an `allowed_tools` choice's
 
 Tools = list[dict[str, Any]]
 
@@ -79,7 +80,8 @@ def tool_names(tools: Tools | None) -> set[str]:
 
 
 def check_tool_choice(choice: Any, tools: Tools | None) -> None:
-    """`none`, `auto`, `required`, or a named function among `tools`."""
+    """`none`, `auto`, `required`, a named function among `tools`, or OpenAI's
+    `allowed_tools` (`check_allowed_tools`)."""
     if choice is None or choice in ("none", "auto"):
         return
     if choice == "required":
@@ -88,9 +90,12 @@ def check_tool_choice(choice: Any, tools: Tools | None) -> None:
         return
     if isinstance(choice, str):
         raise InvalidRequest(
-            f"tool_choice must be one of {', '.join(_CHOICES)} or a named function",
+            f"tool_choice must be one of {', '.join(_CHOICES)}, a named function or allowed_tools",
             param="tool_choice",
         )
+    if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
+        check_allowed_tools(choice, tools)
+        return
     name = (choice.get("function") or {}).get("name") if isinstance(choice, dict) else None
     if not isinstance(choice, dict) or choice.get("type") != "function" or not name:
         raise InvalidRequest(
@@ -101,6 +106,63 @@ def check_tool_choice(choice: Any, tools: Tools | None) -> None:
         raise InvalidRequest(
             f"tool_choice names {name!r}, which is not a tool", param="tool_choice"
         )
+
+
+def check_allowed_tools(choice: dict[str, Any], tools: Tools | None) -> None:
+    """OpenAI's `{"type": "allowed_tools", "allowed_tools": {"mode": "auto" | "required",
+    "tools": [{"type": "function", "function": {"name": ...}}, ...]}}`: calls restricted
+    to a subset of `tools`, the whole list kept in the prompt (docs/agents.md)."""
+    spec = choice.get("allowed_tools")
+    usage = (
+        "allowed_tools is {'type': 'allowed_tools', 'allowed_tools': {'mode': 'auto' | "
+        "'required', 'tools': [{'type': 'function', 'function': {'name': ...}}]}}"
+    )
+    if not isinstance(spec, dict) or set(choice) - {"type", "allowed_tools"}:
+        raise InvalidRequest(usage, param="tool_choice")
+    if spec.get("mode") not in ALLOWED_MODES:
+        raise InvalidRequest(
+            f"allowed_tools mode must be auto or required, not {spec.get('mode')!r}",
+            param="tool_choice",
+        )
+    allowed = spec.get("tools")
+    if not isinstance(allowed, list) or not allowed:
+        raise InvalidRequest("allowed_tools needs a list of tools", param="tool_choice")
+    names = tool_names(tools)
+    for entry in allowed:
+        fn = entry.get("function") if isinstance(entry, dict) else None
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if not isinstance(entry, dict) or entry.get("type") != "function" or not name:
+            raise InvalidRequest(usage, param="tool_choice")
+        if name not in names:
+            raise InvalidRequest(
+                f"allowed_tools names {name!r}, which is not a tool", param="tool_choice"
+            )
+
+
+def engine_tool_choice(choice: Any, tools: Tools | None) -> tuple[Any, Tools | None]:
+    """The tool choice and tools the engine gets for a choice (checked), and the tools
+    the prompt renders: `allowed_tools` (which vLLM 0.32 does not take) as its mode, with
+    only the allowed tools, in their order in `tools`; anything else as it is."""
+    if not (isinstance(choice, dict) and choice.get("type") == "allowed_tools"):
+        return choice, tools
+    spec = choice["allowed_tools"]
+    allowed = {entry["function"]["name"] for entry in spec["tools"]}
+    subset = [t for t in tools or () if t["function"]["name"] in allowed]
+    return spec["mode"], subset
+
+
+def passthrough_tool_choice(doc: dict[str, Any], raw: bytes) -> bytes:
+    """A request without a session (`doc`, its JSON `raw`) as the engine takes it: with an
+    `allowed_tools` choice (checked here, as vLLM 0.32 refuses it), its mode and only the
+    allowed tools; the engine renders the prompt from those (docs/agents.md). `doc` is
+    changed to match; anything else keeps its bytes."""
+    choice = doc.get("tool_choice")
+    if not (isinstance(choice, dict) and choice.get("type") == "allowed_tools"):
+        return raw
+    tools = check_tools(doc.get("tools"))
+    check_allowed_tools(choice, tools)
+    doc["tool_choice"], doc["tools"] = engine_tool_choice(choice, tools)
+    return orjson.dumps(doc)
 
 
 def check_response_format(fmt: Any) -> None:

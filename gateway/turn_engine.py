@@ -21,7 +21,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.pool import Worker, WorkerPool
 from gateway.salt import CacheSalt
 from gateway.shaping import normalize_usage
-from gateway.tools import StreamedCalls, assistant_message
+from gateway.tools import StreamedCalls, assistant_message, engine_tool_choice
 from gateway.turn_planning import Turn, span_attributes
 from gateway.upstream import SSEStream, failover, open_stream, post_json
 
@@ -95,8 +95,13 @@ class TurnEngine:
         if turn.chat_engine:
             body["messages"] = PLACEHOLDER
             body.pop("return_tokens_as_token_ids", None)
-            if turn.tools:
-                body["tools"] = turn.tools
+            # (the prompt renders all of the turn's tools; an `allowed_tools` choice is
+            # its mode, with only the allowed tools for the engine to hold calls to)
+            choice, tools = engine_tool_choice(body.get("tool_choice"), turn.tools)
+            if choice is not None:
+                body["tool_choice"] = choice
+            if tools:
+                body["tools"] = tools
             transfer["prompt_token_ids"] = turn.prompt
         else:
             body["prompt"] = turn.prompt

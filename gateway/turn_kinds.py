@@ -14,6 +14,7 @@ from ctxcache.errors import InvalidRequest
 from gateway.pool import Worker
 from gateway.prompts import PromptBuilder
 from gateway.recent import RecentHistories
+from gateway.resent import held
 from gateway.tools import (
     AGENT_FIELDS,
     LEGACY_FIELDS,
@@ -54,6 +55,10 @@ class TurnKind(Protocol):
         any; that version's messages), or None: nothing is tokenized early."""
 
     def new_messages(self, body: dict[str, Any]) -> Messages: ...
+
+    def unsent(self, body: dict[str, Any], history: Messages) -> dict[str, Any]:
+        """The body without what of its messages the session already holds (a chat turn
+        that resends the history, `gateway.resent`); `body` itself if nothing is."""
 
     def new_tools(self, tools: Tools | None, session: Tools | None) -> bool:
         """Whether the session's tools change to `tools` with this turn."""
@@ -128,6 +133,9 @@ class CompletionKind:
 
     def new_messages(self, body: dict[str, Any]) -> Messages:
         return []
+
+    def unsent(self, body: dict[str, Any], history: Messages) -> dict[str, Any]:
+        return body
 
     def new_tools(self, tools: Tools | None, session: Tools | None) -> bool:
         return False
@@ -206,6 +214,10 @@ class ChatKind:
 
     def new_messages(self, body: dict[str, Any]) -> Messages:
         return body["messages"]  # type: ignore[no-any-return]
+
+    def unsent(self, body: dict[str, Any], history: Messages) -> dict[str, Any]:
+        n = held(history, body["messages"])
+        return {**body, "messages": body["messages"][n:]} if n else body
 
     def new_tools(self, tools: Tools | None, session: Tools | None) -> bool:
         return not same_tools(tools, session)

@@ -204,6 +204,7 @@ class TurnPlanner:
         if known is None:
             return None
         version, previous = known
+        body = variant.unsent(body, previous)  # (as `plan` takes it, on that history)
         try:
             worker = self.pool.pick(model)
         except (ModelNotFound, BackendUnavailable):
@@ -235,10 +236,12 @@ class TurnPlanner:
         lock: Held = NO_LOCK,
         idempotency: Idempotency | None = None,
         started: float | None = None,
+        resends: bool = False,
     ) -> Turn:
         """Plan a turn on a loaded session (`state`, whose lock `lock` holds).
         `gateway.responses` passes states of its own: a session cut at a stored response,
-        to fork from it."""
+        to fork from it. `resends`: the turn's messages may begin with the session's whole
+        history (a chat completion's), which is then not new (`gateway.resent`)."""
         variant = KINDS[kind]
         info = state.info
         model = body["model"]
@@ -252,7 +255,6 @@ class TurnPlanner:
                 f"this is a {info.kind} session: continue it on {KINDS[info.kind].route}",
                 param="session_id",
             )
-        new_msgs = variant.new_messages(body)
         ready, history = None, state.messages
         # a chat turn renders with its own tools, else with the session's (they are in
         # its prefix); other tools than the session's: the whole conversation is
@@ -266,6 +268,9 @@ class TurnPlanner:
                 ready = await _result_or_none(early.task)
             if early.version is not None:  # begin sent no messages: we hold this version's
                 history = early.history
+        if resends:
+            body = variant.unsent(body, history)
+        new_msgs = variant.new_messages(body)
         variant.check_history(history, new_msgs)
 
         async def build(worker: Worker) -> tuple[list[int], int]:

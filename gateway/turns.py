@@ -135,7 +135,7 @@ class TurnService:
             if state.replay is not None:
                 return state.replay
             return await self._plan(
-                tenant, session_id, kind, body, state, early, idempotency, started
+                tenant, session_id, kind, body, state, early, idempotency, started, resends=True
             )
         finally:
             if early is not None:
@@ -165,9 +165,12 @@ class TurnService:
         early: Early | None,
         idempotency: Idempotency | None,
         started: float | None,
+        *,
+        resends: bool = False,
     ) -> Turn:
         """The turn, holding the session's lock (if it took one) from here on; a plan that
-        fails gives it back."""
+        fails gives it back. `resends`: a chat completion's turn, whose messages may resend
+        the session's history (`gateway.resent`)."""
         lock = self.held(session_id, tenant, state.lock, state.lock_ttl_ms)
         async with lock:
             return await self.planner.plan(
@@ -180,6 +183,7 @@ class TurnService:
                 lock=lock,
                 idempotency=idempotency,
                 started=started,
+                resends=resends,
             )
 
     async def plan_create(

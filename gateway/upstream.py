@@ -5,14 +5,17 @@ that cannot be reached (connection refused, or closed before answering) raises
 `WorkerDown`: nothing was answered there, so the caller may retry on another worker. A
 worker that took too long is `backend_timeout`; an answer that is not valid HTTP is a
 worker failure (`backend_unavailable`); an error the worker answered (its own OpenAI
-envelope, e.g. `context_length_exceeded`) is passed on as the same error. `failover` runs a
-call on the next healthy worker when one is down.
+envelope, e.g. `context_length_exceeded`) is passed on as the same error, and an engine's
+refusal in another envelope (vLLM's `"type": "BadRequestError", "code": 400`) in ours
+(`refusal`, `refused_payload`). `failover` runs a call on the next healthy worker when one
+is down.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, NoReturn, TypeVar
 
@@ -21,6 +24,7 @@ import orjson
 from ctxcache.errors import (
     BackendTimeout,
     BackendUnavailable,
+    ContextLengthExceeded,
     CtxError,
     InvalidRequest,
     error_from_envelope,
@@ -65,20 +69,71 @@ async def mapped_errors(worker: Worker) -> AsyncIterator[None]:
         reraise_mapped(worker, exc)
 
 
+class EngineRefusal(InvalidRequest):
+    """A 4xx the engine answered in an envelope not ours (vLLM's `ErrorResponse`: `type`
+    the HTTP phrase, `code` the status as a number): the client's error in the engine's
+    words (its message and `param`) and with its status, in our envelope
+    (`invalid_request_error`, a string `code`: the engine's own if it is a string, else the
+    status's, `STATUS_CODES`)."""
+
+    def __init__(self, message: str, *, param: str | None, status: int, code: str) -> None:
+        super().__init__(message, param=param)
+        self.status = status  # (per refusal: the engine's)
+        self.code = code
+
+
+STATUS_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+_TOO_LONG = re.compile(r"maximum context length", re.IGNORECASE)  # vLLM's words for it
+
+
+def _decoded(payload: bytes) -> Any:
+    try:
+        return orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        return None
+
+
+def refusal(status: int, body: Any) -> CtxError | None:
+    """The error an engine's 4xx answer (`body`, decoded) stands for, if it carries an
+    error envelope: its own error if the envelope is ours (the built-in worker's), else an
+    `EngineRefusal` (a prompt over the window: `context_length_exceeded`, as OpenAI and the
+    built-in worker name it). None: not a 4xx with an envelope."""
+    info = body.get("error") if isinstance(body, dict) else None
+    if not 400 <= status < 500 or not isinstance(info, dict):
+        return None
+    err = error_from_envelope(status, body)
+    if type(err) is not CtxError:
+        return err  # a code of ours
+    param = info.get("param") if isinstance(info.get("param"), str) else None
+    if status == 400 and _TOO_LONG.search(err.message):
+        return ContextLengthExceeded(err.message, param=param)
+    code = info.get("code")
+    if not isinstance(code, str) or not code:
+        code = STATUS_CODES.get(status, "invalid_request")
+    return EngineRefusal(err.message, param=param, status=status, code=code)
+
+
+def refused_payload(status: int, payload: bytes) -> bytes:
+    """A pass-through's error answer: an engine's 4xx refusal in our envelope (`refusal`);
+    anything else (ours already, a 5xx, a body with no envelope) as it is."""
+    body = _decoded(payload)
+    err = refusal(status, body)
+    if err is None or (isinstance(body, dict) and body.get("error") == err.envelope()["error"]):
+        return payload
+    return orjson.dumps(err.envelope())
+
+
 def worker_error(status: int, payload: bytes) -> CtxError:
     """The error a worker's error answer stands for: its own envelope's, if it is one we
-    know; otherwise a worker-side failure."""
-    try:
-        body = orjson.loads(payload)
-    except orjson.JSONDecodeError:
-        body = None
+    know; an engine's 4xx refusal (`refusal`: the client's error, in the engine's words and
+    with its status); otherwise a worker-side failure."""
+    body = _decoded(payload)
+    refused = refusal(status, body)
+    if refused is not None:
+        return refused
     err = error_from_envelope(status, body)
     if type(err) is not CtxError:
         return err
-    if status in (400, 422) and isinstance(body, dict) and isinstance(body.get("error"), dict):
-        # the engine refused what the client asked (a response_format it cannot compile,
-        # say): the client's error, in the engine's words
-        return InvalidRequest(err.message, param=err.param)
     return BackendUnavailable(f"worker answered {status}")
 
 

@@ -37,10 +37,11 @@ from gateway.shaping import (
     session_ref,
     text_completion,
 )
+from gateway.tools import passthrough_tool_choice
 from gateway.turn_engine import Generation
 from gateway.turn_planning import Turn
 from gateway.turns import TurnService
-from gateway.upstream import failover, open_stream, post_raw
+from gateway.upstream import failover, open_stream, post_raw, refused_payload
 
 log = logging.getLogger(__name__)
 
@@ -180,6 +181,8 @@ class CompletionService:
         least-loaded healthy worker. A stream whose tokens are counted also asks the worker
         for its usage (`with_usage`)."""
         path = PATHS[kind]
+        if kind == "chat":
+            raw = passthrough_tool_choice(body, raw)  # (`allowed_tools`: for the engine)
         stream, counted = body.get("stream"), metering.counted()
         drop_usage = False
         if stream and counted:
@@ -202,6 +205,7 @@ class CompletionService:
             )
         if status >= 400:
             call.refused()  # the worker's error answer: the engine ran nothing
+            payload = refused_payload(status, payload)  # (a refusal: in our envelope)
         else:  # not streamed: the first token came with the whole answer
             call.answered()  # (its usage is in it: the rate limiter reads it there)
             seconds = time.perf_counter() - t0

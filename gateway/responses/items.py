@@ -41,9 +41,26 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
 
 
 def chat_tool_choice(choice: Any) -> Any:
-    """Responses' `{"type": "function", "name"}` as chat's named choice."""
+    """Responses' `{"type": "function", "name"}` as chat's named choice, and its
+    `{"type": "allowed_tools", "mode", "tools": [{"type": "function", "name"}, ...]}` as
+    chat's `allowed_tools` (the chat checks then say what is wrong with either)."""
     if isinstance(choice, dict) and choice.get("type") == "function" and "function" not in choice:
         return {"type": "function", "function": {"name": choice.get("name")}}
+    if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
+        if "allowed_tools" in choice:  # (chat's form already)
+            return choice
+        tools = choice.get("tools")
+        if isinstance(tools, list):
+            tools = [
+                {"type": "function", "function": {"name": t.get("name")}}
+                if isinstance(t, dict) and t.get("type") == "function" and "function" not in t
+                else t
+                for t in tools
+            ]
+        return {
+            "type": "allowed_tools",
+            "allowed_tools": {"mode": choice.get("mode"), "tools": tools},
+        }
     return choice
 
 
