@@ -645,3 +645,50 @@ def tokenize(url: str, messages: list[dict[str, Any]], **body: Any) -> list[int]
     )
     assert r.status_code == 200, r.text
     return list(r.json()["tokens"])
+
+
+def test_allowed_tools_reach_vllm_as_a_choice_it_takes(
+    stack: VllmStack, client: openai.OpenAI
+) -> None:
+    """OpenAI's `allowed_tools` choice (pydantic-ai's `ToolOrOutput`), which vLLM 0.32
+    does not know: on a session turn and without a session, `required` over one of two
+    tools answers a call of that tool, and the session's prompt is still rendered with
+    both (its history reused)."""
+    allowed = {
+        "type": "allowed_tools",
+        "allowed_tools": {"mode": "required", "tools": [named("get_time")]},
+    }
+    sid = create(stack, 7)
+    history = context(stack, sid)["context_tokens"]
+    messages: Any = [{"role": "user", "content": "what time is it in paris"}]
+    r = client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        tools=TOOLS,
+        tool_choice=allowed,  # type: ignore[arg-type]
+        extra_body={"session_id": sid},
+        **GREEDY,
+    )
+    calls = r.choices[0].message.tool_calls
+    assert calls and {c.function.name for c in calls} == {"get_time"}  # type: ignore[union-attr]
+    reused(r.usage, history)
+    plain = client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        tools=TOOLS,
+        tool_choice=allowed,
+        **GREEDY,  # type: ignore[arg-type]
+    )
+    calls = plain.choices[0].message.tool_calls
+    assert calls and {c.function.name for c in calls} == {"get_time"}  # type: ignore[union-attr]
+
+
+def test_a_vllm_refusal_without_a_session_comes_in_our_envelope(stack: VllmStack) -> None:
+    """A request vLLM itself refuses (here: more tokens than the model's window) answers
+    the OpenAI envelope every other error has: a string `code`, `invalid_request_error`,
+    whether it was relayed to vLLM as it is or ran as a session turn."""
+    body = {"model": "tiny", "prompt": "hello", "max_tokens": 10**6}
+    got = stack.http.post("/v1/completions", json=body)
+    assert 400 <= got.status_code < 500, got.text
+    error = got.json()["error"]
+    assert error["type"] == "invalid_request_error" and isinstance(error["code"], str), error
