@@ -85,7 +85,9 @@ def engine_service(engine: Engine, port: int, sidecar_lm: str | None) -> Service
         argv = ctxcache_argv(command, *model, "--port", str(port), *store)
     ready = "/health" if engine.wait else None
     timeout = engine.startup_timeout
-    return Service(engine.name, [*argv, *engine.args], port, ready, dict(engine.env), timeout)
+    group = engine.kind == "vllm"  # (its engine core and workers are its children)
+    argv += engine.args
+    return Service(engine.name, argv, port, ready, dict(engine.env), timeout, group)
 
 
 def route(url: str, sidecar: str | None = None, name: str | None = None) -> str:
@@ -205,15 +207,7 @@ class ProcessRunner:
         self.procs: dict[str, Process] = {}
 
     def start(self, service: Service, probe: Callable[[float], None] | None = None) -> int:
-        proc = Process(
-            service.argv,
-            port=service.port,
-            health_path=service.ready_path,
-            ready=probe,
-            log_path=self.root / f"{service.name}.log",
-            env=service.env,
-            startup_timeout=service.startup_timeout,
-        )
+        proc = service.process(self.root / f"{service.name}.log", probe)
         self.procs[service.name] = proc
         proc.start()
         assert proc.proc is not None

@@ -23,9 +23,9 @@ import pytest
 import redis
 from redis.cluster import RedisCluster as SyncCluster
 
+from benchmarks.lib.process import Process
 from ctxcache.redis_topologies import RedisClusterServers, RedisSentinelServers
 from tests.faults.conftest import SYSTEM, Conversation, FaultStack
-from tests.utils import ServiceProcess
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +55,8 @@ def sentinel(tmp_path: Path) -> Iterator[RedisSentinelServers]:
 @contextlib.contextmanager
 def gateways(
     fstack: FaultStack, redis_url: str, n: int = 1, env: dict[str, str] | None = None
-) -> Iterator[list[ServiceProcess]]:
-    started: list[ServiceProcess] = []
+) -> Iterator[list[Process]]:
+    started: list[Process] = []
     try:
         for i in range(n):
             name = f"gateway-{int(time.time() * 1000)}-{i}"
