@@ -22,6 +22,7 @@ import pytest
 
 from benchmarks.lib.process import Process
 from ctxcache.redis_server import RedisServer
+from ctxcache.redis_topologies import RedisSentinelServers
 from tests.stacks import WorkerStack, WorkerStackSettings
 
 log = logging.getLogger(__name__)
@@ -124,6 +125,16 @@ def fstack(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterat
         yield s.start()
     finally:
         s.stop()
+
+
+@pytest.fixture
+def sentinel(tmp_path: Path) -> Iterator[RedisSentinelServers]:
+    """A Sentinel set of the test's own (a master, its replicas, the sentinels)."""
+    servers = RedisSentinelServers(tmp_path / "sentinel", down_after_ms=1000)
+    try:
+        yield servers.start()
+    finally:
+        servers.stop()
 
 
 def usage_cached(body: dict[str, Any]) -> int:

@@ -14,7 +14,6 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -37,15 +36,6 @@ DURABLE = {"CTX_MANAGER_REDIS_WAIT_REPLICAS": "1", "CTX_MANAGER_REDIS_WAIT_TIMEO
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterServers]:
     servers = RedisClusterServers(tmp_path_factory.mktemp("cluster"), node_timeout_ms=1000)
-    try:
-        yield servers.start()
-    finally:
-        servers.stop()
-
-
-@pytest.fixture
-def sentinel(tmp_path: Path) -> Iterator[RedisSentinelServers]:
-    servers = RedisSentinelServers(tmp_path / "sentinel", down_after_ms=1000)
     try:
         yield servers.start()
     finally:
