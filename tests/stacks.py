@@ -10,7 +10,7 @@ own settings (`WorkerStackSettings`) and a few helpers of their own.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Self
 
@@ -165,12 +165,18 @@ class WorkerStack:
         return self.extra_gateway(self.gateway_settings(name, env), redis_url)
 
     def extra_gateway(
-        self, gateway: Gateway, redis_url: str, workers: Sequence[str] | None = None
+        self,
+        gateway: Gateway,
+        redis_url: str,
+        workers: Sequence[str] | None = None,
+        ready_path: str = "/ready",
     ) -> Process:
         """`gateway` (in-process manager) on `redis_url` in front of `workers` (`--worker`
-        values; None: this stack's workers), started; the caller stops it."""
+        values; None: this stack's workers), started once `ready_path` answers (`/health`:
+        a gateway whose workers or store are meant to be down); the caller stops it."""
         workers = self.routes() if workers is None else workers
         service = gateway_service(gateway, free_port(), ["--redis-url", redis_url], workers)
+        service = replace(service, ready_path=ready_path)
         return service.process(self.root / f"{gateway.name}.log").start()
 
     def stop(self) -> None:

@@ -55,10 +55,11 @@ def stack(
 
 
 def aux_gateway(stack: Stack, name: str, workers: list[str], redis_url: str, **env: str) -> Process:
-    """Another gateway in front of (some of) the stack's parts, for failure cases."""
+    """Another gateway in front of (some of) the stack's parts, for failure cases: started
+    once it answers `/health` (its workers or Redis may be down on purpose)."""
     env = {"CTX_GATEWAY_HEALTH_INTERVAL_S": "0.5", **env}
     gateway = Gateway(name, keys={"key-a": "tenant-a"}, env=env, log_level=None, timeout=60.0)
-    return stack.extra_gateway(gateway, redis_url, workers)
+    return stack.extra_gateway(gateway, redis_url, workers, ready_path="/health")
 
 
 @pytest.fixture
