@@ -90,6 +90,16 @@ def engine_service(engine: Engine, port: int, sidecar_lm: str | None) -> Service
     return Service(engine.name, argv, port, ready, dict(engine.env), timeout, group)
 
 
+def manager_service(redis_url: str, token: str, name: str = "manager") -> Service:
+    """`ctxcache manager` on a free port over `redis_url`, its API behind `token` (a
+    gateway's `--manager-url` store)."""
+    from ctxcache.net import free_port
+
+    port = free_port()
+    argv = ctxcache_argv("manager", "--redis-url", redis_url, "--token", token)
+    return Service(name, [*argv, "--port", str(port)], port)
+
+
 def route(url: str, sidecar: str | None = None, name: str | None = None) -> str:
     """A gateway's `--worker` value: `[NAME@]URL[=SIDECAR]`."""
     return f"{name + '@' if name else ''}{url}{'=' + sidecar if sidecar else ''}"

@@ -8,9 +8,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from benchmarks.lib.process import Service, ctxcache_argv
-from benchmarks.lib.stack import Engine, Gateway, ProcessRunner, StackBuilder, StackSettings
-from ctxcache.net import free_port
+from benchmarks.lib.stack import (
+    Engine,
+    Gateway,
+    ProcessRunner,
+    StackBuilder,
+    StackSettings,
+    manager_service,
+)
 
 
 @contextmanager
@@ -26,9 +31,7 @@ def two_gateways(
     builder = StackBuilder(settings, root, runner)
     try:
         stack = builder.start()
-        port = free_port()
-        argv = ctxcache_argv("manager", "--redis-url", redis_url, "--token", token)
-        builder.add(Service("manager", [*argv, "--port", str(port)], port))
+        builder.add(manager_service(redis_url, token))
         stores = [["--redis-url", redis_url], ["--manager-url", stack.url("manager")]]
         env = {"CTX_GATEWAY_HEALTH_INTERVAL_S": "0.5", "CTX_GATEWAY_MANAGER_TOKEN": token, **env}
         tenants = dict(key.split("=", 1) for key in keys)
