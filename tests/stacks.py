@@ -9,7 +9,8 @@ own settings (`WorkerStackSettings`) and a few helpers of their own.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Self
@@ -27,6 +28,21 @@ from benchmarks.lib.stack import (
 )
 from ctxcache.net import free_port
 from ctxcache.redis_server import RedisServer
+
+
+@contextmanager
+def started(settings: StackSettings, root: Path) -> Iterator[tuple[StackBuilder, ProcessRunner]]:
+    """`settings`' stack started the tests' way: the builder (`builder.stack`, and to add
+    parts to it) and its `ProcessRunner` (`runner.procs[name]`: each process a `Process`
+    logging to ROOT/NAME.log); every process stopped when the block ends."""
+    runner = ProcessRunner(root)
+    builder = StackBuilder(settings, root, runner)
+    try:
+        builder.start()
+        yield builder, runner
+    finally:
+        runner.stop()
+        builder.stop()
 
 
 @dataclass(frozen=True)

@@ -8,14 +8,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from benchmarks.lib.stack import (
-    Engine,
-    Gateway,
-    ProcessRunner,
-    StackBuilder,
-    StackSettings,
-    manager_service,
-)
+from benchmarks.lib.stack import Engine, Gateway, StackSettings, manager_service
+from tests.stacks import started
 
 
 @contextmanager
@@ -27,10 +21,8 @@ def two_gateways(
     token = "manager-token-replicas"
     worker = Engine("builtin", "worker", args=("--threads", "1"), model=model)
     settings = StackSettings(redis=redis_url, sidecar=None, engines=(worker,))
-    runner = ProcessRunner(root)
-    builder = StackBuilder(settings, root, runner)
-    try:
-        stack = builder.start()
+    with started(settings, root) as (builder, _):
+        stack = builder.stack
         builder.add(manager_service(redis_url, token))
         stores = [["--redis-url", redis_url], ["--manager-url", stack.url("manager")]]
         env = {"CTX_GATEWAY_HEALTH_INTERVAL_S": "0.5", "CTX_GATEWAY_MANAGER_TOKEN": token, **env}
@@ -39,6 +31,3 @@ def two_gateways(
             gateway = Gateway(f"gateway{i}", tenants, env, log_level=None, timeout=60.0)
             builder.gateway(gateway, store)
         yield stack.url("worker"), [stack.url(name) for name in stack.gateways]
-    finally:
-        runner.stop()
-        builder.stop()

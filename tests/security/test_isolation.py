@@ -22,17 +22,11 @@ import httpx
 import pytest
 
 from benchmarks.lib.process import Process
-from benchmarks.lib.stack import (
-    Engine,
-    Gateway,
-    ProcessRunner,
-    StackBuilder,
-    StackSettings,
-    manager_service,
-)
+from benchmarks.lib.stack import Engine, Gateway, StackSettings, manager_service
 from ctxcache.lmcache_keys import parse_key, session_key
 from ctxcache.redis_server import RedisServer
 from sidecar.client import KVClient
+from tests.stacks import started
 
 KEY_A, KEY_B = "sk-tenant-a-" + os.urandom(8).hex(), "sk-tenant-b-" + os.urandom(8).hex()
 WRONG_KEY = "sk-wrong-" + os.urandom(8).hex()  # a caller's bad key must not be logged either
@@ -88,23 +82,23 @@ def secure(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterat
     settings = StackSettings(
         s.redis.url, sidecar=sidecar, sidecar_env=sidecar_env, engines=(worker,)
     )
-    runner = ProcessRunner(root)
-    builder = StackBuilder(settings, root, runner)
     try:
-        stack = builder.start()
-        assert stack.sidecar_lm is not None
-        s.sidecar_data_port = int(stack.sidecar_lm.rsplit(":", 1)[1])
-        env = {"CTX_MANAGER_SIDECAR_TOKEN": SIDECAR_TOKEN}
-        builder.add(manager_service(s.redis.url, MANAGER_TOKEN, env=env))
-        env = {"CTX_GATEWAY_MANAGER_TOKEN": MANAGER_TOKEN, "CTX_GATEWAY_HEALTH_INTERVAL_S": "0.5"}
-        keys = {KEY_A: "tenant-a", KEY_B: "tenant-b"}
-        gateway = Gateway(keys=keys, env=env, log_level=None, timeout=60.0)
-        builder.gateway(gateway, ["--manager-url", stack.url("manager")])
-        s.procs = runner.procs
-        yield s
+        with started(settings, root) as (builder, runner):
+            stack = builder.stack
+            assert stack.sidecar_lm is not None
+            s.sidecar_data_port = int(stack.sidecar_lm.rsplit(":", 1)[1])
+            env = {"CTX_MANAGER_SIDECAR_TOKEN": SIDECAR_TOKEN}
+            builder.add(manager_service(s.redis.url, MANAGER_TOKEN, env=env))
+            env = {
+                "CTX_GATEWAY_MANAGER_TOKEN": MANAGER_TOKEN,
+                "CTX_GATEWAY_HEALTH_INTERVAL_S": "0.5",
+            }
+            keys = {KEY_A: "tenant-a", KEY_B: "tenant-b"}
+            gateway = Gateway(keys=keys, env=env, log_level=None, timeout=60.0)
+            builder.gateway(gateway, ["--manager-url", stack.url("manager")])
+            s.procs = runner.procs
+            yield s
     finally:
-        runner.stop()
-        builder.stop()
         s.redis.stop()
 
 
