@@ -197,19 +197,6 @@ def run_cli(*argv: str, env: dict[str, str] | None = None) -> subprocess.Complet
     )
 
 
-def start_all(procs: Sequence[ServiceProcess]) -> list[ServiceProcess]:
-    """Start `procs` side by side (a worker's start is seconds of imports and a model
-    load); each is ready when this returns. If one fails, the others are stopped."""
-    with ThreadPoolExecutor(max(1, len(procs))) as pool:
-        futures = [pool.submit(p.start) for p in procs]
-    try:
-        return [f.result() for f in futures]
-    except BaseException:
-        for p in procs:
-            p.stop()
-        raise
-
-
 def run_clis(
     calls: Sequence[tuple[Sequence[str], dict[str, str] | None]],
 ) -> list[subprocess.CompletedProcess[str]]:

@@ -31,13 +31,15 @@ import json
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from benchmarks.lib.process import Process
 
 NAME = "gateway_keys"
 PATH = "/v1/models"  # a route that checks a presented key and needs nothing else
@@ -110,22 +112,21 @@ def main(args: argparse.Namespace) -> int:
         files = {n: _keys_file(Path(tmp), n) for n in counts}
         live = Path(tmp) / "keys.json"
         _install(files[args.keys], live)
-        port = free_port()
-        gateway = _start_gateway(port, live, free_port(), args.gateway_tree, Path(tmp))
+        gateway = _start_gateway(free_port(), live, free_port(), args.gateway_tree, Path(tmp))
         try:
-            _wait_ready(gateway, port, f"sk-probe-{args.keys}")
+            _wait_ready(gateway.spawn(), f"sk-probe-{args.keys}")
             rounds: list[Round] = []
             plan = [(r, n) for r in range(args.rounds) for n in (counts[:: 1 - 2 * (r % 2)])]
             with tqdm(total=len(plan), desc="gateway-keys", unit="load") as bar:
                 for r, n in plan:
-                    _swap(gateway, port, files[n], live, f"sk-probe-{n}")
-                    got = asyncio.run(_load(port, wrk, args.connections, args.seconds))
+                    _swap(gateway, files[n], live, f"sk-probe-{n}")
+                    got = asyncio.run(_load(gateway.port, wrk, args.connections, args.seconds))
                     got.keys = n
                     rounds.append(got)
                     bar.set_postfix_str(f"round {r + 1}, {n} keys: {got.per_s:,.0f}/s")
                     bar.update()
         finally:
-            _stop(gateway)
+            gateway.stop()
     results = _summarise(rounds, counts)
     meta = run_meta(
         NAME,
@@ -213,18 +214,15 @@ def _install(src: Path, live: Path) -> None:
     os.replace(tmp, live)
 
 
-def _start_gateway(
-    port: int, keys: Path, dead_port: int, tree: Path | None, tmp: Path
-) -> subprocess.Popen[bytes]:
-    argv = [sys.executable, "-m", "ctxcache.cli", "gateway", "--port", str(port)]
-    argv += ["--api-keys-file", str(keys), "--log-level", "WARNING"]
-    argv += ["--redis-url", f"redis://127.0.0.1:{dead_port}/0"]  # nothing there: no store
-    env = {**os.environ, "CTX_GATEWAY_API_KEYS_FILE_POLL_S": "0"}  # SIGHUP only
-    if tree is not None:  # -P: the checkout on PYTHONPATH, not the working directory
-        argv[1:1] = ["-P"]
-        env["PYTHONPATH"] = str(tree.resolve())
-    log = (tmp / "gateway.log").open("wb")
-    return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+def _start_gateway(port: int, keys: Path, dead_port: int, tree: Path | None, tmp: Path) -> Process:
+    """`ctxcache gateway` (from `tree` if set) with the keys file `keys`, reloaded on SIGHUP
+    only, its store a Redis URL where nothing listens; ready once `keys`' probe answers."""
+    from benchmarks.lib.stack import Gateway, gateway_service
+
+    env = {"CTX_GATEWAY_API_KEYS_FILE_POLL_S": "0"}  # SIGHUP only
+    gateway = Gateway(args=("--api-keys-file", str(keys)), env=env, tree=tree)
+    store = ["--redis-url", f"redis://127.0.0.1:{dead_port}/0"]  # nothing there: no store
+    return gateway_service(gateway, port, store, []).process(tmp / "gateway.log")
 
 
 def _status(port: int, key: str) -> int | None:
@@ -239,37 +237,33 @@ def _status(port: int, key: str) -> int | None:
     return r.status_code
 
 
-def _wait_ready(gateway: subprocess.Popen[bytes], port: int, probe: str) -> None:
-    deadline = time.monotonic() + 120
-    while _status(port, probe) != 200:
-        if gateway.poll() is not None:
-            raise RuntimeError(f"the gateway exited with {gateway.returncode}")
-        if time.monotonic() > deadline:
-            raise RuntimeError("the gateway did not take its keys in 120 s")
-        time.sleep(0.2)
-    if _status(port, "sk-wrong-0") != 401:
+def _wait_ready(gateway: Process, probe: str) -> None:
+    """Until the gateway takes `probe` (its keys file is in), 120 s at most; then a wrong
+    key must be refused with 401."""
+    from benchmarks.lib.process import wait_ready
+
+    def took(timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while _status(gateway.port, probe) != 200:
+            if time.monotonic() > deadline:
+                raise TimeoutError(probe)
+            time.sleep(0.2)
+
+    assert gateway.proc is not None
+    wait_ready(took, gateway.proc.poll, timeout=120, what="the gateway (taking its keys)")
+    if _status(gateway.port, "sk-wrong-0") != 401:
         raise RuntimeError("a wrong key is not refused with 401")
 
 
-def _swap(gateway: subprocess.Popen[bytes], port: int, src: Path, live: Path, probe: str) -> None:
+def _swap(gateway: Process, src: Path, live: Path, probe: str) -> None:
     """The keys of `src` in the gateway (a SIGHUP; its probe key answered), then a pause for
     the old keys to be freed (in a thread of the gateway)."""
-    if _status(port, probe) == 200:
+    if _status(gateway.port, probe) == 200:
         return  # (already in)
     _install(src, live)
     gateway.send_signal(signal.SIGHUP)
-    _wait_ready(gateway, port, probe)
+    _wait_ready(gateway, probe)
     time.sleep(1.0)
-
-
-def _stop(gateway: subprocess.Popen[bytes]) -> None:
-    if gateway.poll() is None:
-        gateway.terminate()
-        try:
-            gateway.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            gateway.kill()
-            gateway.wait()
 
 
 # ---- the load -------------------------------------------------------------------------------

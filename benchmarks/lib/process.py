@@ -3,8 +3,8 @@ it is ready) and, for the tests, a child process with a log file that is ready o
 URL answers (`Process`, after vLLM's tests/utils.py::RemoteOpenAIServer).
 
 Benchmarks run their services under ctxcache's own `Supervisor` (`Service.child()`: prefixed
-logs, Ctrl-C, nothing left behind); tests run each as a `Process`, which they stop, kill
-and start again one by one. `stack.py` says which services a stack is made of.
+logs, Ctrl-C, nothing left behind); tests run each as a `Process` (`Service.process()`),
+which they stop, kill and start again one by one. `stack.py` says which services a stack is made of.
 
 Imports nothing heavy at module level: the GPU check runs the tests' helpers where only
 torch, pytest and httpx are (benchmarks/gpu_check.sh).
@@ -52,7 +52,8 @@ def url_of(port: int) -> str:
 @dataclass
 class Service:
     """A process of a stack, not started: `argv` with `env` added to this one's, ready once
-    `ready_path` on `port` answers 2xx (None: not polled; whoever starts it checks)."""
+    `ready_path` on `port` answers 2xx (None: not polled; whoever starts it checks).
+    `group`: a server with children of its own (vLLM's engine core), stopped as a group."""
 
     name: str
     argv: list[str]
@@ -60,6 +61,7 @@ class Service:
     ready_path: str | None = "/health"
     env: dict[str, str] = field(default_factory=dict)
     startup_timeout: float = 120.0
+    group: bool = False
 
     @property
     def url(self) -> str:
@@ -79,6 +81,22 @@ class Service:
         ready = self.ready if self.ready_path is not None else None
         timeout = self.startup_timeout
         return Child(self.name, self.argv, ready=ready, env=self.env, startup_timeout=timeout)
+
+    def process(
+        self, log_path: Path | None = None, ready: Callable[[float], None] | None = None
+    ) -> Process:
+        """This service as a test's `Process` (not started), its output in `log_path`;
+        `ready`: the check that it is up, instead of `ready_path`."""
+        return Process(
+            self.argv,
+            port=self.port,
+            health_path=self.ready_path,
+            ready=ready,
+            log_path=log_path,
+            env=self.env,
+            startup_timeout=self.startup_timeout,
+            group=self.group,
+        )
 
 
 def wait_ready(
@@ -142,10 +160,11 @@ class Process:
         return url_of(self.port)
 
     def start(self) -> Self:
-        """Spawn it and wait until it is ready; stopped, with its log in the error, if it
-        exits first or is not ready in `startup_timeout` s."""
-        from ctxcache.net import wait_http
+        """Spawn it and wait until it is ready (`until_ready`)."""
+        return self.spawn().until_ready()
 
+    def spawn(self) -> Self:
+        """Start it, not waiting for anything (`until_ready` waits)."""
         with contextlib.ExitStack() as files:
             out: IO[bytes] | int = subprocess.DEVNULL
             if self.log_path:
@@ -157,11 +176,21 @@ class Process:
                 env=self.env,
                 start_new_session=True,
             )
+        return self
+
+    def until_ready(self, health_path: str | None = None) -> Self:
+        """Wait until it is ready: `ready` returns, else `health_path` (given here, or its
+        own) answers 2xx; neither: at once. Stopped, with its log in the error, if it exits
+        first or is not ready in `startup_timeout` s."""
+        from ctxcache.net import wait_http
+
+        assert self.proc is not None, "not started"
         ready = self.ready
+        path = health_path or self.health_path
         if ready is None:
-            if self.health_path is None:
+            if path is None:
                 return self
-            url = f"{url_of(self.health_port)}{self.health_path}"
+            url = f"{url_of(self.health_port)}{path}"
             ready = lambda timeout: wait_http(url, timeout=timeout)  # noqa: E731
         try:
             wait_ready(
@@ -208,6 +237,11 @@ class Process:
 
     def kill(self) -> None:
         self.stop(signal.SIGKILL)
+
+    def send_signal(self, sig: int) -> None:
+        """`sig` to it alone (SIGHUP: a gateway reloads its keys file)."""
+        assert self.proc is not None, "not started"
+        self.proc.send_signal(sig)
 
     def __enter__(self) -> Self:
         return self.start()

@@ -53,14 +53,16 @@ def sidecar_service(
     control_port: int | None = None,
     args: Sequence[str] = (),
     name: str = "sidecar",
+    env: dict[str, str] | None = None,
 ) -> tuple[Service, int]:
-    """`ctxcache sidecar` on these ports (free ones unless given), `sidecar_command`: the
-    service (ready on its control port) and its data port."""
+    """`ctxcache sidecar` on these ports (free ones unless given), `sidecar_command`, with
+    `env` added: the service (ready on its control port) and its data port."""
     from ctxcache.net import free_port
 
     data = data_port or free_port()
     control = control_port or free_port()
-    return Service(name, ctxcache_argv(*sidecar_command(data, control, args)), control), data
+    argv = ctxcache_argv(*sidecar_command(data, control, args))
+    return Service(name, argv, control, env=dict(env or {})), data
 
 
 def module_service(name: str, module: str, port: int, *args: str) -> Service:
@@ -85,7 +87,21 @@ def engine_service(engine: Engine, port: int, sidecar_lm: str | None) -> Service
         argv = ctxcache_argv(command, *model, "--port", str(port), *store)
     ready = "/health" if engine.wait else None
     timeout = engine.startup_timeout
-    return Service(engine.name, [*argv, *engine.args], port, ready, dict(engine.env), timeout)
+    group = engine.kind == "vllm"  # (its engine core and workers are its children)
+    argv += engine.args
+    return Service(engine.name, argv, port, ready, dict(engine.env), timeout, group)
+
+
+def manager_service(
+    redis_url: str, token: str, name: str = "manager", env: dict[str, str] | None = None
+) -> Service:
+    """`ctxcache manager` on a free port over `redis_url`, its API behind `token` (a
+    gateway's `--manager-url` store), with `env` added."""
+    from ctxcache.net import free_port
+
+    port = free_port()
+    argv = ctxcache_argv("manager", "--redis-url", redis_url, "--token", token)
+    return Service(name, [*argv, "--port", str(port)], port, env=dict(env or {}))
 
 
 def route(url: str, sidecar: str | None = None, name: str | None = None) -> str:
@@ -153,12 +169,14 @@ class Gateway:
 @dataclass(frozen=True)
 class StackSettings:
     """Redis (`bundled`, `cluster`, the URL of a running server or None), the sidecar (None:
-    none; else the arguments added to its command line), the engines and the gateway
-    (None: none yet; `StackBuilder.gateway` adds gateways later)."""
+    none; else the arguments added to its command line; `sidecar_env` added to its
+    environment), the engines and the gateway (None: none yet; `StackBuilder.gateway` adds
+    gateways later)."""
 
     redis: str | None = "bundled"
     redis_appendonly: bool = True
     sidecar: tuple[str, ...] | None = ()
+    sidecar_env: dict[str, str] = field(default_factory=dict)
     engines: tuple[Engine, ...] = ()
     gateway: Gateway | None = None
 
@@ -205,15 +223,7 @@ class ProcessRunner:
         self.procs: dict[str, Process] = {}
 
     def start(self, service: Service, probe: Callable[[float], None] | None = None) -> int:
-        proc = Process(
-            service.argv,
-            port=service.port,
-            health_path=service.ready_path,
-            ready=probe,
-            log_path=self.root / f"{service.name}.log",
-            env=service.env,
-            startup_timeout=service.startup_timeout,
-        )
+        proc = service.process(self.root / f"{service.name}.log", probe)
         self.procs[service.name] = proc
         proc.start()
         assert proc.proc is not None
@@ -279,7 +289,7 @@ class StackBuilder:
         redis_url = self._redis(pids)
         sidecar = lm = None
         if s.sidecar is not None:
-            service, data_port = sidecar_service(args=s.sidecar)
+            service, data_port = sidecar_service(args=s.sidecar, env=s.sidecar_env)
             pids[service.name] = self.runner.start(service)
             sidecar, lm = service.url, f"lm://127.0.0.1:{data_port}"
         for e in sorted(s.engines, key=lambda e: e.wait):  # (stable: those that wait last)

@@ -4,6 +4,7 @@ nothing left running once it is stopped."""
 
 from __future__ import annotations
 
+import signal
 import sys
 import time
 from pathlib import Path
@@ -11,13 +12,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from benchmarks.lib.process import Process
+from benchmarks.lib.process import Process, Service
 from benchmarks.lib.stack import (
     Engine,
     Gateway,
     ProcessRunner,
     StackBuilder,
     StackSettings,
+    engine_service,
     route,
 )
 from ctxcache.net import free_port
@@ -66,3 +68,46 @@ def test_a_process_that_exits_while_starting_fails_at_once_with_its_log(tmp_path
         proc.start()
     assert time.monotonic() - t0 < 30  # not its whole startup_timeout
     assert proc.proc is None
+
+
+def test_a_process_started_without_a_check_is_waited_for_later_and_signalled(
+    tmp_path: Path,
+) -> None:
+    port = free_port()
+    argv = [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"]
+    web = Service("web", [*argv, "--directory", str(tmp_path)], port, None)
+    proc = web.process(tmp_path / "web.log").start()  # spawned: nothing says when it is up
+    try:
+        proc.until_ready("/")
+        assert httpx.get(f"{proc.url}/", timeout=10).status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.proc is not None and proc.proc.wait(timeout=10) == -signal.SIGTERM
+    finally:
+        proc.stop()
+
+
+def test_vllm_is_stopped_with_its_children_as_a_process_group(tmp_path: Path) -> None:
+    vllm = Engine("vllm", "vllm", command=("vllm",), port=1)
+    assert engine_service(vllm, 1, None).group
+    assert not engine_service(Engine("builtin", "worker"), 1, None).group
+    marker = tmp_path / "child.pid"
+    code = (
+        "import subprocess, sys, time; "
+        "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+        f"open({str(marker)!r}, 'w').write(str(c.pid)); time.sleep(120)"
+    )
+    service = Service("parent", [sys.executable, "-c", code], free_port(), None, group=True)
+    proc = service.process(tmp_path / "parent.log").start()
+    try:
+        deadline = time.monotonic() + 30
+        while not marker.exists() or not marker.read_text():
+            assert time.monotonic() < deadline, "no child started"
+            time.sleep(0.05)
+        child = int(marker.read_text())
+    finally:
+        proc.stop()
+    stat = Path(f"/proc/{child}/stat")
+    deadline = time.monotonic() + 10
+    while stat.exists() and stat.read_text().split(") ")[-1][0] != "Z":
+        assert time.monotonic() < deadline, "the child outlived its group's stop"
+        time.sleep(0.05)

@@ -14,17 +14,16 @@ import os
 import signal
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from ctxcache.net import free_port
+from benchmarks.lib.process import Process
 from ctxcache.redis_server import RedisServer
-from tests.utils import ServiceProcess
+from ctxcache.redis_topologies import RedisSentinelServers
+from tests.stacks import WorkerStack, WorkerStackSettings
 
 log = logging.getLogger(__name__)
 
@@ -35,104 +34,30 @@ SIDECAR_TIMEOUT_S = 0.5  # the workers' per-call sidecar timeout
 REDIS_TIMEOUT_S = 1.0  # the in-process manager's Redis socket timeout
 
 
-@dataclass
-class FaultStack:
-    root: Path
-    model_dir: Path
-    redis: RedisServer
-    sidecar_data_port: int = field(default_factory=free_port)
-    sidecar_control_port: int = field(default_factory=free_port)
-    sidecar: ServiceProcess | None = None
-    workers: list[ServiceProcess] = field(default_factory=list)
-    gateway: ServiceProcess | None = None
+SETTINGS = WorkerStackSettings(
+    worker_args=(
+        *("--sidecar-timeout", str(SIDECAR_TIMEOUT_S)),
+        *("--threads", "1", "--chunk-size", str(CHUNK)),
+    ),
+    worker_env={"CTX_WORKER_L1_BYTES": "0"},
+    worker_timeout=180.0,
+    sidecar_args=("--memory-bytes", "0", "--disk-bytes", str(1 << 30)),
+    keys=API_KEYS,
+    gateway_env={
+        "CTX_GATEWAY_HEALTH_INTERVAL_S": "0.5",
+        "CTX_GATEWAY_REQUEST_TIMEOUT_S": str(REQUEST_TIMEOUT_S),
+        "CTX_MANAGER_REDIS_TIMEOUT_S": str(REDIS_TIMEOUT_S),
+    },
+    named_routes=True,
+)
 
-    @property
-    def url(self) -> str:
-        assert self.gateway is not None
-        return self.gateway.url
 
-    @property
-    def sidecar_url(self) -> str:
-        return f"http://127.0.0.1:{self.sidecar_control_port}"
+class FaultStack(WorkerStack):
+    """This package's stack (`SETTINGS`) on a Redis of its own, which it stops with it."""
 
     @property
     def blocks_dir(self) -> Path:
         return self.root / "sidecar" / "blocks"
-
-    def start_sidecar(self) -> None:
-        """Start (or restart, same ports and data dir) the sidecar: every block on disk."""
-        self.sidecar = ServiceProcess(
-            [
-                "sidecar",
-                "--port",
-                str(self.sidecar_data_port),
-                "--control-port",
-                str(self.sidecar_control_port),
-                "--data-dir",
-                str(self.root / "sidecar"),
-                "--memory-bytes",
-                "0",
-                "--disk-bytes",
-                str(1 << 30),
-            ],
-            port=self.sidecar_control_port,
-            log_path=self.root / "sidecar.log",
-        ).start()
-
-    def worker_proc(self, i: int, port: int | None = None) -> ServiceProcess:
-        return ServiceProcess(
-            [
-                "worker",
-                "--model",
-                str(self.model_dir),
-                "--sidecar",
-                f"lm://127.0.0.1:{self.sidecar_data_port}",
-                "--sidecar-timeout",
-                str(SIDECAR_TIMEOUT_S),
-                "--threads",
-                "1",
-                "--chunk-size",
-                str(CHUNK),
-            ],
-            port=port,
-            log_path=self.root / f"worker{i}.log",
-            env={"CTX_WORKER_L1_BYTES": "0"},
-            startup_timeout=180,
-        )
-
-    def start(self) -> FaultStack:
-        self.start_sidecar()
-        with ThreadPoolExecutor(2) as pool:  # both load the model at once
-            self.workers = list(pool.map(lambda i: self.worker_proc(i).start(), range(2)))
-        self.gateway = self.start_gateway(self.redis.url, "gateway")
-        return self
-
-    def start_gateway(
-        self, redis_url: str, name: str, env: dict[str, str] | None = None
-    ) -> ServiceProcess:
-        """A gateway (in-process manager) on `redis_url` in front of this stack's workers;
-        the caller stops the ones it starts beside the stack's own."""
-        argv = ["gateway", "--redis-url", redis_url]
-        for i, w in enumerate(self.workers):
-            argv += ["--worker", f"w{i}@{w.url}={self.sidecar_url}"]
-        for key, tenant in API_KEYS.items():
-            argv += ["--api-key", f"{key}={tenant}"]
-        return ServiceProcess(
-            argv,
-            log_path=self.root / f"{name}.log",
-            env={
-                "CTX_GATEWAY_HEALTH_INTERVAL_S": "0.5",
-                "CTX_GATEWAY_REQUEST_TIMEOUT_S": str(REQUEST_TIMEOUT_S),
-                "CTX_MANAGER_REDIS_TIMEOUT_S": str(REDIS_TIMEOUT_S),
-                **(env or {}),
-            },
-            health_path="/ready",
-        ).start()
-
-    def restart_worker(self, i: int) -> None:
-        old = self.workers[i]
-        old.stop()
-        self.workers[i] = self.worker_proc(i, port=old.port).start()
 
     def client(
         self, key: str = "fault-key-a", timeout: float = 60, *, url: str | None = None
@@ -162,9 +87,7 @@ class FaultStack:
             wait_for(served, timeout, f"{w.url} reading from the sidecar")
 
     def stop(self) -> None:
-        for proc in [self.gateway, *self.workers, self.sidecar]:
-            if proc is not None:
-                proc.stop()
+        super().stop()
         self.redis.stop()
 
 
@@ -182,7 +105,7 @@ def wait_for(pred: Callable[[], bool], timeout: float, what: str) -> None:
 
 
 @contextlib.contextmanager
-def stopped(proc: ServiceProcess | RedisServer) -> Iterator[None]:
+def stopped(proc: Process | RedisServer) -> Iterator[None]:
     """SIGSTOP a process we started (a stalled, unresponsive peer); SIGCONT it afterwards."""
     assert proc.proc is not None
     pid = proc.proc.pid
@@ -196,12 +119,22 @@ def stopped(proc: ServiceProcess | RedisServer) -> Iterator[None]:
 @pytest.fixture(scope="package")
 def fstack(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[FaultStack]:
     root = tmp_path_factory.mktemp("faults")
-    s = FaultStack(root=root, model_dir=tiny_model, redis=RedisServer(root / "redis"))
+    s = FaultStack(root, tiny_model, RedisServer(root / "redis"), SETTINGS)
     s.redis.start()
     try:
         yield s.start()
     finally:
         s.stop()
+
+
+@pytest.fixture
+def sentinel(tmp_path: Path) -> Iterator[RedisSentinelServers]:
+    """A Sentinel set of the test's own (a master, its replicas, the sentinels)."""
+    servers = RedisSentinelServers(tmp_path / "sentinel", down_after_ms=1000)
+    try:
+        yield servers.start()
+    finally:
+        servers.stop()
 
 
 def usage_cached(body: dict[str, Any]) -> int:

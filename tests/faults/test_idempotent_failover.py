@@ -46,15 +46,6 @@ def cluster(tmp_path: Path) -> Iterator[RedisClusterServers]:
         servers.stop()
 
 
-@pytest.fixture
-def sentinel(tmp_path: Path) -> Iterator[RedisSentinelServers]:
-    servers = RedisSentinelServers(tmp_path / "sentinel", down_after_ms=1000)
-    try:
-        yield servers.start()
-    finally:
-        servers.stop()
-
-
 class LoseTheReply:
     """Wraps a store's `append`: the first call with an idempotency key runs for real, then
     `kill` runs and the call raises as a lost reply does. Keeps what was written."""

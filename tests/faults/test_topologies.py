@@ -14,7 +14,6 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -23,9 +22,9 @@ import pytest
 import redis
 from redis.cluster import RedisCluster as SyncCluster
 
+from benchmarks.lib.process import Process
 from ctxcache.redis_topologies import RedisClusterServers, RedisSentinelServers
 from tests.faults.conftest import SYSTEM, Conversation, FaultStack
-from tests.utils import ServiceProcess
 
 log = logging.getLogger(__name__)
 
@@ -43,20 +42,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterSe
         servers.stop()
 
 
-@pytest.fixture
-def sentinel(tmp_path: Path) -> Iterator[RedisSentinelServers]:
-    servers = RedisSentinelServers(tmp_path / "sentinel", down_after_ms=1000)
-    try:
-        yield servers.start()
-    finally:
-        servers.stop()
-
-
 @contextlib.contextmanager
 def gateways(
     fstack: FaultStack, redis_url: str, n: int = 1, env: dict[str, str] | None = None
-) -> Iterator[list[ServiceProcess]]:
-    started: list[ServiceProcess] = []
+) -> Iterator[list[Process]]:
+    started: list[Process] = []
     try:
         for i in range(n):
             name = f"gateway-{int(time.time() * 1000)}-{i}"

@@ -8,7 +8,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from tests.utils import ServiceProcess
+from benchmarks.lib.stack import Engine, Gateway, StackSettings, manager_service
+from tests.stacks import started
 
 
 @contextmanager
@@ -16,37 +17,17 @@ def two_gateways(
     root: Path, redis_url: str, model: Path, *, keys: list[str], env: dict[str, str]
 ) -> Iterator[tuple[str, list[str]]]:
     """(the worker's URL, the two gateways' URLs); `keys` are `--api-key` specs, `env` the
-    gateways' extra settings."""
+    gateways' extra settings. Started by the one stack builder, the tests' way."""
     token = "manager-token-replicas"
-    procs: list[ServiceProcess] = []
-    try:
-        worker = ServiceProcess(
-            ["worker", "--model", str(model), "--threads", "1"],
-            log_path=root / "worker.log",
-            startup_timeout=120,
-        ).start()
-        procs.append(worker)
-        manager = ServiceProcess(
-            ["manager", "--redis-url", redis_url, "--token", token],
-            log_path=root / "manager.log",
-        ).start()
-        procs.append(manager)
-        stores = [["--redis-url", redis_url], ["--manager-url", manager.url]]
+    worker = Engine("builtin", "worker", args=("--threads", "1"), model=model)
+    settings = StackSettings(redis=redis_url, sidecar=None, engines=(worker,))
+    with started(settings, root) as (builder, _):
+        stack = builder.stack
+        builder.add(manager_service(redis_url, token))
+        stores = [["--redis-url", redis_url], ["--manager-url", stack.url("manager")]]
+        env = {"CTX_GATEWAY_HEALTH_INTERVAL_S": "0.5", "CTX_GATEWAY_MANAGER_TOKEN": token, **env}
+        tenants = dict(key.split("=", 1) for key in keys)
         for i, store in enumerate(stores):
-            argv = ["gateway", *store, "--worker", worker.url]
-            for key in keys:
-                argv += ["--api-key", key]
-            settings = {
-                "CTX_GATEWAY_HEALTH_INTERVAL_S": "0.5",
-                "CTX_GATEWAY_MANAGER_TOKEN": token,
-                **env,
-            }
-            procs.append(
-                ServiceProcess(
-                    argv, log_path=root / f"gateway{i}.log", env=settings, health_path="/ready"
-                ).start()
-            )
-        yield worker.url, [p.url for p in procs[2:]]
-    finally:
-        for p in procs:
-            p.stop()
+            gateway = Gateway(f"gateway{i}", tenants, env, log_level=None, timeout=60.0)
+            builder.gateway(gateway, store)
+        yield stack.url("worker"), [stack.url(name) for name in stack.gateways]

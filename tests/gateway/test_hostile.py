@@ -19,8 +19,8 @@ from typing import Any
 import httpx
 import pytest
 
+from benchmarks.lib.process import Process
 from tests.gateway.conftest import Stack, aux_gateway
-from tests.utils import ServiceProcess
 
 DOC = " ".join(f"Canary paragraph {i} keeps its history." for i in range(12))
 OVER_WINDOW = "word " * 5000  # ~5000 tokens: over the tiny model's 4096-token window
@@ -652,7 +652,7 @@ LIMIT = 4096
 
 
 @pytest.fixture(scope="module")
-def small_gateway(stack: Stack) -> Iterator[ServiceProcess]:
+def small_gateway(stack: Stack) -> Iterator[Process]:
     workers = [f"{w.url}={stack.sidecar_url}" for w in stack.workers]
     gw = aux_gateway(
         stack, "gw-small-body", workers, stack.redis.url, CTX_GATEWAY_MAX_BODY_BYTES=str(LIMIT)
@@ -693,7 +693,7 @@ PAD = "y" * (2 * LIMIT)
     ],
 )
 def test_body_over_the_limit_is_413(
-    small_gateway: ServiceProcess,
+    small_gateway: Process,
     http: httpx.Client,
     canaries: Canaries,
     framing: str,

@@ -21,11 +21,12 @@ from typing import Any
 import httpx
 import pytest
 
+from benchmarks.lib.process import Process
+from benchmarks.lib.stack import Engine, Gateway, StackSettings, manager_service
 from ctxcache.lmcache_keys import parse_key, session_key
-from ctxcache.net import free_port
 from ctxcache.redis_server import RedisServer
 from sidecar.client import KVClient
-from tests.utils import ServiceProcess
+from tests.stacks import started
 
 KEY_A, KEY_B = "sk-tenant-a-" + os.urandom(8).hex(), "sk-tenant-b-" + os.urandom(8).hex()
 WRONG_KEY = "sk-wrong-" + os.urandom(8).hex()  # a caller's bad key must not be logged either
@@ -48,8 +49,8 @@ DOC = " ".join(f"Line {i} of a document both tenants happen to send." for i in r
 class SecureStack:
     root: Path
     redis: RedisServer
-    procs: dict[str, ServiceProcess] = field(default_factory=dict)
-    sidecar_data_port: int = field(default_factory=free_port)
+    procs: dict[str, Process] = field(default_factory=dict)  # by name: the runner's
+    sidecar_data_port: int = 0
     session_ids: list[str] = field(default_factory=list)  # every id this run created
 
     @property
@@ -70,71 +71,34 @@ class SecureStack:
 
 @pytest.fixture(scope="module")
 def secure(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[SecureStack]:
+    """The stack, started by the one stack builder; every process logs to ROOT/NAME.log."""
     root = tmp_path_factory.mktemp("secure")
-    model = tiny_model
     s = SecureStack(root=root, redis=RedisServer(root / "redis"))
     s.redis.start()
+    sidecar = ("--data-dir", str(root / "sidecar"), "--disk-bytes", str(1 << 28))
+    sidecar_env = {"CTX_SIDECAR_TOKEN": SIDECAR_TOKEN, "CTX_SIDECAR_ENCRYPTION_KEY": ENCRYPTION_KEY}
+    args = ("--threads", "1", "--chunk-size", "64")
+    worker = Engine("builtin", "worker", args, tiny_model, store=True, startup_timeout=180)
+    settings = StackSettings(
+        s.redis.url, sidecar=sidecar, sidecar_env=sidecar_env, engines=(worker,)
+    )
     try:
-        control = free_port()
-        s.procs["sidecar"] = ServiceProcess(
-            [
-                "sidecar",
-                "--port",
-                str(s.sidecar_data_port),
-                "--control-port",
-                str(control),
-                "--data-dir",
-                str(root / "sidecar"),
-                "--disk-bytes",
-                str(1 << 28),
-            ],
-            port=control,
-            log_path=root / "sidecar.log",
-            env={"CTX_SIDECAR_TOKEN": SIDECAR_TOKEN, "CTX_SIDECAR_ENCRYPTION_KEY": ENCRYPTION_KEY},
-        ).start()
-        s.procs["manager"] = ServiceProcess(
-            ["manager", "--redis-url", s.redis.url, "--token", MANAGER_TOKEN],
-            log_path=root / "manager.log",
-            env={"CTX_MANAGER_SIDECAR_TOKEN": SIDECAR_TOKEN},
-        ).start()
-        s.procs["worker"] = ServiceProcess(
-            [
-                "worker",
-                "--model",
-                str(model),
-                "--sidecar",
-                f"lm://127.0.0.1:{s.sidecar_data_port}",
-                "--threads",
-                "1",
-                "--chunk-size",
-                "64",
-            ],
-            log_path=root / "worker.log",
-            startup_timeout=180,
-        ).start()
-        s.procs["gateway"] = ServiceProcess(
-            [
-                "gateway",
-                "--manager-url",
-                s.procs["manager"].url,
-                "--worker",
-                f"{s.procs['worker'].url}={s.procs['sidecar'].url}",
-                "--api-key",
-                f"{KEY_A}=tenant-a",
-                "--api-key",
-                f"{KEY_B}=tenant-b",
-            ],
-            log_path=root / "gateway.log",
-            env={
+        with started(settings, root) as (builder, runner):
+            stack = builder.stack
+            assert stack.sidecar_lm is not None
+            s.sidecar_data_port = int(stack.sidecar_lm.rsplit(":", 1)[1])
+            env = {"CTX_MANAGER_SIDECAR_TOKEN": SIDECAR_TOKEN}
+            builder.add(manager_service(s.redis.url, MANAGER_TOKEN, env=env))
+            env = {
                 "CTX_GATEWAY_MANAGER_TOKEN": MANAGER_TOKEN,
                 "CTX_GATEWAY_HEALTH_INTERVAL_S": "0.5",
-            },
-            health_path="/ready",
-        ).start()
-        yield s
+            }
+            keys = {KEY_A: "tenant-a", KEY_B: "tenant-b"}
+            gateway = Gateway(keys=keys, env=env, log_level=None, timeout=60.0)
+            builder.gateway(gateway, ["--manager-url", stack.url("manager")])
+            s.procs = runner.procs
+            yield s
     finally:
-        for p in s.procs.values():
-            p.stop()
         s.redis.stop()
 
 

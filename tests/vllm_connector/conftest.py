@@ -1,5 +1,6 @@
 """The real vLLM (CPU build, the tiny preset) with the ctxcache connector, behind the gateway:
-one server for the module, a real sidecar, the run's Redis."""
+one server for the module, a real sidecar, the run's Redis; started by the one
+`StackBuilder` (benchmarks/lib/stack.py) with the tests' `ProcessRunner`."""
 
 from __future__ import annotations
 
@@ -7,18 +8,21 @@ import random
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import httpx
 import pytest
 
+from benchmarks.lib.process import Process
+from benchmarks.lib.stack import Engine, Gateway, StackSettings, manager_service
 from ctxcache.cpu import vllm_dtype
 from ctxcache.lmcache_keys import session_key
 from ctxcache.net import free_port
 from ctxcache.redis_server import RedisServer
 from ctxcache.vllm_engine import VllmLaunch
-from tests.utils import ServiceProcess, SidecarProcess, VllmProcess, require_vllm, shm_dir
+from tests.stacks import started
+from tests.utils import require_vllm, shm_dir
 
 WORDS = "the cat sat on a mat while dogs ran over green hills and people talked of rain".split()  # noqa: SIM905
 
@@ -35,11 +39,12 @@ VLLM_TIMEOUT = 900  # per test: the module's vLLM takes ~1 minute to start on 2 
 @dataclass
 class VllmStack:
     root: Path
-    sidecar: SidecarProcess
-    vllm: VllmProcess
-    gateway: ServiceProcess
+    sidecar: Process
+    vllm: Process
+    gateway: Process
     http: httpx.Client  # to the gateway, closed with the stack
-    manager: ServiceProcess | None = None  # the manager service, when the stack has one
+    manager: Process | None = None  # the manager service, when the stack has one
+    sidecar_lm: str = ""  # the sidecar's lm:// URL
 
     @property
     def url(self) -> str:
@@ -56,14 +61,9 @@ class VllmStack:
         return httpx.get(f"{self.sidecar.url}/sessions/{key}", timeout=10).json()
 
     def restart_sidecar(self) -> None:
+        """Stop the sidecar and start it again: same ports, data dir and shared memory."""
         self.sidecar.stop()
-        self.sidecar = SidecarProcess(
-            self.root / "sidecar",
-            data_port=self.sidecar.data_port,
-            control_port=self.sidecar.port,
-            log_path=self.root / "sidecar.log",
-            local_dir=self.sidecar.local_dir,
-        ).start()
+        self.sidecar.start()
 
 
 @pytest.fixture(scope="session")
@@ -94,56 +94,53 @@ def started_stack(
     the manager in its own process. Every process inherits this one's environment."""
     require_vllm()
     root = tmp_path_factory.mktemp("vllm-stack")
-    (root / "sidecar").mkdir()
     local_dir = shm_dir(root) if local else None
-    sidecar = SidecarProcess(
-        root / "sidecar", log_path=root / "sidecar.log", local_dir=local_dir
-    ).start()
-    launch = VllmLaunch(
-        model=str(tiny_model),
-        served_name="tiny",
-        port=free_port(),
-        sidecar_lm=sidecar.lm_url,
-        sidecar_local_dir=str(local_dir) if local_dir else None,
-        kv_cache_gib=1,
-        dev_mode=True,
-        connector_config=dict(connector_config or {}),
-        tool_call_parser="hermes",  # as `ctxcache serve` picks for the presets (Qwen2)
-        # as `ctxcache serve` picks for this CPU: bfloat16 with AMX or avx512_bf16, else
-        # float32; full and session answers come from this one engine, in one dtype
-        dtype=vllm_dtype().dtype,
-    )
-    vllm = VllmProcess(launch, log_path=root / "vllm.log")
-    service = gateway = http = stack = None
+    sidecar = ["--data-dir", str(root / "sidecar"), "--disk-bytes", str(1 << 30)]
+    if local_dir is not None:
+        # (a region for the tiny model's KV: the 4 GiB default takes seconds to reserve)
+        sidecar += ["--local-dir", str(local_dir), "--memory-bytes", str(256 << 20)]
+    settings = StackSettings(redis=redis_server.url, sidecar=tuple(sidecar))
     try:
-        vllm.start()
-        # The manager's and gateway's ports are picked only now: picked before vLLM's
-        # minute of start-up, one was once taken meanwhile by a port vLLM bound (CI)
-        store = ["--redis-url", redis_server.url]
-        env = {"CTX_GATEWAY_HEALTH_INTERVAL_S": "0.5"}
-        if manager:
-            token = "manager-token-vllm-stack"
-            service = ServiceProcess(
-                ["manager", *store, "--token", token], log_path=root / "manager.log"
-            ).start()
-            store = ["--manager-url", service.url]
-            env["CTX_GATEWAY_MANAGER_TOKEN"] = token
-        gateway = ServiceProcess(
-            ["gateway", *store, "--worker", f"{vllm.url}={sidecar.url}"],
-            log_path=root / "gateway.log",
-            env=env,
-            health_path="/ready",
-        ).start()
-        http = httpx.Client(base_url=gateway.url, timeout=300)
-        stack = VllmStack(root, sidecar, vllm, gateway, http, service)
-        yield stack
+        with started(settings, root) as (builder, runner):
+            stack = builder.stack
+            assert stack.sidecar_lm is not None
+            launch = VllmLaunch(
+                model=str(tiny_model),
+                served_name="tiny",
+                port=free_port(),
+                sidecar_lm=stack.sidecar_lm,
+                sidecar_local_dir=str(local_dir) if local_dir else None,
+                kv_cache_gib=1,
+                dev_mode=True,
+                connector_config=dict(connector_config or {}),
+                tool_call_parser="hermes",  # as `ctxcache serve` picks for the presets (Qwen2)
+                # as `ctxcache serve` picks for this CPU: bfloat16 with AMX or avx512_bf16,
+                # else float32; full and session answers come from this one engine, in one dtype
+                dtype=vllm_dtype().dtype,
+            )
+            vllm = Engine("vllm", "vllm", env=launch.env(), startup_timeout=600)
+            builder.add_engine(replace(vllm, command=tuple(launch.argv()), port=launch.port))
+            # The manager's and gateway's ports are picked only now: picked before vLLM's
+            # minute of start-up, one was once taken meanwhile by a port vLLM bound (CI)
+            store = ["--redis-url", redis_server.url]
+            env = {"CTX_GATEWAY_HEALTH_INTERVAL_S": "0.5"}
+            if manager:
+                token = "manager-token-vllm-stack"
+                builder.add(manager_service(redis_server.url, token))
+                store = ["--manager-url", stack.url("manager")]
+                env["CTX_GATEWAY_MANAGER_TOKEN"] = token
+            builder.gateway(Gateway(env=env, log_level=None, timeout=60.0), store)
+            procs = runner.procs
+            with httpx.Client(base_url=stack.gateway, timeout=300) as http:
+                yield VllmStack(
+                    root,
+                    procs["sidecar"],
+                    procs["vllm"],
+                    procs["gateway"],
+                    http,
+                    procs.get("manager"),
+                    stack.sidecar_lm,
+                )
     finally:
-        if stack is not None:
-            sidecar = stack.sidecar  # (a test may have restarted it: the one running now)
-        if http is not None:
-            http.close()
-        for proc in (gateway, service, vllm, sidecar):
-            if proc is not None:
-                proc.stop()
         if local_dir is not None:
             shutil.rmtree(local_dir, ignore_errors=True)

@@ -144,7 +144,7 @@ def test_a_corrupt_block_is_a_miss_not_a_wrong_answer(vllm_stack: VllmStack) -> 
     chat = Chat(vllm_stack, seed=4)
     chat.turn("what is the cat doing?")
     tag = f"s%{session_key(chat.sid)}"
-    with KVClient.from_url(vllm_stack.sidecar.lm_url) as kv:
+    with KVClient.from_url(vllm_stack.sidecar_lm) as kv:
         wait_for(lambda: any(k.endswith(tag) for k in kv.list_keys()))
         keys = [k for k in kv.list_keys() if k.endswith(tag)]
         for key in keys:  # same keys, wrong blocks: EXIST says yes, the load must refuse them

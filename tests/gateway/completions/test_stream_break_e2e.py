@@ -13,9 +13,9 @@ import openai
 import orjson
 import pytest
 
+from benchmarks.lib.process import Process
 from tests.gateway.conftest import SDK
 from tests.gateway.turns import test_failures_e2e as failures
-from tests.utils import ServiceProcess
 
 doomed_worker = failures.doomed_worker  # (the fixture: a worker of its own, and a gateway)
 
@@ -34,7 +34,7 @@ def extra(session_id: str | None) -> dict[str, Any]:
 
 
 @pytest.fixture
-def http(doomed_worker: tuple[ServiceProcess, ServiceProcess]) -> Iterator[httpx.Client]:
+def http(doomed_worker: tuple[Process, Process]) -> Iterator[httpx.Client]:
     """A client on the gateway in front of the doomed worker alone."""
     with httpx.Client(base_url=doomed_worker[1].url, headers=AUTH, timeout=120) as client:
         yield client
@@ -50,7 +50,7 @@ def new_session(http: httpx.Client) -> tuple[str, dict[str, Any]]:
     return sid, http.get(f"/v1/context/{sid}").json()
 
 
-def raw_events(http: httpx.Client, worker: ServiceProcess, session_id: str | None) -> list[bytes]:
+def raw_events(http: httpx.Client, worker: Process, session_id: str | None) -> list[bytes]:
     """The stream's events as the client got them, up to the cut connection (the worker is
     killed after `KILL_AFTER` content chunks)."""
     body = {"model": "tiny", "messages": ASK, "max_tokens": 3500, "stream": True}
@@ -68,7 +68,7 @@ def raw_events(http: httpx.Client, worker: ServiceProcess, session_id: str | Non
     return [e for e in got.split(b"\n\n") if e]
 
 
-def sdk_error(client: openai.OpenAI, worker: ServiceProcess, session_id: str | None) -> Any:
+def sdk_error(client: openai.OpenAI, worker: Process, session_id: str | None) -> Any:
     """The error the openai SDK raises while iterating the stream (the worker is killed
     after `KILL_AFTER` chunks)."""
     stream = client.chat.completions.create(
@@ -118,7 +118,7 @@ def assert_raised_by_the_sdk(err: Any) -> None:
 
 
 def test_a_session_turn_cut_mid_stream_ends_with_an_error_event(
-    doomed_worker: tuple[ServiceProcess, ServiceProcess], http: httpx.Client
+    doomed_worker: tuple[Process, Process], http: httpx.Client
 ) -> None:
     sid, before = new_session(http)
     assert_ends_with_the_error(raw_events(http, doomed_worker[0], sid))
@@ -126,7 +126,7 @@ def test_a_session_turn_cut_mid_stream_ends_with_an_error_event(
 
 
 def test_the_sdk_raises_a_session_turn_cut_mid_stream(
-    doomed_worker: tuple[ServiceProcess, ServiceProcess], http: httpx.Client, sdk: SDK
+    doomed_worker: tuple[Process, Process], http: httpx.Client, sdk: SDK
 ) -> None:
     worker, g = doomed_worker
     sid, before = new_session(http)
@@ -135,14 +135,14 @@ def test_the_sdk_raises_a_session_turn_cut_mid_stream(
 
 
 def test_a_relayed_stream_cut_mid_stream_ends_with_an_error_event(
-    doomed_worker: tuple[ServiceProcess, ServiceProcess], http: httpx.Client
+    doomed_worker: tuple[Process, Process], http: httpx.Client
 ) -> None:
     assert_ends_with_the_error(raw_events(http, doomed_worker[0], None))
 
 
 @pytest.mark.slow  # a worker of its own; the raw relayed case and the SDK's session case stay
 def test_the_sdk_raises_a_relayed_stream_cut_mid_stream(
-    doomed_worker: tuple[ServiceProcess, ServiceProcess], sdk: SDK
+    doomed_worker: tuple[Process, Process], sdk: SDK
 ) -> None:
     worker, g = doomed_worker
     assert_raised_by_the_sdk(sdk_error(sdk(url=g.url), worker, None))

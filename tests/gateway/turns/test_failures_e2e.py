@@ -13,14 +13,14 @@ import httpx
 import openai
 import pytest
 
+from benchmarks.lib.process import Process
 from tests.gateway.conftest import SDK, Stack, aux_gateway
-from tests.utils import ServiceProcess
 
 LOCK_TTL_MS = 600
 
 
 @pytest.fixture
-def short_lock_gateway(stack: Stack) -> Iterator[ServiceProcess]:
+def short_lock_gateway(stack: Stack) -> Iterator[Process]:
     """A gateway whose turn locks live 0.6 s unless renewed."""
     workers = [f"{w.url}={stack.sidecar_url}" for w in stack.workers]
     g = aux_gateway(
@@ -40,7 +40,7 @@ def renewals(http: httpx.Client) -> float:
 
 
 def test_a_turn_longer_than_the_lock_ttl_keeps_its_lock(
-    stack: Stack, short_lock_gateway: ServiceProcess
+    stack: Stack, short_lock_gateway: Process
 ) -> None:
     headers = {"authorization": "Bearer key-a"}
     with httpx.Client(base_url=short_lock_gateway.url, headers=headers, timeout=120) as http:
@@ -99,7 +99,7 @@ def test_a_turn_longer_than_the_lock_ttl_keeps_its_lock(
 
 
 @pytest.fixture
-def doomed_worker(stack: Stack) -> Iterator[tuple[ServiceProcess, ServiceProcess]]:
+def doomed_worker(stack: Stack) -> Iterator[tuple[Process, Process]]:
     """A worker of its own (killed by the test) and a gateway in front of it alone."""
     worker = stack.worker_proc(9).start()
     g = aux_gateway(stack, "doomed", [f"{worker.url}={stack.sidecar_url}"], stack.redis.url)
@@ -111,7 +111,7 @@ def doomed_worker(stack: Stack) -> Iterator[tuple[ServiceProcess, ServiceProcess
 
 
 def test_a_worker_dying_mid_stream_ends_the_response_with_response_failed(
-    stack: Stack, doomed_worker: tuple[ServiceProcess, ServiceProcess], sdk: SDK
+    stack: Stack, doomed_worker: tuple[Process, Process], sdk: SDK
 ) -> None:
     worker, g = doomed_worker
     client = sdk(url=g.url)
