@@ -34,11 +34,14 @@ tier's payloads are slots of that region: a PUT is received straight into one, a
 block that could not get a slot (the region fragmented, or held by leases) stays in the
 heap and is copied into the region when an engine leases it.
 
-The store is `BlockStore` here (its state, PUT/GET, sessions and pins, stats) and three
-bases, one per seam: `sidecar.store_tiers` (`TierOps`: the index's bookkeeping and
-eviction, the policy above, under the lock), `sidecar.store_disk` (`DiskOps`: disk writes,
-deletes and reads outside the lock, start-up, flush, write-behind) and
-`sidecar.store_region` (`RegionOps`: slots of the shared region and leases).
+The store is `BlockStore` here (the lock, PUT/GET, sessions and pins, stats), composed of
+one object per piece of state, each built here and given what it needs:
+`sidecar.store_tiers.TierIndex` (the index of both tiers and its budgets' counters, its
+bookkeeping and eviction: the policy above, under the store's lock),
+`sidecar.store_disk.DiskWriter` (disk writes, deletes and reads outside the lock, start-up,
+flush, write-behind) and `sidecar.store_region.RegionSlots` (slots of the shared region and
+leases). Every method of theirs that says "call with the lock held" runs under the one lock
+`BlockStore` creates and hands them.
 """
 
 from __future__ import annotations
@@ -46,7 +49,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
 from typing import Any
 
 from sidecar.arena import Arena
@@ -54,13 +56,14 @@ from sidecar.blocks import BlockMeta, Buffer, Entry, Work
 from sidecar.disk import CorruptBlock, DiskTier
 from sidecar.metrics import SidecarMetrics
 from sidecar.sessions import PinTable, save_pins
-from sidecar.store_region import RegionOps
-from sidecar.store_tiers import PinPolicy
+from sidecar.store_disk import DiskWriter
+from sidecar.store_region import RegionSlots
+from sidecar.store_tiers import PinPolicy, TierIndex
 
 log = logging.getLogger(__name__)
 
 
-class BlockStore(RegionOps):
+class BlockStore:
     def __init__(
         self,
         *,
@@ -72,109 +75,179 @@ class BlockStore(RegionOps):
         metrics: SidecarMetrics | None = None,
         arena: Arena | None = None,
     ) -> None:
-        self.memory_bytes = memory_bytes
         self.arena = arena
-        self.pin_policy = pin_policy
         self.disk = disk if disk_bytes > 0 else None
-        self.disk_bytes = disk_bytes if self.disk else 0
-        self.pin_budget = self.memory_bytes + self.disk_bytes
+        disk_bytes = disk_bytes if self.disk else 0
+        self.pin_budget = memory_bytes + disk_bytes
         self.pins = pins if pins is not None else PinTable()
         self.metrics = metrics if metrics is not None else SidecarMetrics()
         self._lock = threading.Lock()
-        self._blocks: dict[str, Entry] = {}
-        self._by_session: dict[str, set[str]] = {}
-        # LRU order, oldest first; index by the entry's pinned flag
-        self._mem: tuple[OrderedDict[str, Entry], OrderedDict[str, Entry]] = (
-            OrderedDict(),
-            OrderedDict(),
+        self._index = TierIndex(
+            memory_bytes=memory_bytes,
+            disk_bytes=disk_bytes,
+            has_disk=self.disk is not None,
+            pin_policy=pin_policy,
+            arena=arena,
+            metrics=self.metrics,
         )
-        self._disk: tuple[OrderedDict[str, Entry], OrderedDict[str, Entry]] = (
-            OrderedDict(),
-            OrderedDict(),
+        self._writer = DiskWriter(
+            index=self._index, lock=self._lock, disk=self.disk, pins=self.pins, metrics=self.metrics
         )
-        # blocks in memory that also have a disk copy, oldest first: under pin policy lru
-        # these copies go before any pinned session's KV does
-        self._copies: OrderedDict[str, Entry] = OrderedDict()
+        self._region = RegionSlots(
+            index=self._index,
+            lock=self._lock,
+            writer=self._writer,
+            arena=arena,
+            metrics=self.metrics,
+            get=self.get,
+        )
         self._memory_hits = self.metrics.hits.labels("memory")
-        self.mem_used = 0
-        self.mem_region = 0  # of which in slots of the shared region
-        self.disk_used = 0  # written + reserved for writes in flight
-        self.pinned_used = 0
+
+    # ---- budgets and what counts against them (the index's) ---------------------------
+    @property
+    def memory_bytes(self) -> int:
+        return self._index.memory_bytes
+
+    @property
+    def disk_bytes(self) -> int:
+        return self._index.disk_bytes
+
+    @property
+    def pin_policy(self) -> PinPolicy:
+        return self._index.pin_policy
+
+    @pin_policy.setter
+    def pin_policy(self, policy: PinPolicy) -> None:
+        self._index.pin_policy = policy
+
+    @property
+    def mem_used(self) -> int:
+        return self._index.mem_used
+
+    @property
+    def mem_region(self) -> int:
+        """Of `mem_used`, the bytes in slots of the shared region."""
+        return self._index.mem_region
+
+    @property
+    def disk_used(self) -> int:
+        """Written + reserved for writes in flight."""
+        return self._index.disk_used
+
+    @property
+    def pinned_used(self) -> int:
+        return self._index.pinned_used
 
     # ---- data path ------------------------------------------------------------------
     def put(self, meta: BlockMeta, data: Buffer) -> bool:
         """Store a block; False when it is refused (see the module docstring)."""
         work = Work()
+        index = self._index
         with self._lock:
-            e = Entry(meta, meta.session, footprint=self._footprint(meta))
+            e = Entry(meta, meta.session, footprint=index.footprint(meta))
             e.pinned = self.pins.is_pinned(e.session)
-            old = self._blocks.get(meta.key)
+            old = index.blocks.get(meta.key)
             old_pinned = old.size if old is not None and old.pinned else 0
             if (
-                self.pin_policy == "reserve"
+                index.pin_policy == "reserve"
                 and e.pinned
-                and self.pinned_used - old_pinned + e.size > self.pin_budget
+                and index.pinned_used - old_pinned + e.size > self.pin_budget
             ):
                 return self._refuse(meta, "pin_budget")
-            to_disk = e.size > self.memory_bytes
-            if to_disk and (e.size > self.disk_bytes or self.disk is None):
+            to_disk = e.size > index.memory_bytes
+            if to_disk and (e.size > index.disk_bytes or self.disk is None):
                 return self._refuse(meta, "too_large")
             if old is not None:
-                self._unlink(old, work)
-            stored = not to_disk or self._reserve_disk(e.size, work, protect=e.session)
+                index.unlink(old, work)
+            stored = not to_disk or index.reserve_disk(e.size, work, protect=e.session)
             if stored:
                 e.data = data
-                self._link(e)
+                index.link(e)
                 if to_disk:
                     e.spilling = True
                     work.spill.append((e, data))
                 else:
-                    self._mem_add(e)
-                    self._evict_memory(work, protect=e.session)
-        self._finish(work)
+                    index.mem_add(e)
+                    index.evict_memory(work, protect=e.session)
+        self._writer.finish(work)
         return stored or self._refuse(meta, "disk_full")
 
     def get(self, key: str) -> tuple[BlockMeta, Buffer] | None:
+        index = self._index
         with self._lock:
-            e = self._blocks.get(key)
+            e = index.blocks.get(key)
             if e is None:
                 self.metrics.misses.inc()
                 return None
             if e.data is not None:
                 if e.in_mem:
-                    self._mem[e.pinned].move_to_end(key)
+                    index.touch_mem(e)
                 self._memory_hits.inc()
                 return e.meta, e.data
             path = e.disk_path
             assert path is not None and self.disk is not None
-            self._disk[e.pinned].move_to_end(key)
+            index.touch_disk(e)
             e.readers += 1  # not dropped while we read it
         try:
             data = self.disk.read(e.meta, path)
         except CorruptBlock as exc:
             with self._lock:
                 e.readers -= 1
-            self._drop_corrupt(e, path, exc)
+            self._writer.drop_corrupt(e, path, exc)
             self.metrics.misses.inc()
             return None
         self.metrics.hits.labels("disk").inc()
         work = Work()
         with self._lock:  # promote: the block is hot again
             e.readers -= 1
-            if self._blocks.get(key) is e and not e.in_mem and e.size <= self.memory_bytes:
+            if index.blocks.get(key) is e and not e.in_mem and e.size <= index.memory_bytes:
                 e.data = data
-                self._mem_add(e)
-                self._evict_memory(work, protect=e.session)
-        self._finish(work)
+                index.mem_add(e)
+                index.evict_memory(work, protect=e.session)
+        self._writer.finish(work)
         return e.meta, data
 
     def exists(self, key: str) -> bool:
         with self._lock:
-            return key in self._blocks
+            return key in self._index.blocks
 
     def keys(self) -> list[str]:
         with self._lock:
-            return list(self._blocks)
+            return list(self._index.blocks)
+
+    # ---- shared memory (the region's) -----------------------------------------------
+    def new_buffer(self, n: int) -> Buffer:
+        """`RegionSlots.new_buffer`: a slot of the shared region for a block of `n` bytes
+        about to be received, else the heap."""
+        return self._region.new_buffer(n)
+
+    def alloc_slot(self, n: int) -> Any:
+        """`RegionSlots.alloc_slot`: a slot of the region, memory letting blocks go for it."""
+        return self._region.alloc_slot(n)
+
+    def lease(self, key: str) -> tuple[BlockMeta, Buffer] | bool | None:
+        """`RegionSlots.lease`: a block's payload as a slot of the region (None: a miss;
+        False: no slot could be had)."""
+        return self._region.lease(key)
+
+    def lease_many(self, keys: list[str]) -> list[tuple[BlockMeta, Buffer, int] | bool | None]:
+        """`RegionSlots.lease_many`: `lease` of each key, with the slot's offset."""
+        return self._region.lease_many(keys)
+
+    # ---- the disk tier (the disk writer's) ------------------------------------------
+    def load_disk(self) -> int:
+        """`DiskWriter.load_disk`: index the blocks the disk tier holds from a previous
+        run; returns how many."""
+        return self._writer.load_disk()
+
+    def flush(self) -> int:
+        """`DiskWriter.flush`: write every memory-only block to disk (clean shutdown)."""
+        return self._writer.flush()
+
+    def write_behind(self, max_bytes: int | None = None) -> int:
+        """`DiskWriter.write_behind`: give memory-only pinned blocks a disk copy in free
+        disk room; returns how many blocks it wrote."""
+        return self._writer.write_behind(max_bytes)
 
     # ---- sessions -------------------------------------------------------------------
     def pin(self, session: str, expires_at: float) -> None:
@@ -184,15 +257,16 @@ class BlockStore(RegionOps):
             return
         with self._lock:
             self.pins.set(session, expires_at)
-            for key in self._by_session.get(session, ()):
-                self._set_pinned(self._blocks[key], True)
+            index = self._index
+            for key in index.by_session.get(session, ()):
+                index.set_pinned(index.blocks[key], True)
 
     def drop_session(self, session: str) -> tuple[int, int]:
         """Drop a session's blocks from every tier and its pin; returns (blocks, bytes)."""
         work = Work()
         with self._lock:
             dropped = self._drop_session(session, work)
-        self._finish(work)
+        self._writer.finish(work)
         return dropped
 
     def reap(self, now: float | None = None) -> int:
@@ -204,7 +278,7 @@ class BlockStore(RegionOps):
             for session in expired:
                 self._drop_session(session, work)
             snapshot = self.pins.snapshot() if self.pins.dirty and self.pins.path else None
-        self._finish(work)
+        self._writer.finish(work)
         if expired:
             self.metrics.expired.inc(len(expired))
             log.info("dropped %d expired sessions", len(expired))
@@ -214,30 +288,32 @@ class BlockStore(RegionOps):
 
     def session_info(self, session: str) -> dict[str, Any]:
         with self._lock:
-            keys = self._by_session.get(session, ())
+            blocks = self._index.blocks
+            keys = self._index.by_session.get(session, ())
             return {
                 "session": session,
                 "blocks": len(keys),
-                "bytes": sum(self._blocks[k].size for k in keys),
-                "tokens": sum(self._blocks[k].meta.tokens for k in keys),
+                "bytes": sum(blocks[k].size for k in keys),
+                "tokens": sum(blocks[k].meta.tokens for k in keys),
                 "pinned": self.pins.is_pinned(session),
                 "expires_at": self.pins.expires_at(session),
             }
 
     def stats(self) -> dict[str, Any]:
+        index = self._index
         with self._lock:
             return {
-                "blocks": len(self._blocks),
-                "memory_blocks": len(self._mem[0]) + len(self._mem[1]),
-                "memory_bytes_used": self.mem_used,
-                "memory_bytes_budget": self.memory_bytes,
-                "disk_blocks": len(self._disk[0]) + len(self._disk[1]),
-                "disk_bytes_used": self.disk_used,
-                "disk_bytes_budget": self.disk_bytes,
-                "pinned_bytes": self.pinned_used,
+                "blocks": len(index.blocks),
+                "memory_blocks": len(index.mem_lru[0]) + len(index.mem_lru[1]),
+                "memory_bytes_used": index.mem_used,
+                "memory_bytes_budget": index.memory_bytes,
+                "disk_blocks": len(index.disk_lru[0]) + len(index.disk_lru[1]),
+                "disk_bytes_used": index.disk_used,
+                "disk_bytes_budget": index.disk_bytes,
+                "pinned_bytes": index.pinned_used,
                 "pinned_sessions": len(self.pins),
-                "sessions": len(self._by_session),
-                "pin_policy": self.pin_policy,
+                "sessions": len(index.by_session),
+                "pin_policy": index.pin_policy,
                 **(
                     {"region_bytes": self.arena.size, "region_used_bytes": self.arena.used}
                     if self.arena is not None
@@ -253,7 +329,8 @@ class BlockStore(RegionOps):
 
     def _drop_session(self, session: str, work: Work) -> tuple[int, int]:
         self.pins.remove(session)
-        entries = [self._blocks[k] for k in self._by_session.get(session, ())]
+        index = self._index
+        entries = [index.blocks[k] for k in index.by_session.get(session, ())]
         for e in entries:
-            self._unlink(e, work)
+            index.unlink(e, work)
         return len(entries), sum(e.size for e in entries)
