@@ -17,6 +17,7 @@ from tests.utils import check_png
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # a benchmark run end to end (docs/testing.md)
 @pytest.mark.timeout(180)
 def test_bench_gateway_calls_counts_both_kinds_beside_another_checkout(tmp_path: Path) -> None:
     argv = ["bench", "gateway-calls", "--quick", "--against", str(ROOT), "--out", str(tmp_path)]

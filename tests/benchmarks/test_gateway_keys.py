@@ -13,6 +13,7 @@ import pytest
 from tests.utils import check_png
 
 
+@pytest.mark.slow  # a benchmark run end to end (docs/testing.md)
 @pytest.mark.timeout(180)
 def test_bench_gateway_keys_measures_both_counts_and_prints_their_ratio(tmp_path: Path) -> None:
     argv = ["bench", "gateway-keys", "--keys", "50", "--few", "5", "--rounds", "2"]
