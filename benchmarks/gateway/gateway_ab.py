@@ -177,9 +177,8 @@ def medians(results: list[dict[str, Any]], cases: list[str]) -> dict[str, dict[s
         m["b_over_a"] = round(statistics.median(r["B"] / r["A"] for r in rounds), 3)
         for n in ("A", "B"):
             m[f"{n}_cpu_us"] = round(statistics.median(r[f"{n}_cpu"] for r in rounds))
-        m["cpu_b_over_a"] = round(
-            statistics.median(r["B_cpu"] / r["A_cpu"] for r in rounds if r["A_cpu"]), 3
-        )
+        paired = [r["B_cpu"] / r["A_cpu"] for r in rounds if r["A_cpu"]]  # 10 ms ticks
+        m["cpu_b_over_a"] = round(statistics.median(paired), 3) if paired else None
         if case == "ttft":
             for n in ("A", "B"):
                 m[f"{n}_over_direct"] = round(
@@ -227,7 +226,7 @@ def _table(results: list[dict[str, Any]], median: dict[str, dict[str, Any]]) -> 
                 f"{m['b_over_a']:.3f}",
                 m["A_cpu_us"],
                 m["B_cpu_us"],
-                f"{m['cpu_b_over_a']:.3f}",
+                "–" if m["cpu_b_over_a"] is None else f"{m['cpu_b_over_a']:.3f}",
             ]
         )
     heads = ["case", "round", "direct µs", "A µs", "B µs", "A ÷ direct", "B ÷ direct", "B ÷ A"]

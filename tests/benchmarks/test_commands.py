@@ -141,10 +141,14 @@ def test_bench_gateway_ab_two_checkouts_side_by_side(tmp_path: Path) -> None:
     ]
     for row in rows:
         sides = {"A", "B", "direct"} if row["case"] == "ttft" else {"A", "B"}
-        assert set(row) - {"round", "case"} == sides and all(row[s] > 0 for s in sides)
+        cpu = {"A_cpu", "B_cpu"}  # each gateway's CPU µs per request, from /proc
+        assert set(row) - {"round", "case"} == sides | cpu and all(row[s] > 0 for s in sides)
+        assert all(row[c] >= 0 for c in cpu)
     median = data["meta"]["median"]
     assert set(median) == {"ttft", "turn", "chat-turn"}
     assert all(0 < m["b_over_a"] < 100 for m in median.values())
+    # (/proc counts CPU time in 10 ms ticks: a case this short may read 0)
+    assert all(m["A_cpu_us"] >= 0 and m["B_cpu_us"] >= 0 for m in median.values())
     assert 0 < median["ttft"]["A_over_direct"] < 100
     table = (tmp_path / "ab" / "gateway-ab.md").read_text()
     assert "| chat-turn | median |" in table
