@@ -13,7 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from cache_manager.metrics import ManagerMetrics
 from cache_manager.ratelimits import RateLimitStore
 from cache_manager.redis_url import open_store_redis, redact
-from cache_manager.router import ratelimits, router, stats, tenants
+from cache_manager.router import implicit, ratelimits, router, stats, tenants
 from cache_manager.service import SessionService
 from cache_manager.settings import ManagerSettings
 from cache_manager.sidecar_link import BackgroundLink, HttpSidecarLink, SidecarLink
@@ -56,6 +56,7 @@ def create_app(settings: ManagerSettings, *, sidecar_link: SidecarLink | None = 
     app.include_router(router)
     app.include_router(tenants)
     app.include_router(stats)
+    app.include_router(implicit)
     app.include_router(ratelimits)
 
     if settings.token:

@@ -30,6 +30,8 @@ from cache_manager.protocol import (
     ClaimKey,
     CreateSession,
     EditItems,
+    FindImplicit,
+    ImplicitFound,
     ItemsEdited,
     LockRenewed,
     ManagerStats,
@@ -258,6 +260,11 @@ class ManagerClient:
     async def rate_settle(self, key_id: str, req: RateSettle) -> None:
         await self._call("POST", f"/ratelimits/{key_id}/settle", None, body=req)
 
+    async def find_implicit(self, req: FindImplicit) -> ImplicitFound:
+        """The longest of a request's conversation states the tenant has
+        (`cache_manager.implicit`): one store round trip."""
+        return await self._call("POST", "/implicit/find", ImplicitFound, body=req)  # type: ignore[return-value]
+
     async def live_sessions(self) -> int:
         stats = await self._call("GET", "/stats", ManagerStats)
         assert stats is not None
@@ -298,6 +305,7 @@ _LOCAL_OPS = {
     "delete_response": "DELETE /sessions/{session_id}/responses/{id}",
     "usage": "GET /tenants/{id}/usage",
     "live_sessions": "GET /stats",
+    "find_implicit": "POST /implicit/find",
 }
 
 
@@ -379,6 +387,9 @@ class LocalManager(ManagerClient):
 
     async def rate_settle(self, key_id: str, req: RateSettle) -> None:
         await self.rate_limits.settle(key_id, req)
+
+    async def find_implicit(self, req: FindImplicit) -> ImplicitFound:
+        return await self.service.find_implicit(req)
 
     async def live_sessions(self) -> int:
         return await self.service.live_sessions()

@@ -11,8 +11,10 @@ from ctxcache.schema import StrictModel
 
 Kind = Literal["chat", "completion"]
 # which API made the session: /v1/context, /v1/responses (a chain or a fork of one), or
-# /v1/conversations (a named session that only `conversation=` turns append to)
-Origin = Literal["context", "response", "conversation"]
+# /v1/conversations (a named session that only `conversation=` turns append to), or a
+# request without a session that resent a conversation (an implicit session, docs/implicit.md)
+Origin = Literal["context", "response", "conversation", "implicit"]
+Digest = Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]  # a conversation state's digest
 
 
 class SessionInfo(StrictModel):
@@ -138,6 +140,37 @@ class ResponseDeleted(StrictModel):
     remaining: int  # responses the session still holds
 
 
+class ImplicitPoint(StrictModel):
+    """A state of an implicit session: the session right after one of its turns, as a
+    stored response's `at` says it (docs/implicit.md)."""
+
+    session_id: str
+    version: int = Field(ge=1)
+    tokens: int = Field(ge=0)
+    messages: int = Field(ge=0)
+
+
+class ImplicitMark(StrictModel):
+    """With a write of an implicit session: the digest its new state is found by (its
+    messages, in canonical form, under the request's match key), kept `ttl` seconds."""
+
+    digest: Digest
+    messages: int = Field(ge=1, description="the session's messages after the write")
+    ttl: int = Field(ge=1, le=30 * 86_400)
+
+
+class FindImplicit(StrictModel):
+    """Which of these states (digests, longest conversation first) the tenant has."""
+
+    tenant: str = Field(min_length=1, max_length=256)
+    digests: list[Digest] = Field(min_length=1, max_length=128)
+
+
+class ImplicitFound(StrictModel):
+    index: int = -1  # the first digest found; -1: none
+    point: ImplicitPoint | None = None
+
+
 class CreateSession(StrictModel):
     tenant: str = Field(min_length=1, max_length=256)
     # "": a conversation, which takes the model of its first response (AppendTurn.model)
@@ -161,6 +194,7 @@ class CreateSession(StrictModel):
     idempotency: Idempotency | None = None
     lock: str | None = Field(None, description="the claim's lock (ClaimKey), released")
     created_ms: int | None = Field(None, ge=0, description="when (default: now), as answered")
+    implicit: ImplicitMark | None = None  # (origin "implicit": its first state)
 
 
 class BeginTurn(StrictModel):
@@ -191,6 +225,7 @@ class AppendTurn(StrictModel):
     # again with them, and `tokens` replace the session's ids (docs/agents.md)
     tools: list[dict[str, Any]] | None = Field(None, description="the session's tools now")
     replace: bool = Field(False, description="tokens are the whole history, not appended")
+    implicit: ImplicitMark | None = None  # an implicit session's new state
 
 
 class ReleaseLock(StrictModel):
@@ -225,6 +260,7 @@ class TenantUsage(StrictModel):
     context_tokens: int
     max_sessions: int
     max_context_tokens: int
+    implicit_sessions: int = 0  # of `sessions`: implicit ones, which give way to a create
 
 
 class Deleted(StrictModel):

@@ -15,6 +15,8 @@ from cache_manager.protocol import (
     CreateSession,
     Deleted,
     EditItems,
+    FindImplicit,
+    ImplicitFound,
     ItemsEdited,
     KeyId,
     LockRenewed,
@@ -129,6 +131,12 @@ async def delete_response(
 
 tenants = APIRouter(prefix="/tenants")
 stats = APIRouter()
+implicit = APIRouter(prefix="/implicit")
+
+
+@implicit.post("/find", response_model=ImplicitFound)
+async def find_implicit(body: FindImplicit, svc: ServiceDep) -> Response:
+    return _json(await svc.find_implicit(body))
 
 
 @stats.get("/stats", response_model=ManagerStats)

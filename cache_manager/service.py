@@ -10,6 +10,7 @@ from typing import Any
 
 import orjson
 
+from cache_manager.implicit import ImplicitIndex
 from cache_manager.keys import new_session_id, valid_session_id
 from cache_manager.protocol import (
     AppendTurn,
@@ -18,6 +19,10 @@ from cache_manager.protocol import (
     ClaimKey,
     CreateSession,
     EditItems,
+    FindImplicit,
+    ImplicitFound,
+    ImplicitMark,
+    ImplicitPoint,
     ItemsEdited,
     Replay,
     ResponseDeleted,
@@ -42,6 +47,7 @@ log = logging.getLogger(__name__)
 
 TOTAL_FRESH_S = 2.0  # how long a tenant's known token total stands in for a Redis read
 RELEASE_AFTER_STALL_S = 5.0  # how long a lock taken by a timed-out begin is looked for
+EVICTIONS_PER_CREATE = 4  # implicit sessions a create over the quota may evict, at most
 
 
 class SessionService:
@@ -49,6 +55,7 @@ class SessionService:
         self.store = store
         self.settings = settings
         self.link = link
+        self.implicit = ImplicitIndex(store.redis)
         # tenant -> (total context tokens, when learned): every index write returns it, so
         # a busy tenant's quota pre-check costs no extra Redis read
         self._totals: dict[str, tuple[int, float]] = {}
@@ -95,15 +102,7 @@ class SessionService:
         session_id = req.session_id or new_session_id()
         if not valid_session_id(session_id):
             raise InvalidRequest("malformed session_id", param="session_id")
-        quota = self.settings.quota_for(req.tenant)
-        exp_ms = await self.store.reserve(
-            req.tenant,
-            session_id,
-            ttl=ttl,
-            tokens=len(req.tokens),
-            max_sessions=quota.max_sessions,
-            max_tokens=quota.max_context_tokens,
-        )
+        exp_ms = await self._reserve(req, session_id, ttl)
         now_ms = req.created_ms or int(time.time() * 1000)
         fields: dict[str, Any] = {
             "tenant": req.tenant,
@@ -144,12 +143,66 @@ class SessionService:
             raise InvalidRequest("session_id already exists", param="session_id")
         with bind_session(session_id):
             log.info("created %s session, %d tokens, ttl %ds", req.kind, len(req.tokens), ttl)
-        self.link.pin(req.sidecar, fields["kv_key"], -(-exp_ms // 1000))
+        if req.origin != "implicit":  # (an implicit session's KV is not pinned: it goes first)
+            self.link.pin(req.sidecar, fields["kv_key"], -(-exp_ms // 1000))
         # the record as written: no need to read it back
-        return parse_info(
+        info = parse_info(
             session_id,
             {k.encode(): v if isinstance(v, bytes) else str(v).encode() for k, v in fields.items()},
         )
+        if req.implicit is not None:
+            await self._mark(info, req.implicit)
+        return info
+
+    async def _reserve(self, req: CreateSession, session_id: str, ttl: int) -> int:
+        """Count the new session against the tenant's quota (its expires_at ms). A quota
+        with no room makes room by evicting the tenant's least recently used implicit
+        sessions, which give way before any explicit one (docs/implicit.md)."""
+        quota = self.settings.quota_for(req.tenant)
+        for evicted in range(EVICTIONS_PER_CREATE + 1):
+            try:
+                return await self.store.reserve(
+                    req.tenant,
+                    session_id,
+                    ttl=ttl,
+                    tokens=len(req.tokens),
+                    max_sessions=quota.max_sessions,
+                    max_tokens=quota.max_context_tokens,
+                )
+            except QuotaExceeded:
+                if evicted == EVICTIONS_PER_CREATE or not await self._evict_implicit(req.tenant):
+                    raise
+        raise AssertionError("unreachable")
+
+    async def _evict_implicit(self, tenant: str) -> bool:
+        """Delete the tenant's least recently used implicit session; False: it has none."""
+        for session_id in await self.implicit.least_used(tenant, EVICTIONS_PER_CREATE):
+            try:
+                await self.delete(session_id, tenant)
+            except SessionNotFound:  # (expired: only its place in the order was left)
+                await self.implicit.forget(tenant, session_id)
+                continue
+            with bind_session(session_id):
+                log.info("implicit session evicted: the tenant's quota is full")
+            return True
+        return False
+
+    async def _mark(self, info: SessionInfo, mark: ImplicitMark) -> None:
+        """Name an implicit session's new state by its digest (docs/implicit.md)."""
+        point = ImplicitPoint(
+            session_id=info.session_id,
+            version=info.version,
+            tokens=info.context_tokens,
+            messages=mark.messages,
+        )
+        await self.implicit.mark(info.tenant, mark.digest, point, mark.ttl)
+
+    async def find_implicit(self, req: FindImplicit) -> ImplicitFound:
+        """The longest of a request's conversation states the tenant has (one round trip)."""
+        found = await self.implicit.find(req.tenant, req.digests)
+        if found is None:
+            return ImplicitFound()
+        return ImplicitFound(index=found[0], point=found[1])
 
     async def get(self, session_id: str, tenant: str) -> SessionInfo:
         """The session's metadata, with what its sidecar holds of its KV (`kv_*`)."""
@@ -307,7 +360,10 @@ class SessionService:
             log.debug("turn %d appended, %d tokens", info.turns, info.context_tokens)
         if moved_from and not self._shares_kv(info):
             self.link.drop(moved_from, info.kv_key)
-        self.link.pin(info.sidecar, info.kv_key, info.expires_at, ttl=info.ttl)
+        if info.origin != "implicit":
+            self.link.pin(info.sidecar, info.kv_key, info.expires_at, ttl=info.ttl)
+        if req.implicit is not None:
+            await self._mark(info, req.implicit)
         return info
 
     @staticmethod
@@ -365,6 +421,8 @@ class SessionService:
         self._check_id(session_id)
         info = await self.store.delete(session_id, tenant)
         await self.store.unindex(tenant, session_id)
+        if info.origin == "implicit":
+            await self.implicit.forget(tenant, session_id)
         with bind_session(session_id):
             log.info("deleted")
         if not self._shares_kv(info):
@@ -409,4 +467,5 @@ class SessionService:
             context_tokens=tokens,
             max_sessions=quota.max_sessions,
             max_context_tokens=quota.max_context_tokens,
+            implicit_sessions=await self.implicit.live(tenant),
         )

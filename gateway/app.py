@@ -27,6 +27,7 @@ from gateway.context.router import router as context_router
 from gateway.context.service import ContextService
 from gateway.conversations.router import router as conversations_router
 from gateway.conversations.service import ConversationService
+from gateway.implicit.service import ImplicitSessions
 from gateway.locks import LockKeeper
 from gateway.metrics import GatewayMetrics
 from gateway.pool import WorkerPool
@@ -124,8 +125,14 @@ def create_app(settings: GatewaySettings, *, freeze_heap: bool = False) -> FastA
             app.state.pool = pool
             app.state.metrics = metrics
             app.state.turns = turns
+            implicit = ImplicitSessions(manager, turns, pool, settings, metrics)
             app.state.completions = CompletionService(
-                turns, pool, salt, metrics, idempotency_ttl_s=settings.idempotency_ttl_s
+                turns,
+                pool,
+                salt,
+                metrics,
+                idempotency_ttl_s=settings.idempotency_ttl_s,
+                implicit=implicit,
             )
             app.state.contexts = ContextService(manager, turns, pool, settings, metrics)
             app.state.responses = ResponseService(manager, turns, settings, metrics)

@@ -165,6 +165,27 @@ class GatewayMetrics:
             "turn locks extended because their turn ran longer than a third of the lock TTL",
             registry=r,
         )
+        self.implicit_requests = Counter(
+            "ctxcache_gateway_implicit_total",
+            "chat requests without a session, by what implicit sessions made of them: hit "
+            "(a turn of the conversation's latest state), branch (a fork of an older one), "
+            "miss (a new conversation), passed (passed through as it is), unkept (answered, "
+            "its state not kept) (docs/implicit.md)",
+            ["result"],
+            registry=r,
+        )
+        self.cached_by_kind = Counter(
+            "ctxcache_gateway_cached_tokens_by_kind_total",
+            "prompt tokens whose KV was reused, by kind: explicit (a session turn), implicit "
+            "(an implicit session's hit or branch), shared (a new conversation's prefix "
+            "another request already had)",
+            ["kind"],
+            registry=r,
+        )
+        for result in ("hit", "branch", "miss", "passed", "unkept"):
+            self.implicit_requests.labels(result)
+        for kind in ("explicit", "implicit", "shared"):
+            self.cached_by_kind.labels(kind)
         self.tenants = TenantMetrics()
 
     def turn(self, tenant: str, kind: str) -> None:
@@ -205,6 +226,14 @@ class GatewayMetrics:
     def tokens(self, usage: dict[str, Any]) -> None:
         self.prompt_tokens.inc(usage.get("prompt_tokens", 0))
         self.cached_tokens.inc((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+
+    def implicit(self, result: str) -> None:
+        self.implicit_requests.labels(result).inc()
+
+    def cached(self, kind: str, usage: dict[str, Any]) -> None:
+        """A turn's reused prompt tokens, counted by kind (`cached_by_kind`)."""
+        n = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        self.cached_by_kind.labels(kind).inc(n)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import itertools
 import logging
 from collections.abc import Iterable
@@ -169,6 +170,16 @@ class WorkerPool:
                     return w
         best = [w for w in candidates if w.inflight == least]
         return best[next(self._rr) % len(best)]
+
+    def keyed(self, model: str, key: str) -> str | None:
+        """The worker a `prompt_cache_key` goes to (rendezvous hashing over the healthy
+        workers that serve the model: every gateway replica picks the same one, and a
+        worker that leaves moves only its own keys). `pick` sends the request elsewhere
+        if that worker is overloaded, as it does a session's turn."""
+        candidates = [w.id for w in self.workers if w.healthy and model in w.models]
+        if not candidates:
+            return None
+        return max(candidates, key=lambda wid: hashlib.blake2b(f"{wid}\0{key}".encode()).digest())
 
     def lease(self, w: Worker) -> Lease:
         """`async with pool.lease(w)`: one more request in flight on `w` meanwhile."""

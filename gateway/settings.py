@@ -108,6 +108,27 @@ class GatewaySettings(BaseSettings):
         ge=0,
         description="chat histories kept in memory to render a turn early; 0: none",
     )
+    implicit_sessions: bool = Field(
+        True,
+        description="serve a chat request without a session that resends a conversation "
+        "this gateway answered as a turn of it (docs/implicit.md); off: passed through",
+    )
+    implicit_off_tenants: list[str] = Field(
+        default_factory=list,
+        description="JSON list of tenants whose requests never become implicit sessions",
+    )
+    implicit_ttl: int = Field(
+        1800,
+        ge=1,
+        description="seconds an implicit session's state is kept idle (OpenAI's in_memory "
+        "retention; prompt_cache_retention 24h keeps it a day)",
+    )
+    implicit_max_points: int = Field(
+        64,
+        ge=1,
+        le=128,
+        description="a request's latest answers whose states are looked for (longest first)",
+    )
     idempotency_ttl_s: int = Field(
         86_400,
         ge=60,

@@ -25,6 +25,10 @@ def sampling_fields(body: dict[str, Any]) -> dict[str, Any]:
         "max_completion_tokens",
         "return_token_ids",
         "kv_transfer_params",
+        # OpenAI's prompt caching: the gateway's to read (`gateway.implicit.fields`)
+        "prompt_cache_key",
+        "prompt_cache_retention",
+        "prompt_cache_options",
     }
     out = {k: v for k, v in body.items() if k not in drop}
     if body.get("max_completion_tokens") is not None and body.get("max_tokens") is None:
@@ -189,19 +193,20 @@ class ChunkShaper:
         )
 
     def usage(self, usage: dict[str, Any], session: dict[str, Any]) -> bytes:
+        """The final usage chunk, with the session (none: an implicit session's, which the
+        client never named, `gateway.implicit`)."""
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
-        return self._event(
-            {
-                "id": self.id,
-                "object": obj,
-                "created": self.created,
-                "model": self.model,
-                "choices": [],
-                "usage": usage,
-                "session": session,
-                "session_id": session["session_id"],
-            }
-        )
+        event: dict[str, Any] = {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": [],
+            "usage": usage,
+        }
+        if session:
+            event.update(session=session, session_id=session["session_id"])
+        return self._event(event)
 
     @staticmethod
     def _event(payload: dict[str, Any]) -> bytes:

@@ -27,6 +27,7 @@ from cache_manager.client import ManagerClient
 from cache_manager.protocol import (
     AppendTurn,
     Idempotency,
+    ImplicitMark,
     Replay,
     SessionInfo,
     SessionState,
@@ -217,6 +218,8 @@ class TurnService:
         session's write checks again, atomically and with the answer's tokens counted; this
         read only spares the client an answer (or a stream) that could not be kept."""
         usage = await self.manager.usage(tenant)
+        if usage.implicit_sessions:  # (they give way: docs/implicit.md)
+            return
         if usage.sessions >= usage.max_sessions:
             raise QuotaExceeded.sessions(usage.sessions)
         if usage.context_tokens + prompt_tokens > usage.max_context_tokens:
@@ -343,12 +346,14 @@ class TurnService:
         gen: Generation,
         response: StoredResponse | None = None,
         answer: dict[str, Any] | None = None,
+        implicit: ImplicitMark | None = None,
     ) -> SessionInfo:
         """Append the turn (CAS on the version we loaded, releasing our lock), with the
         `/v1/responses` object it made, if any, and with an idempotency key, the `answer`
-        (without its session: a replay adds the session as this write left it)."""
+        (without its session: a replay adds the session as this write left it);
+        `implicit`: the digest of an implicit session's new state (`gateway.implicit`)."""
         with tracing.span("ctxcache.commit", span_attributes(turn, gen.worker)):
-            info = await self._commit(turn, gen, response, answer)
+            info = await self._commit(turn, gen, response, answer, implicit)
         self.metrics.turn(turn.tenant, turn.kind)
         self.metrics.completed("session", time.perf_counter() - turn.started)
         return info
@@ -359,6 +364,7 @@ class TurnService:
         gen: Generation,
         response: StoredResponse | None,
         answer: dict[str, Any] | None,
+        implicit: ImplicitMark | None,
     ) -> SessionInfo:
         state, worker = turn.state, gen.worker
         assert state is not None and turn.session_id is not None and worker is not None
@@ -383,6 +389,7 @@ class TurnService:
                     idempotency=key.model_copy(update={"answer": answer or {}}) if key else None,
                     tools=(turn.tools or []) if turn.new_tools else None,
                     replace=turn.replace,
+                    implicit=implicit,
                 ),
             )
         finally:

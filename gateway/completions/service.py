@@ -23,8 +23,11 @@ from cache_manager.protocol import Replay, SessionInfo
 from ctxcache.logs import bind_session
 from ctxcache.responses import JSONResponse
 from gateway import metering
+from gateway.completions.answers import shape
 from gateway.completions.streams import SSEResponse, UsageTap, relayed
 from gateway.idempotency import REPLAYED, IdempotencyKey, check_header, with_session
+from gateway.implicit.fields import NO_FIELDS, CacheFields, engine_bytes
+from gateway.implicit.service import ImplicitSessions
 from gateway.metrics import GatewayMetrics
 from gateway.pool import WorkerPool
 from gateway.protocol import ChatBody, CompletionBody
@@ -33,9 +36,7 @@ from gateway.salt import CacheSalt
 from gateway.shaping import (
     DONE,
     ChunkShaper,
-    chat_completion,
     session_ref,
-    text_completion,
 )
 from gateway.tools import passthrough_tool_choice
 from gateway.turn_engine import Generation
@@ -60,12 +61,14 @@ class CompletionService:
         metrics: GatewayMetrics,
         *,
         idempotency_ttl_s: int = 86_400,
+        implicit: ImplicitSessions | None = None,
     ) -> None:
         self.turns = turns
         self.pool = pool
         self.salt = salt
         self.metrics = metrics
         self.idempotency_ttl_s = idempotency_ttl_s
+        self.implicit = implicit
 
     async def serve(
         self,
@@ -82,6 +85,15 @@ class CompletionService:
             return await self.answer(
                 tenant, kind, raw, session_header, parsed=doc, idempotency_key=idempotency_key
             )
+        fields = CacheFields.of(doc) if b"prompt_cache" in raw else NO_FIELDS
+        if kind == "chat" and self.implicit is not None and self.implicit.take(tenant, doc, fields):
+
+            async def fallback() -> Response:
+                return await self.passthrough(tenant, kind, raw, doc)
+
+            return await self.implicit.serve(tenant, doc, raw, fields, fallback)
+        if kind == "chat" and self.implicit is not None:
+            self.metrics.implicit("passed")
         return await self.passthrough(tenant, kind, raw, doc)
 
     async def answer(
@@ -125,6 +137,8 @@ class CompletionService:
     ) -> Response:
         if session_id is None:
             return await self.passthrough(tenant, kind, raw, body)
+        if b"prompt_cache" in raw:
+            CacheFields.of(body)  # (checked; a session turn has no use for them)
         record = key.record() if key is not None else None
         turn = await self.turns.begin(tenant, session_id, kind, body, record)
         if isinstance(turn, Replay):
@@ -134,7 +148,8 @@ class CompletionService:
             return JSONResponse(with_session(turn.answer, turn.session), headers=REPLAYED)
 
         async def finish(gen: Generation) -> tuple[dict[str, Any], SessionInfo]:
-            out = self._shape(turn, gen, body)
+            out = shape(turn, gen, body)
+            self.metrics.cached("explicit", gen.usage)
             return out, await self.turns.commit(turn, gen, answer=out)
 
         try:
@@ -147,29 +162,13 @@ class CompletionService:
             raise
         return JSONResponse(with_session(out, session_ref(info)))
 
-    @staticmethod
-    def _shape(
-        turn: Turn, gen: Generation, body: dict[str, Any], shaper: ChunkShaper | None = None
-    ) -> dict[str, Any]:
-        """The answer without its session (`with_session` adds it); a stream's carries the
-        stream's id and time, so a replay of it is the same stream."""
-        if turn.kind == "chat":
-            out = chat_completion(
-                turn.model, gen.text, gen.finish_reason, gen.usage, gen.message, gen.logprobs
-            )
-        else:
-            ids = gen.token_ids if body.get("return_token_ids") else None
-            out = text_completion(turn.model, gen.text, gen.finish_reason, gen.usage, ids)
-        if shaper is not None:
-            out.update(id=shaper.id, created=shaper.created)
-        return out
-
     async def _stream(self, turn: Turn, body: dict[str, Any]) -> SSEResponse:
         shaper = ChunkShaper(turn.kind, turn.model, bool(body.get("return_token_ids")))
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
 
         async def finish(gen: Generation) -> dict[str, Any]:
-            answer = self._shape(turn, gen, body, shaper) if turn.idempotency else None
+            answer = shape(turn, gen, body, shaper) if turn.idempotency else None
+            self.metrics.cached("explicit", gen.usage)
             return session_ref(await self.turns.commit(turn, gen, answer=answer))
 
         return await self.turns.stream(turn, shaper, include_usage, finish)
@@ -181,6 +180,7 @@ class CompletionService:
         least-loaded healthy worker. A stream whose tokens are counted also asks the worker
         for its usage (`with_usage`)."""
         path = PATHS[kind]
+        body, raw, _ = engine_bytes(body, raw)  # (OpenAI's prompt-caching fields: ours)
         if kind == "chat":
             raw = passthrough_tool_choice(body, raw)  # (`allowed_tools`: for the engine)
         stream, counted = body.get("stream"), metering.counted()

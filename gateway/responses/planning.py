@@ -7,7 +7,6 @@ how continuing and forking work).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -20,7 +19,6 @@ from cache_manager.protocol import (
     Replay,
     SessionInfo,
     SessionState,
-    UpdateSession,
 )
 from ctxcache.errors import (
     ConversationNotFound,
@@ -30,9 +28,9 @@ from ctxcache.errors import (
     SessionBusy,
     SessionNotFound,
 )
-from ctxcache.lmcache_keys import session_key
 from gateway.idempotency import IdempotencyKey
 from gateway.locks import Held
+from gateway.points import blank, cut, share_kv
 from gateway.responses.items import chat_tool_choice, chat_tools, items_of, response_format
 from gateway.responses.protocol import (
     ResponseCreate,
@@ -79,35 +77,6 @@ def with_instructions(
     if latest == instructions:
         return new
     return [{"role": "system", "content": instructions}, *new]
-
-
-def cut(state: SessionState, at: dict[str, int]) -> SessionState:
-    """The session as it was right after a stored response (read-only: no lock). A
-    conversation whose items were edited since has other token ids: that point is
-    continued from its messages, rendered again."""
-    edited = at["version"] < state.info.edited
-    return SessionState.model_construct(
-        info=state.info,
-        tokens=[] if edited else state.tokens[: at["tokens"]],
-        messages=state.messages[: at["messages"]],
-        lock=None,
-    )
-
-
-def blank(session_id: str, tenant: str, model: str) -> SessionState:
-    """A session not created yet: a new chain starts from nothing."""
-    info = SessionInfo.model_construct(
-        session_id=session_id,
-        tenant=tenant,
-        model=model,
-        kind="chat",
-        version=0,
-        ttl=0,
-        affinity=None,
-        kv_key=session_key(session_id),
-        kv_shared=False,
-    )
-    return SessionState.model_construct(info=info, tokens=[], messages=[], lock=None)
 
 
 def agent_fields(req: ResponseCreate) -> dict[str, Any]:
@@ -205,7 +174,7 @@ class ResponsePlanner:
         if mode == "create" and key is not None:
             assert claim is not None and target == key.session_id()  # claimed in `_plan`
         if mode == "create" and fork:
-            await self._share(tenant, state.info)
+            await share_kv(self.manager, tenant, state.info)
         first = len(state.messages) + len(messages) - len(new)
         items = [it for i, m in enumerate(new) for it in items_of(m, item_id(target, first + i))]
         request = {
@@ -316,13 +285,3 @@ class ResponsePlanner:
             await self.turns.give_back(tenant, state)
             raise missing
         return sid, state
-
-    async def _share(self, tenant: str, parent: SessionInfo) -> None:
-        """A fork reads its parent's KV blocks: mark the parent so that deleting it leaves
-        them (they expire with the family's last pin)."""
-        if parent.kv_shared or parent.kv_key != session_key(parent.session_id):
-            return
-        # (deleted meanwhile: its blocks may go, and the fork recomputes them)
-        with contextlib.suppress(SessionNotFound):
-            shared = UpdateSession(tenant=tenant, kv_shared=True)
-            await self.manager.update(parent.session_id, shared)

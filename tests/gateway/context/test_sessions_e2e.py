@@ -170,13 +170,15 @@ def test_session_id_in_header_or_body(stack: Stack, header: bool) -> None:
 async def test_a_stream_without_a_session_is_the_workers_own(stack: Stack, chat: bool) -> None:
     """Relayed as the worker's bytes (`gateway.completions.streams.relayed`): the
     same text as the answer in one piece, the worker's usage chunk when asked for, and
-    nothing of ours (no `session`)."""
+    nothing of ours (no `session`). A chat request opts out of implicit sessions
+    (`prompt_cache_options.mode: explicit`, docs/implicit.md), which would serve it."""
     relayed_before = relayed_streams(httpx, stack.url)
     client = openai.AsyncOpenAI(base_url=f"{stack.url}/v1", api_key="key-a", max_retries=0)
     common: dict[str, Any] = {"model": "tiny", "max_tokens": 8, "temperature": 0}
     if chat:
         create: Any = client.chat.completions.create
         common["messages"] = [{"role": "user", "content": "Tell me about caches."}]
+        common["extra_body"] = {"prompt_cache_options": {"mode": "explicit"}}
     else:
         create = client.completions.create
         common["prompt"] = DOC

@@ -1,0 +1,339 @@
+"""Implicit sessions (docs/implicit.md): a chat request without a session whose messages
+extend a conversation this gateway answered is served as a turn of that conversation.
+
+- `take` says whether a request may be (the deployment's and the tenant's switch, the
+  request's `prompt_cache_options.mode`, and a body a session turn renders as the engine
+  would: text messages, one choice, no template of its own);
+- `serve` finds the longest state of the conversation the tenant has (one store round
+  trip: the digests of its prefixes that end with an answer, `gateway.implicit.digests`),
+  and runs the turn there: appended to the session at its latest state, a fork of it at
+  an older one (a regenerated answer, a branch, an edited tail), or a new session if
+  nothing matches. The answer is what the client would get without ctxcache (no session in
+  it), and its state is kept under the digest of the messages and the answer.
+
+Nothing here may fail a request that the engine would have answered: a body the turn
+cannot take, or a store that does not answer, is passed through as it is
+(`fallback`), and an answer that cannot be kept (the quota, the session deleted under the
+turn) is answered all the same.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from fastapi import Response
+
+from cache_manager.client import ManagerClient
+from cache_manager.keys import new_session_id
+from cache_manager.protocol import (
+    BeginTurn,
+    CreateSession,
+    FindImplicit,
+    ImplicitMark,
+    ImplicitPoint,
+    SessionInfo,
+    SessionState,
+)
+from ctxcache.errors import CtxError, InvalidRequest, SessionBusy, SessionNotFound
+from ctxcache.logs import bind_session
+from ctxcache.responses import JSONResponse
+from gateway.completions.answers import shape
+from gateway.implicit.digests import after, chain, seed
+from gateway.implicit.fields import CacheFields, for_engine
+from gateway.metrics import GatewayMetrics
+from gateway.points import blank, cut, share_kv
+from gateway.pool import WorkerPool
+from gateway.protocol import ChatBody
+from gateway.requests import parse_json
+from gateway.resent import canonical
+from gateway.settings import GatewaySettings
+from gateway.shaping import ChunkShaper
+from gateway.turn_engine import Generation
+from gateway.turn_planning import Turn
+from gateway.turns import TurnService
+
+log = logging.getLogger(__name__)
+
+Messages = list[dict[str, Any]]
+Fallback = Callable[[], Awaitable[Response]]
+Result = Literal["hit", "branch", "miss"]
+
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+# fields that change how the engine renders or answers: such a request is passed through
+RENDERING = (
+    "chat_template",
+    "chat_template_kwargs",
+    "continue_final_message",
+    "add_generation_prompt",
+    "documents",
+    "functions",
+    "function_call",
+    "echo",
+    "prompt_logprobs",
+    "mm_processor_kwargs",
+    "kv_transfer_params",
+)
+
+
+def renders_alike(body: dict[str, Any]) -> bool:
+    """Whether a session turn renders this request as the engine would: text messages of
+    the usual roles, not ending with an answer to continue, one choice, no template or
+    rendering option of its own."""
+    if any(body.get(name) is not None for name in RENDERING):
+        return False
+    if body.get("n") not in (None, 1):
+        return False
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        return False
+    for message in messages:
+        if not isinstance(message, dict) or message.get("role") not in ROLES:
+            return False
+        content = message.get("content")
+        if isinstance(content, list):
+            if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+                return False
+        elif content is not None and not isinstance(content, str):
+            return False
+    return messages[-1].get("role") != "assistant"
+
+
+@dataclass(frozen=True)
+class Found:
+    """Where a request continues: `k` of its messages are the state `point`'s."""
+
+    k: int
+    point: ImplicitPoint
+
+
+class ImplicitSessions:
+    def __init__(
+        self,
+        manager: ManagerClient,
+        turns: TurnService,
+        pool: WorkerPool,
+        settings: GatewaySettings,
+        metrics: GatewayMetrics,
+    ) -> None:
+        self.manager = manager
+        self.turns = turns
+        self.pool = pool
+        self.settings = settings
+        self.metrics = metrics
+        self.off_for = frozenset(settings.implicit_off_tenants)
+
+    def take(self, tenant: str, body: dict[str, Any], fields: CacheFields) -> bool:
+        """Whether the request is served as an implicit session (else: passed through)."""
+        return (
+            self.settings.implicit_sessions
+            and fields.implicit
+            and tenant not in self.off_for
+            and renders_alike(body)
+        )
+
+    async def serve(
+        self,
+        tenant: str,
+        doc: dict[str, Any],
+        raw: bytes,
+        fields: CacheFields,
+        fallback: Fallback,
+    ) -> Response:
+        started = time.perf_counter()
+        try:
+            body, _ = parse_json(raw, ChatBody, doc)
+        except CtxError:
+            return await fallback()  # (the engine says what it makes of it)
+        body = for_engine(body, fields)
+        messages: Messages = body["messages"]
+        model = body["model"]
+        start = seed(tenant, model, body.get("tools"), fields.key, body.get("cache_salt"))
+        digests = chain(start, messages)
+        try:
+            found = await self._find(tenant, messages, digests)
+            planned = await self._plan(tenant, body, messages, digests[-1], found, fields, started)
+        except (InvalidRequest, SessionBusy, SessionNotFound) as exc:
+            log.info("implicit session not taken (%s): passed through", exc)
+            self.metrics.implicit("passed")
+            return await fallback()
+        except CtxError as exc:  # the store, the workers: the request goes as it is
+            if exc.status < 500:
+                raise
+            log.warning("implicit session not taken (%s): passed through", exc)
+            self.metrics.implicit("passed")
+            return await fallback()
+        except Exception:  # (an engine whose /tokenize answers nonsense, say)
+            log.exception("implicit session not taken: passed through")
+            self.metrics.implicit("passed")
+            return await fallback()
+        self.metrics.implicit(planned.result)
+        if body.get("stream"):
+            return await self._stream(planned, body)
+
+        async def finish(gen: Generation) -> dict[str, Any]:
+            out = shape(planned.turn, gen, body)
+            await self._keep(planned, gen)
+            return out
+
+        return JSONResponse(await self.turns.run(planned.turn, finish))
+
+    async def _stream(self, planned: Planned, body: dict[str, Any]) -> Response:
+        turn = planned.turn
+        shaper = ChunkShaper("chat", turn.model, False)
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+
+        async def finish(gen: Generation) -> dict[str, Any]:
+            await self._keep(planned, gen)
+            return {}  # (no session in the usage chunk: the client named none)
+
+        return await self.turns.stream(turn, shaper, include_usage, finish)
+
+    # -- finding the state ---------------------------------------------------------------
+    async def _find(
+        self, tenant: str, messages: Messages, digests: list[str | None]
+    ) -> Found | None:
+        """The longest state of the conversation the tenant has: of the prefixes that end
+        with an answer (the latest `implicit_max_points`), one store round trip."""
+        ends = [
+            k
+            for k in range(len(messages) - 1, 0, -1)
+            if messages[k - 1].get("role") == "assistant" and digests[k - 1] is not None
+        ][: self.settings.implicit_max_points]
+        if not ends:
+            return None
+        wanted = [digests[k - 1] for k in ends]
+        got = await self.manager.find_implicit(FindImplicit(tenant=tenant, digests=wanted))  # type: ignore[arg-type]
+        if got.point is None or got.point.messages != ends[got.index]:
+            return None
+        return Found(ends[got.index], got.point)
+
+    async def _load(self, tenant: str, found: Found) -> SessionState | None:
+        """The found state's session, locked if free; None if it is gone or no longer
+        holds that state (a point is only a hint: its session is the truth)."""
+        begin = BeginTurn(tenant=tenant, lock=True, tokens=True, messages=True)
+        sid = found.point.session_id
+        try:
+            try:
+                state = await self.manager.begin(sid, begin)
+            except SessionBusy:  # a turn in flight on it: this one forks
+                state = await self.manager.begin(sid, begin.model_copy(update={"lock": False}))
+        except SessionNotFound:
+            return None
+        point = found.point
+        if (
+            state.info.origin != "implicit"
+            or state.info.version < point.version
+            or len(state.tokens) < point.tokens
+            or len(state.messages) < point.messages
+        ):
+            await self.turns.give_back(tenant, state)
+            return None
+        return state
+
+    # -- planning ------------------------------------------------------------------------
+    async def _plan(
+        self,
+        tenant: str,
+        body: dict[str, Any],
+        messages: Messages,
+        end: str | None,
+        found: Found | None,
+        fields: CacheFields,
+        started: float,
+    ) -> Planned:
+        state = await self._load(tenant, found) if found is not None else None
+        k = found.k if found is not None and state is not None else 0
+        if state is not None and not same(state.messages[:k], messages[:k]):
+            await self.turns.give_back(tenant, state)  # (a digest that lied: never trusted)
+            state, k = None, 0
+        result: Result = "miss"
+        parent: SessionInfo | None = None
+        if state is None:
+            sid = new_session_id()
+            affinity = self.pool.keyed(body["model"], fields.key) if fields.key else None
+            state = blank(sid, tenant, body["model"], origin="implicit", affinity=affinity)
+        elif (
+            found is not None
+            and state.lock is not None
+            and state.info.version == found.point.version
+        ):
+            sid, result = state.info.session_id, "hit"
+        else:  # the conversation moved on from this state (or is busy): a fork of it
+            await self.turns.give_back(tenant, state)
+            at = found.point.model_dump() if found is not None else {}
+            state, parent = cut(state, at), state.info
+            sid, result = new_session_id(), "branch"
+        turn_body = {**body, "messages": messages[k:]}
+        turn = await self.turns.plan(
+            tenant, state.info.session_id, turn_body, state, started=started
+        )
+        ttl = fields.ttl(self.settings.implicit_ttl)
+        ttl = min(max(ttl, self.settings.min_ttl), self.settings.max_ttl)
+        return Planned(turn, result, sid, messages, end, ttl, parent)
+
+    # -- keeping the new state -------------------------------------------------------------
+    async def _keep(self, planned: Planned, gen: Generation) -> None:
+        """Keep the turn's state under the digest of its messages and answer. An answer
+        that cannot be kept is answered all the same (the next request misses)."""
+        turn = planned.turn
+        answer = gen.assistant()
+        messages = [*planned.messages, answer]
+        digest = after(planned.end, answer) if planned.end is not None else None
+        mark = (
+            ImplicitMark(digest=digest, messages=len(messages), ttl=planned.ttl) if digest else None
+        )
+        try:
+            if planned.result == "hit":
+                await self.turns.commit(turn, gen, implicit=mark)
+                self.metrics.cached("implicit", gen.usage)
+                return
+            if planned.parent is not None:
+                await share_kv(self.manager, turn.tenant, planned.parent)
+            assert gen.worker is not None
+            await self.manager.create(
+                CreateSession(
+                    session_id=planned.session_id,
+                    tenant=turn.tenant,
+                    model=turn.model,
+                    kind="chat",
+                    tokens=turn.prompt + gen.token_ids,
+                    messages=messages,
+                    tools=turn.tools,
+                    ttl=planned.ttl,
+                    worker=gen.worker.id,
+                    sidecar=gen.worker.sidecar,
+                    origin="implicit",
+                    kv_key=planned.parent.kv_key if planned.parent is not None else None,
+                    implicit=mark,
+                )
+            )
+            self.metrics.cached("implicit" if planned.parent else "shared", gen.usage)
+            self.metrics.sessions_created.inc()
+        except CtxError as exc:
+            self.metrics.implicit("unkept")
+            with bind_session(planned.session_id):
+                log.warning("implicit session: the answer was not kept (%s)", exc)
+
+
+@dataclass(frozen=True)
+class Planned:
+    """An implicit turn, planned: where its state will be kept."""
+
+    turn: Turn
+    result: Result
+    session_id: str  # the session the new state belongs to (new for a miss or a fork)
+    messages: Messages  # the request's, all of them
+    end: str | None  # the digest of the request's messages (None: no state can be kept)
+    ttl: int
+    parent: SessionInfo | None = None  # a fork's
+
+
+def same(stored: Messages, sent: Messages) -> bool:
+    """Message by message equal in canonical form (`gateway.resent`)."""
+    return len(stored) == len(sent) and all(
+        canonical(a) == canonical(b) for a, b in zip(stored, sent, strict=True)
+    )
