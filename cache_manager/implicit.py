@@ -48,15 +48,19 @@ class ImplicitIndex:
                 return index, ImplicitPoint.model_validate_json(raw)
         return None
 
-    async def mark(self, tenant: str, digest: str, point: ImplicitPoint, ttl_s: int) -> None:
-        """Name the state `point` by `digest` for `ttl_s`; the session is used now (and
-        the order forgets the sessions whose states have all expired)."""
+    async def mark(
+        self, tenant: str, digest: str, point: ImplicitPoint, ttl_s: int, *, evictable: bool
+    ) -> None:
+        """Name the state `point` by `digest` for `ttl_s`. An `evictable` session (an
+        implicit one: not a stored response's) is used now, in the order they give way in
+        (which forgets the sessions whose states have all expired)."""
         now_ms = int(time.time() * 1000)
         async with redis_errors():
             pipe = self.redis.pipeline(transaction=False)
             pipe.set(point_key(tenant, digest), orjson.dumps(point.model_dump()), px=ttl_s * 1000)
-            pipe.zadd(lru_key(tenant), {point.session_id: now_ms + ttl_s * 1000})
-            pipe.zremrangebyscore(lru_key(tenant), 0, now_ms)
+            if evictable:
+                pipe.zadd(lru_key(tenant), {point.session_id: now_ms + ttl_s * 1000})
+                pipe.zremrangebyscore(lru_key(tenant), 0, now_ms)
             await pipe.execute()
 
     async def least_used(self, tenant: str, count: int) -> list[str]:

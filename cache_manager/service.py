@@ -195,7 +195,8 @@ class SessionService:
             tokens=info.context_tokens,
             messages=mark.messages,
         )
-        await self.implicit.mark(info.tenant, mark.digest, point, mark.ttl)
+        evictable = info.origin == "implicit"
+        await self.implicit.mark(info.tenant, mark.digest, point, mark.ttl, evictable=evictable)
 
     async def find_implicit(self, req: FindImplicit) -> ImplicitFound:
         """The longest of a request's conversation states the tenant has (one round trip)."""

@@ -30,26 +30,22 @@ from fastapi import Response
 from cache_manager.client import ManagerClient
 from cache_manager.keys import new_session_id
 from cache_manager.protocol import (
-    BeginTurn,
     CreateSession,
-    FindImplicit,
     ImplicitMark,
-    ImplicitPoint,
     SessionInfo,
-    SessionState,
 )
 from ctxcache.errors import CtxError, InvalidRequest, SessionBusy, SessionNotFound
 from ctxcache.logs import bind_session
 from ctxcache.responses import JSONResponse
 from gateway.completions.answers import shape
-from gateway.implicit.digests import after, chain, seed
+from gateway.implicit.digests import after
 from gateway.implicit.fields import CacheFields, for_engine
+from gateway.implicit.finder import Located, MatchKey, StateFinder
 from gateway.metrics import GatewayMetrics
 from gateway.points import blank, cut, share_kv
 from gateway.pool import WorkerPool
 from gateway.protocol import ChatBody
 from gateway.requests import parse_json
-from gateway.resent import canonical
 from gateway.settings import GatewaySettings
 from gateway.shaping import ChunkShaper
 from gateway.turn_engine import Generation
@@ -102,14 +98,6 @@ def renders_alike(body: dict[str, Any]) -> bool:
     return messages[-1].get("role") != "assistant"
 
 
-@dataclass(frozen=True)
-class Found:
-    """Where a request continues: `k` of its messages are the state `point`'s."""
-
-    k: int
-    point: ImplicitPoint
-
-
 class ImplicitSessions:
     def __init__(
         self,
@@ -124,16 +112,11 @@ class ImplicitSessions:
         self.pool = pool
         self.settings = settings
         self.metrics = metrics
-        self.off_for = frozenset(settings.implicit_off_tenants)
+        self.finder = StateFinder(manager, turns, settings)
 
     def take(self, tenant: str, body: dict[str, Any], fields: CacheFields) -> bool:
         """Whether the request is served as an implicit session (else: passed through)."""
-        return (
-            self.settings.implicit_sessions
-            and fields.implicit
-            and tenant not in self.off_for
-            and renders_alike(body)
-        )
+        return fields.implicit and self.finder.on_for(tenant) and renders_alike(body)
 
     async def serve(
         self,
@@ -150,11 +133,11 @@ class ImplicitSessions:
             return await fallback()  # (the engine says what it makes of it)
         body = for_engine(body, fields)
         messages: Messages = body["messages"]
-        model = body["model"]
-        start = seed(tenant, model, body.get("tools"), fields.key, body.get("cache_salt"))
-        digests = chain(start, messages)
+        salt = body.get("cache_salt")
+        key = MatchKey(tenant, body["model"], body.get("tools"), fields.key, salt)
+        digests = key.digests(messages)
         try:
-            found = await self._find(tenant, messages, digests)
+            found = await self.finder.locate(tenant, messages, digests)
             planned = await self._plan(tenant, body, messages, digests[-1], found, fields, started)
         except (InvalidRequest, SessionBusy, SessionNotFound) as exc:
             log.info("implicit session not taken (%s): passed through", exc)
@@ -192,48 +175,6 @@ class ImplicitSessions:
 
         return await self.turns.stream(turn, shaper, include_usage, finish)
 
-    # -- finding the state ---------------------------------------------------------------
-    async def _find(
-        self, tenant: str, messages: Messages, digests: list[str | None]
-    ) -> Found | None:
-        """The longest state of the conversation the tenant has: of the prefixes that end
-        with an answer (the latest `implicit_max_points`), one store round trip."""
-        ends = [
-            k
-            for k in range(len(messages) - 1, 0, -1)
-            if messages[k - 1].get("role") == "assistant" and digests[k - 1] is not None
-        ][: self.settings.implicit_max_points]
-        if not ends:
-            return None
-        wanted = [digests[k - 1] for k in ends]
-        got = await self.manager.find_implicit(FindImplicit(tenant=tenant, digests=wanted))  # type: ignore[arg-type]
-        if got.point is None or got.point.messages != ends[got.index]:
-            return None
-        return Found(ends[got.index], got.point)
-
-    async def _load(self, tenant: str, found: Found) -> SessionState | None:
-        """The found state's session, locked if free; None if it is gone or no longer
-        holds that state (a point is only a hint: its session is the truth)."""
-        begin = BeginTurn(tenant=tenant, lock=True, tokens=True, messages=True)
-        sid = found.point.session_id
-        try:
-            try:
-                state = await self.manager.begin(sid, begin)
-            except SessionBusy:  # a turn in flight on it: this one forks
-                state = await self.manager.begin(sid, begin.model_copy(update={"lock": False}))
-        except SessionNotFound:
-            return None
-        point = found.point
-        if (
-            state.info.origin != "implicit"
-            or state.info.version < point.version
-            or len(state.tokens) < point.tokens
-            or len(state.messages) < point.messages
-        ):
-            await self.turns.give_back(tenant, state)
-            return None
-        return state
-
     # -- planning ------------------------------------------------------------------------
     async def _plan(
         self,
@@ -241,31 +182,23 @@ class ImplicitSessions:
         body: dict[str, Any],
         messages: Messages,
         end: str | None,
-        found: Found | None,
+        found: Located | None,
         fields: CacheFields,
         started: float,
     ) -> Planned:
-        state = await self._load(tenant, found) if found is not None else None
-        k = found.k if found is not None and state is not None else 0
-        if state is not None and not same(state.messages[:k], messages[:k]):
-            await self.turns.give_back(tenant, state)  # (a digest that lied: never trusted)
-            state, k = None, 0
         result: Result = "miss"
         parent: SessionInfo | None = None
-        if state is None:
+        k = 0
+        if found is None:
             sid = new_session_id()
             affinity = self.pool.keyed(body["model"], fields.key) if fields.key else None
             state = blank(sid, tenant, body["model"], origin="implicit", affinity=affinity)
-        elif (
-            found is not None
-            and state.lock is not None
-            and state.info.version == found.point.version
-        ):
+        elif found.latest:
+            state, k = found.state, found.k
             sid, result = state.info.session_id, "hit"
         else:  # the conversation moved on from this state (or is busy): a fork of it
-            await self.turns.give_back(tenant, state)
-            at = found.point.model_dump() if found is not None else {}
-            state, parent = cut(state, at), state.info
+            await self.turns.give_back(tenant, found.state)
+            state, parent, k = cut(found.state, found.at()), found.state.info, found.k
             sid, result = new_session_id(), "branch"
         turn_body = {**body, "messages": messages[k:]}
         turn = await self.turns.plan(
@@ -330,10 +263,3 @@ class Planned:
     end: str | None  # the digest of the request's messages (None: no state can be kept)
     ttl: int
     parent: SessionInfo | None = None  # a fork's
-
-
-def same(stored: Messages, sent: Messages) -> bool:
-    """Message by message equal in canonical form (`gateway.resent`)."""
-    return len(stored) == len(sent) and all(
-        canonical(a) == canonical(b) for a, b in zip(stored, sent, strict=True)
-    )

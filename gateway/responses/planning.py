@@ -27,8 +27,11 @@ from ctxcache.errors import (
     PreviousResponseNotFound,
     SessionBusy,
     SessionNotFound,
+    StoreUnavailable,
 )
 from gateway.idempotency import IdempotencyKey
+from gateway.implicit.fields import NO_FIELDS, CacheFields
+from gateway.implicit.finder import Located, MatchKey, StateFinder
 from gateway.locks import Held
 from gateway.points import blank, cut, share_kv
 from gateway.responses.items import chat_tool_choice, chat_tools, items_of, response_format
@@ -63,6 +66,11 @@ class Planned:
     parent: SessionInfo | None = None  # a fork's parent: its KV key is the fork's
     key: IdempotencyKey | None = None
     claim: Held | None = None  # mode create with a key: the claim's lock on session_id
+    store: bool = True  # the response is kept (retrievable, continued by its id)
+    # a request with its whole input (an implicit session, docs/implicit.md): the digest of
+    # its messages, under which its state is kept with the answer's; None: not kept so
+    implicit_end: str | None = None
+    implicit_ttl: int = 0
 
 
 def with_instructions(
@@ -98,6 +106,7 @@ class ResponsePlanner:
         self.manager = manager
         self.turns = turns
         self.settings = settings
+        self.finder = StateFinder(manager, turns, settings)
 
     async def plan(
         self,
@@ -106,10 +115,13 @@ class ResponsePlanner:
         key: IdempotencyKey | None,
         claim: Held | None,
         started: float,
+        cache: CacheFields = NO_FIELDS,
     ) -> Planned | Replay:
         new = req.messages()
         conv = req.conversation_id
         at: dict[str, int] | None = None  # the point in the session; None: its latest
+        implicit_end: str | None = None
+        instructed = False
         missing: CtxError = InvalidRequest("the session is gone")
         record = key.record() if key is not None else None
         loaded: SessionState | Replay
@@ -124,6 +136,11 @@ class ResponsePlanner:
         else:
             sid = key.session_id() if key is not None else new_session_id()
             loaded = blank(sid, tenant, req.model)
+            found, implicit_end = await self._implicit(tenant, req, cache)
+            if found is not None:  # a whole input that continues a state: continued there
+                sid, at, loaded = found.state.info.session_id, found.at(), found.state
+                new = with_instructions(req.instructions, [], new)[found.k :]
+                instructed = True  # (they were the whole input's, now in the state)
         if isinstance(loaded, Replay):  # the key's first attempt appended to this session
             return loaded
         state = loaded
@@ -132,14 +149,15 @@ class ResponsePlanner:
             await self.turns.give_back(tenant, state)
         if at is not None and not appending:
             state = cut(state, at)
-        messages = with_instructions(req.instructions, state.messages, new)
+        messages = new if instructed else with_instructions(req.instructions, state.messages, new)
         fields = {"max_tokens": req.max_output_tokens, "temperature": req.temperature}
         fields["top_p"] = req.top_p
         fields |= agent_fields(req)
         body = {"model": req.model, "messages": messages}
         body.update({k: v for k, v in fields.items() if v is not None})
         fork = not appending and state.info.version > 0
-        mode: Mode = "append" if appending else "create" if req.store else "none"
+        keeps = req.store or implicit_end is not None  # (store: false: the state, no record)
+        mode: Mode = "append" if appending else "create" if keeps else "none"
         try:
             turn = await self.turns.plan(
                 tenant,
@@ -199,6 +217,8 @@ class ResponsePlanner:
             request=request,
         )
         ttl = state.info.ttl if fork else self.settings.default_ttl
+        if not req.store and implicit_end is not None:  # (kept only as an implicit session)
+            ttl = cache.ttl(self.settings.implicit_ttl)
         return Planned(
             turn=turn,
             draft=draft,
@@ -212,7 +232,27 @@ class ResponsePlanner:
             parent=state.info if fork else None,
             key=key,
             claim=claim,
+            store=req.store,
+            implicit_end=implicit_end,
+            implicit_ttl=cache.ttl(self.settings.implicit_ttl) if implicit_end else 0,
         )
+
+    async def _implicit(
+        self, tenant: str, req: ResponseCreate, fields: CacheFields
+    ) -> tuple[Located | None, str | None]:
+        """A new chain's whole input, as an implicit session's (docs/implicit.md): the
+        state it continues, if any, and the digest of its messages (None: implicit
+        sessions are off for it). A store that does not answer only loses the match."""
+        if not (fields.implicit and self.finder.on_for(tenant)):
+            return None, None
+        messages = with_instructions(req.instructions, [], req.messages())
+        key = MatchKey(tenant, req.model, chat_tools(req.tools), fields.key)
+        digests = key.digests(messages)
+        try:
+            found = await self.finder.locate(tenant, messages, digests)
+        except StoreUnavailable:
+            found = None
+        return found, digests[-1]
 
     async def _load(
         self,

@@ -36,12 +36,14 @@ from typing import Any
 from fastapi import Response
 
 from cache_manager.client import ManagerClient
-from cache_manager.protocol import ClaimKey, CreateSession, Replay, StoredResponse
+from cache_manager.protocol import ClaimKey, CreateSession, ImplicitMark, Replay, StoredResponse
 from ctxcache.errors import CtxError, InvalidRequest, ResponseNotFound, SessionNotFound
 from ctxcache.logs import bind_session
 from ctxcache.responses import JSONResponse
 from gateway.completions.streams import SSEResponse
 from gateway.idempotency import REPLAYED, IdempotencyKey, KeyOf
+from gateway.implicit.digests import after
+from gateway.implicit.fields import NO_FIELDS, CacheFields
 from gateway.locks import NO_LOCK, Held
 from gateway.metrics import GatewayMetrics
 from gateway.requests import parse_json
@@ -93,7 +95,8 @@ class ResponseService:
         check_supported(req, body)
         started = time.perf_counter()  # (the load counts, as it does for a completion's turn)
         key = key_of(raw) if key_of is not None and req.store else None
-        planned = await self._plan(tenant, req, key, started)
+        fields = CacheFields.of(body) if b"prompt_cache" in raw else NO_FIELDS
+        planned = await self._plan(tenant, req, key, started, fields)
         if isinstance(planned, Replay):
             self.metrics.replayed(tenant)
             if req.stream:
@@ -143,7 +146,12 @@ class ResponseService:
             await self.manager.release(key.session_id(), tenant, claim, record=key.name)
 
     async def _plan(
-        self, tenant: str, req: ResponseCreate, key: IdempotencyKey | None, started: float
+        self,
+        tenant: str,
+        req: ResponseCreate,
+        key: IdempotencyKey | None,
+        started: float,
+        fields: CacheFields,
     ) -> Planned | Replay:
         """Load the point the response continues from and plan the turn on it (with an
         idempotency key whose first attempt wrote: its answer). With a key, a new chain or
@@ -156,7 +164,7 @@ class ResponseService:
                 return claimed
             claim = claimed
         async with claim or NO_LOCK:
-            planned = await self.planner.plan(tenant, req, key, claim, started)
+            planned = await self.planner.plan(tenant, req, key, claim, started, fields)
         if claim is not None and key is not None:
             if isinstance(planned, Replay):
                 # before the answer: a retry right after it finds the key free (the store
@@ -188,10 +196,15 @@ class ResponseService:
             "messages": len(messages),
         }
         record = {"response": final, "at": at, "input": planned.input_items}
-        stored = StoredResponse(id=final["id"][-16:], record=record)
+        stored = StoredResponse(id=final["id"][-16:], record=record) if planned.store else None
+        mark = None
+        if planned.implicit_end is not None:  # (its state: found by the next whole input)
+            digest = after(planned.implicit_end, messages[-1])
+            if digest is not None:
+                mark = ImplicitMark(digest=digest, messages=len(messages), ttl=planned.implicit_ttl)
         if planned.mode == "append":
             try:
-                await self.turns.commit(turn, gen, stored, answer=final)
+                await self.turns.commit(turn, gen, stored, answer=final, implicit=mark)
             except SessionNotFound:  # deleted while the turn ran
                 raise planned.missing from None
             return final
@@ -208,9 +221,10 @@ class ResponseService:
                 ttl=planned.ttl,
                 worker=gen.worker.id,
                 sidecar=gen.worker.sidecar,
-                origin="response",
+                origin="response" if planned.store else "implicit",
                 kv_key=parent.kv_key if parent is not None else None,
                 response=stored,
+                implicit=mark,
                 idempotency=planned.key.record(final) if planned.key is not None else None,
                 lock=planned.claim.lock if planned.claim is not None else None,
             )
