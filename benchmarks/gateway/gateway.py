@@ -147,9 +147,21 @@ def _cases(args: argparse.Namespace, backends: dict[str, int]) -> tuple[list[Cas
             ("streaming chat", args.stream_concurrency, False),
             ("streaming chat TTFT", [1], True),
         ):
+            # the same request passed through as it was before implicit sessions (it opts
+            # out of them): the first request of a conversation costs what it adds
+            plain_chat = {**chat, "prompt_cache_options": {"mode": "explicit"}}
             pair = [
                 Case(f"{model}: {label}, direct", model, path, chat, conc, n, True, ttft=ttft),
                 Case(f"{model}: {label}, gateway", model, path, chat, conc, n, ttft=ttft),
+                Case(
+                    f"{model}: {label}, gateway, passed through",
+                    model,
+                    path,
+                    plain_chat,
+                    conc,
+                    n,
+                    ttft=ttft,
+                ),
             ]
             if ttft and args.floor:
                 name = f"{model}: {label}, bare ASGI relay"

@@ -222,10 +222,12 @@ def check_gateway_rows(
     expected |= {
         ("fake: streaming chat, direct", stream),
         ("fake: streaming chat, gateway", stream),
+        ("fake: streaming chat, gateway, passed through", stream),
     }
     expected |= {
         ("fake: streaming chat TTFT, direct", 1),
         ("fake: streaming chat TTFT, gateway", 1),
+        ("fake: streaming chat TTFT, gateway, passed through", 1),
     }
     assert {(r["case"], r["concurrency"]) for r in rows} == expected
     for r in rows:

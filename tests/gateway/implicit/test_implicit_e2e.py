@@ -184,3 +184,27 @@ def test_prompt_cache_options_explicit_mode_passes_through(stack: Stack, sdk: SD
         extra_body={"prompt_cache_options": {"mode": "explicit", "ttl": "30m"}},
     )
     assert implicit_counts(stack)["passed"] - before["passed"] == 1
+
+
+def prompt_tokens_by_worker(stack: Stack) -> list[float]:
+    out = []
+    for worker in stack.workers:
+        text = httpx.get(f"{worker.url}/metrics", timeout=30).text
+        found = re.search(r"^ctxcache_worker_prompt_tokens_total (\S+)$", text, re.M)
+        out.append(float(found[1]) if found else 0.0)
+    return out
+
+
+def test_new_conversations_with_one_prompt_cache_key_go_to_one_worker(
+    stack: Stack, sdk: SDK
+) -> None:
+    """Requests of the same key go to the worker the key hashes to (the two workers are
+    idle: within the load bound), so a shared prefix of theirs is hot there."""
+    client = sdk()
+    before = prompt_tokens_by_worker(stack)
+    for i in range(4):
+        messages = [system("routed"), {"role": "user", "content": f"Question {i}?"}]
+        ask(client, messages, extra_body={"prompt_cache_key": "one-user"})
+    after = prompt_tokens_by_worker(stack)
+    grew = [b - a for a, b in zip(before, after, strict=True)]
+    assert sorted(g > 0 for g in grew) == [False, True], grew  # one worker ran all four
