@@ -121,6 +121,12 @@ def _engine(usage: float, waiting: int) -> list[Series]:
     ]
 
 
+def _implicit(**per_minute: int) -> list[Series]:
+    """The gateway's implicit requests, `per_minute[result]` a minute for 40 minutes."""
+    name = "ctxcache_gateway_implicit_total"
+    return [counter(name, {**GW, "result": r}, n, 40) for r, n in per_minute.items()]
+
+
 PAGE, WARNING = {"severity": "page"}, {"severity": "warning"}
 GW_JOB = {"job": GW["job"]}
 
@@ -419,5 +425,39 @@ CASES = [
         "quiet-failing-closed-or-settling",
         [_rate_limit("closed", 10), _rate_limit("settle", 10)],
         "15m",
+    ),
+    # -- CtxcacheImplicitStatesUnkept ----------------------------------------------------
+    Case(
+        "CtxcacheImplicitStatesUnkept",
+        "fires-a-fifth-of-states-unkept",  # (a tenant's quota full of explicit sessions)
+        _implicit(hit=40, branch=5, miss=15, unkept=12, passed=0),
+        "30m",
+        {**GW_JOB, **WARNING},
+    ),
+    Case(
+        "CtxcacheImplicitStatesUnkept",
+        "quiet-a-few-unkept",
+        _implicit(hit=40, branch=5, miss=15, unkept=3, passed=0),
+        "30m",
+    ),
+    Case(
+        "CtxcacheImplicitStatesUnkept",
+        "quiet-passed-through-traffic-keeps-no-state",  # not the denominator, not unkept
+        _implicit(hit=0, branch=0, miss=0, unkept=0, passed=600),
+        "30m",
+    ),
+    Case(
+        "CtxcacheImplicitStatesUnkept",
+        # nothing kept for four minutes (a store outage: CtxcacheStoreUnavailable pages for
+        # it), then all again: over 10% for 11 minutes of the rate's window, not the 15
+        # of `for` (looked at on the last of them)
+        "quiet-a-store-outage-of-minutes",
+        [
+            *_implicit(hit=40, branch=5, miss=15, passed=0),
+            series(
+                "ctxcache_gateway_implicit_total", {**GW, "result": "unkept"}, "0x12 60+60x3 240x25"
+            ),
+        ],
+        "24m",
     ),
 ]

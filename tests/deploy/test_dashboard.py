@@ -120,6 +120,9 @@ def test_the_dashboard_has_the_panels_an_sre_expects() -> None:
         "ctxcache_manager_requests_total",
         "redis_memory_used_bytes",
         "redis_commands_processed_total",
+        # implicit sessions: by result, and reused tokens by kind (issue 55)
+        "ctxcache_gateway_implicit_total",
+        "ctxcache_gateway_cached_tokens_by_kind_total",
     ):
         assert wanted in read, wanted
 
@@ -323,6 +326,46 @@ def test_bytes_and_seconds_per_load(tmp_path: Path) -> None:
             (expr_with(tcp), []),  # bytes but no time: the guard, not +Inf
         ],
     )
+
+
+@needs_promtool
+def test_the_implicit_hit_ratio_reads_the_requests_served_as_turns(tmp_path: Path) -> None:
+    """Hits and branches over hits, branches and misses: requests passed through are not
+    in it (implicit sessions off for them), unkept is a line of its own, and a stack whose
+    every request is passed through draws no line, not NaN."""
+    gw = {"job": "ctxcache-gateway", "instance": "gw-0:8000"}
+    name = "ctxcache_gateway_implicit_total"
+    per_result = {"hit": 3.0, "branch": 1.0, "miss": 1.0, "passed": 5.0, "unkept": 0.5}
+    series = {name + labels(result=r, **gw): per_second(v) for r, v in per_result.items()}
+    ratio, unkept = panel("Implicit hit ratio")
+    (by_result,) = panel("Implicit sessions by result")
+    (by_kind,) = panel("Cached tokens by kind")
+    kinds = "ctxcache_gateway_cached_tokens_by_kind_total"
+    series |= {
+        kinds + labels(kind="explicit", **gw): per_second(100),
+        kinds + labels(kind="implicit", **gw): per_second(40),
+        kinds + labels(kind="shared", **gw): per_second(0),
+    }
+    evaluate(
+        tmp_path,
+        series,
+        [
+            (expr_with(ratio), [("{}", 0.8)]),
+            (expr_with(unkept), [("{}", 0.1)]),
+            (expr_with(by_result), [(labels(result=r), v) for r, v in per_result.items()]),
+            (
+                expr_with(by_kind),
+                [
+                    (labels(kind="explicit"), 100),
+                    (labels(kind="implicit"), 40),
+                    (labels(kind="shared"), 0),
+                ],
+            ),
+        ],
+    )
+    passed_only = {name + labels(result=r, **gw): "0x20" for r in per_result}
+    passed_only[name + labels(result="passed", **gw)] = per_second(5)
+    evaluate(tmp_path, passed_only, [(expr_with(ratio), []), (expr_with(unkept), [])])
 
 
 def test_the_renderer_sends_the_queries_grafana_sends() -> None:

@@ -65,6 +65,15 @@ def test_every_queried_metric_is_exposed_by_the_running_stack(stack: Stack) -> N
         ttft = f'ctxcache_gateway_ttft_seconds_count{{mode="{mode}",stream="false"}}'
         assert metric(public, ttft) >= 1
         assert metric(public, f'ctxcache_gateway_completion_seconds_count{{mode="{mode}"}}') >= 1
+    # the implicit panels' series exist from the start, at 0 until counted: a gateway
+    # that has served no request without a session draws 0s, not "no data"
+    lines = {line.split(" ")[0] for line in public.splitlines() if not line.startswith("#")}
+    for result in ("hit", "branch", "miss", "passed", "unkept"):
+        assert f'ctxcache_gateway_implicit_total{{result="{result}"}}' in lines, result
+    for kind in ("explicit", "implicit", "shared"):
+        assert f'ctxcache_gateway_cached_tokens_by_kind_total{{kind="{kind}"}}' in lines, kind
+    # the session turn reused its context's KV: counted as explicit
+    assert metric(public, 'ctxcache_gateway_cached_tokens_by_kind_total{kind="explicit"}') >= 64
     turns = 'ctxcache_tenant_turns_total{kind="completion",tenant="tenant-a"}'
     assert metric(tenants.text, turns) >= 1
     assert metric(tenants.text, 'ctxcache_tenant_live_sessions{tenant="tenant-a"}') >= 1

@@ -1,5 +1,5 @@
 """The gateway's rows: traffic, latency (session turns vs plain requests), sessions
-and cache.
+and cache, implicit sessions.
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from dashboard_panels.panel import percentiles, row, timeseries
 from dashboard_panels.promql import quantile, rate, sel, share, total
 
 GW_REQ = "ctxcache_gateway_requests_total"
+IMPLICIT = "ctxcache_gateway_implicit_total"
+SERVED = 'result=~"hit|branch|miss"'  # the requests served as a turn of an implicit session
 API = 'route=~"/v1/.*"'  # the API's routes: not /health, /ready, /metrics
 FAILED = 'status=~"5.."'
 
@@ -113,5 +115,38 @@ def panels() -> list[Any]:
             "the metrics token).",
             "ops",
             (total("ctxcache_tenant_turns_total", by="tenant, kind"), "{{tenant}} {{kind}}"),
+        ),
+        row("Implicit sessions: clients that resend the conversation"),
+        timeseries(
+            "Implicit sessions by result",
+            "Chat requests without a session per second, by what implicit sessions made of "
+            "them (docs/implicit.md): hit (a turn of the conversation's latest state), branch "
+            "(a fork of an older state), miss (a new conversation), passed (passed through as "
+            "it is: implicit sessions off, or a request that cannot be a turn). unkept counts "
+            "hits, branches and misses answered whose state could not be kept (the tenant's "
+            "quota full of explicit sessions, the store failing): their next request misses.",
+            "reqps",
+            (total(IMPLICIT, by="result"), "{{result}}"),
+        ),
+        timeseries(
+            "Implicit hit ratio",
+            "Of the requests served as implicit turns (hit, branch, miss), the share that "
+            "continued a conversation the gateway kept (hit or branch), and the share whose "
+            "new state was not kept (unkept; alert CtxcacheImplicitStatesUnkept). Passed-"
+            "through requests are left out.",
+            "percentunit",
+            (
+                share(total(IMPLICIT, 'result=~"hit|branch"'), total(IMPLICIT, SERVED)),
+                "hit + branch",
+            ),
+            (share(total(IMPLICIT, 'result="unkept"'), total(IMPLICIT, SERVED)), "unkept"),
+        ),
+        timeseries(
+            "Cached tokens by kind",
+            "Prompt tokens per second whose KV was reused, by kind: explicit (session turns), "
+            "implicit (implicit sessions' hits and branches), shared (a new conversation's "
+            "prefix the engine already had: another conversation's system prompt, say).",
+            "short",
+            (total("ctxcache_gateway_cached_tokens_by_kind_total", by="kind"), "{{kind}}"),
         ),
     ]
