@@ -35,6 +35,7 @@ from cache_manager.protocol import (
     ItemsEdited,
     LockRenewed,
     ManagerStats,
+    MarkPrefixes,
     RateSettle,
     RateTake,
     RateWindow,
@@ -260,6 +261,10 @@ class ManagerClient:
     async def rate_settle(self, key_id: str, req: RateSettle) -> None:
         await self._call("POST", f"/ratelimits/{key_id}/settle", None, body=req)
 
+    async def mark_prefixes(self, req: MarkPrefixes) -> None:
+        """Name shared prefixes' states (`cache_manager.implicit`)."""
+        await self._call("POST", "/implicit/prefixes", None, body=req)
+
     async def find_implicit(self, req: FindImplicit) -> ImplicitFound:
         """The longest of a request's conversation states the tenant has
         (`cache_manager.implicit`): one store round trip."""
@@ -306,6 +311,7 @@ _LOCAL_OPS = {
     "usage": "GET /tenants/{id}/usage",
     "live_sessions": "GET /stats",
     "find_implicit": "POST /implicit/find",
+    "mark_prefixes": "POST /implicit/prefixes",
 }
 
 
@@ -387,6 +393,9 @@ class LocalManager(ManagerClient):
 
     async def rate_settle(self, key_id: str, req: RateSettle) -> None:
         await self.rate_limits.settle(key_id, req)
+
+    async def mark_prefixes(self, req: MarkPrefixes) -> None:
+        await self.service.mark_prefixes(req)
 
     async def find_implicit(self, req: FindImplicit) -> ImplicitFound:
         return await self.service.find_implicit(req)

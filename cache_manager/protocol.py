@@ -166,6 +166,20 @@ class FindImplicit(StrictModel):
     digests: list[Digest] = Field(min_length=1, max_length=128)
 
 
+class SharedPrefix(StrictModel):
+    """A state of a conversation's prefix another conversation may share (its system
+    prompt and tools, a `prompt_cache_breakpoint`): forked, never appended to."""
+
+    digest: Digest
+    point: ImplicitPoint
+    ttl: int = Field(ge=1, le=30 * 86_400)
+
+
+class MarkPrefixes(StrictModel):
+    tenant: str = Field(min_length=1, max_length=256)
+    prefixes: list[SharedPrefix] = Field(min_length=1, max_length=8)
+
+
 class ImplicitFound(StrictModel):
     index: int = -1  # the first digest found; -1: none
     point: ImplicitPoint | None = None

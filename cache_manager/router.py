@@ -21,6 +21,7 @@ from cache_manager.protocol import (
     KeyId,
     LockRenewed,
     ManagerStats,
+    MarkPrefixes,
     RateSettle,
     RateTake,
     RateWindow,
@@ -132,6 +133,11 @@ async def delete_response(
 tenants = APIRouter(prefix="/tenants")
 stats = APIRouter()
 implicit = APIRouter(prefix="/implicit")
+
+
+@implicit.post("/prefixes", status_code=204)
+async def mark_prefixes(body: MarkPrefixes, svc: ServiceDep) -> None:
+    await svc.mark_prefixes(body)
 
 
 @implicit.post("/find", response_model=ImplicitFound)

@@ -24,6 +24,7 @@ from cache_manager.protocol import (
     ImplicitMark,
     ImplicitPoint,
     ItemsEdited,
+    MarkPrefixes,
     Replay,
     ResponseDeleted,
     ResponseRecord,
@@ -197,6 +198,13 @@ class SessionService:
         )
         evictable = info.origin == "implicit"
         await self.implicit.mark(info.tenant, mark.digest, point, mark.ttl, evictable=evictable)
+
+    async def mark_prefixes(self, req: MarkPrefixes) -> None:
+        """Name shared prefixes' states (docs/implicit.md, "Shared prefixes")."""
+        for prefix in req.prefixes:
+            await self.implicit.mark(
+                req.tenant, prefix.digest, prefix.point, prefix.ttl, evictable=False
+            )
 
     async def find_implicit(self, req: FindImplicit) -> ImplicitFound:
         """The longest of a request's conversation states the tenant has (one round trip)."""

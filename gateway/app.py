@@ -111,7 +111,8 @@ def create_app(settings: GatewaySettings, *, freeze_heap: bool = False) -> FastA
                 on_renew=metrics.turn_lock_renewals.inc,
             )
             stack.push_async_callback(keeper.aclose)
-            turns = TurnService(manager, pool, metrics, PromptBuilder(), salt, recent, keeper)
+            prompts = PromptBuilder()
+            turns = TurnService(manager, pool, metrics, prompts, salt, recent, keeper)
             stack.push_async_callback(turns.drain)
             app.state.components = components
             app.state.keys = KeyRing(settings.api_keys)
@@ -125,7 +126,7 @@ def create_app(settings: GatewaySettings, *, freeze_heap: bool = False) -> FastA
             app.state.pool = pool
             app.state.metrics = metrics
             app.state.turns = turns
-            implicit = ImplicitSessions(manager, turns, pool, settings, metrics)
+            implicit = ImplicitSessions(manager, turns, pool, settings, metrics, prompts)
             app.state.completions = CompletionService(
                 turns,
                 pool,

@@ -169,6 +169,7 @@ class GatewayMetrics:
             "ctxcache_gateway_implicit_total",
             "chat requests without a session, by what implicit sessions made of them: hit "
             "(a turn of the conversation's latest state), branch (a fork of an older one), "
+            "shared (a new conversation forked from another's shared prefix), "
             "miss (a new conversation), passed (passed through as it is), unkept (answered, "
             "its state not kept) (docs/implicit.md)",
             ["result"],
@@ -182,7 +183,7 @@ class GatewayMetrics:
             ["kind"],
             registry=r,
         )
-        for result in ("hit", "branch", "miss", "passed", "unkept"):
+        for result in ("hit", "branch", "shared", "miss", "passed", "unkept"):
             self.implicit_requests.labels(result)
         for kind in ("explicit", "implicit", "shared"):
             self.cached_by_kind.labels(kind)

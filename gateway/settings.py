@@ -129,6 +129,12 @@ class GatewaySettings(BaseSettings):
         le=128,
         description="a request's latest answers whose states are looked for (longest first)",
     )
+    implicit_min_prefix_tokens: int = Field(
+        128,
+        ge=1,
+        description="a system prompt (or a prompt_cache_breakpoint's prefix) shorter than "
+        "this is not kept for other conversations to share",
+    )
     idempotency_ttl_s: int = Field(
         86_400,
         ge=60,

@@ -39,7 +39,10 @@ class CacheFields:
     retention_s: int | None = None  # `24h`: kept a day idle; None: the deployment's TTL
     min_ttl_s: int = 0  # `prompt_cache_options.ttl`: the state lives at least this long
     implicit: bool = True  # `prompt_cache_options.mode: explicit`: no implicit session
-    breakpoints: bool = False  # a content part carries a `prompt_cache_breakpoint`
+    # the messages with a content part that carries a `prompt_cache_breakpoint` (indexes),
+    # and the longest `ttl` one of them asks for (0: the request's)
+    breakpoints: tuple[int, ...] = ()
+    breakpoint_ttl_s: int = 0
 
     @classmethod
     def of(cls, body: dict[str, Any]) -> CacheFields:
@@ -71,12 +74,14 @@ class CacheFields:
                 )
             if options.get("ttl") is not None:
                 min_ttl = _duration(options["ttl"], "prompt_cache_options.ttl")
+        marked, marked_ttl = _check_breakpoints(body.get("messages"))
         return cls(
             key=key,
             retention_s=RETENTION_S[retention] if retention is not None else None,
             min_ttl_s=min_ttl,
             implicit=mode == "implicit",
-            breakpoints=_check_breakpoints(body.get("messages")),
+            breakpoints=marked,
+            breakpoint_ttl_s=marked_ttl,
         )
 
     def ttl(self, default_s: int) -> int:
@@ -85,11 +90,13 @@ class CacheFields:
         return max(base, self.min_ttl_s)
 
 
-def _check_breakpoints(messages: object) -> bool:
-    """Whether a content part of `messages` carries a breakpoint; a 400 if one is malformed."""
+def _check_breakpoints(messages: object) -> tuple[tuple[int, ...], int]:
+    """The indexes of the messages with a content part that carries a breakpoint, and the
+    longest `ttl` they ask for; a 400 if one is malformed."""
     if not isinstance(messages, list):
-        return False
-    found = False
+        return (), 0
+    found: list[int] = []
+    longest = 0
     for i, message in enumerate(messages):
         content = message.get("content") if isinstance(message, dict) else None
         if not isinstance(content, list):
@@ -102,9 +109,10 @@ def _check_breakpoints(messages: object) -> bool:
             if not isinstance(mark, dict) or mark.get("mode", "explicit") != "explicit":
                 raise InvalidRequest(f"{param} must be {{'mode': 'explicit'}}", param=param)
             if mark.get("ttl") is not None:
-                _duration(mark["ttl"], f"{param}.ttl")
-            found = True
-    return found
+                longest = max(longest, _duration(mark["ttl"], f"{param}.ttl"))
+            if not found or found[-1] != i:
+                found.append(i)
+    return tuple(found), longest
 
 
 def for_engine(body: dict[str, Any], fields: CacheFields) -> dict[str, Any]:

@@ -46,8 +46,13 @@ class Located:
 
     @property
     def latest(self) -> bool:
-        """The session is still at this state and locked for this turn: it appends."""
-        return self.state.lock is not None and self.state.info.version == self.point.version
+        """The session is still at this state and locked for this turn: it appends (a
+        prefix's state, `shared_prefixes`, is never a session's latest: it forks)."""
+        return (
+            self.state.lock is not None
+            and self.state.info.version == self.point.version
+            and len(self.state.messages) == self.point.messages
+        )
 
     def at(self) -> dict[str, int]:
         return {
@@ -69,15 +74,22 @@ class StateFinder:
         return self.settings.implicit_sessions and tenant not in self.off_for
 
     async def locate(
-        self, tenant: str, messages: Messages, digests: list[str | None]
+        self,
+        tenant: str,
+        messages: Messages,
+        digests: list[str | None],
+        prefixes: list[int] = (),  # type: ignore[assignment]
     ) -> Located | None:
         """The longest state of the conversation the tenant has (of the prefixes that end
-        with an answer: the latest `implicit_max_points`), and its session; None: none."""
-        ends = [
+        with an answer: the latest `implicit_max_points`; and of `prefixes`, the shared
+        prefixes' ends, `shared_prefixes`), and its session; None: none."""
+        answers = [
             k
             for k in range(len(messages) - 1, 0, -1)
             if messages[k - 1].get("role") == "assistant" and digests[k - 1] is not None
         ][: self.settings.implicit_max_points]
+        shared = [k for k in prefixes if digests[k - 1] is not None and k not in answers]
+        ends = sorted({*answers, *shared}, reverse=True)
         if not ends:
             return None
         wanted: list[str] = [digests[k - 1] for k in ends]  # type: ignore[misc]
@@ -116,6 +128,19 @@ class StateFinder:
             await self.turns.give_back(tenant, state)
             return None
         return state
+
+
+def shared_prefixes(messages: Messages, breakpoints: tuple[int, ...] = ()) -> list[int]:
+    """Where a conversation's prefix may be another's (docs/implicit.md, "Shared
+    prefixes"): after its leading system and developer messages (the system prompt, the
+    tools rendered with it), and after each message with a `prompt_cache_breakpoint`
+    (`breakpoints`: their indexes); never the whole request."""
+    lead = 0
+    while lead < len(messages) and messages[lead].get("role") in ("system", "developer"):
+        lead += 1
+    ends = {lead} if lead else set()
+    ends |= {i + 1 for i in breakpoints}
+    return sorted(k for k in ends if 0 < k < len(messages))
 
 
 def same(stored: Messages, sent: Messages) -> bool:

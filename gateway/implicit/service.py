@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from fastapi import Response
@@ -32,7 +32,10 @@ from cache_manager.keys import new_session_id
 from cache_manager.protocol import (
     CreateSession,
     ImplicitMark,
+    ImplicitPoint,
+    MarkPrefixes,
     SessionInfo,
+    SharedPrefix,
 )
 from ctxcache.errors import CtxError, InvalidRequest, SessionBusy, SessionNotFound
 from ctxcache.logs import bind_session
@@ -40,10 +43,11 @@ from ctxcache.responses import JSONResponse
 from gateway.completions.answers import shape
 from gateway.implicit.digests import after
 from gateway.implicit.fields import CacheFields, for_engine
-from gateway.implicit.finder import Located, MatchKey, StateFinder
+from gateway.implicit.finder import Located, MatchKey, StateFinder, shared_prefixes
 from gateway.metrics import GatewayMetrics
 from gateway.points import blank, cut, share_kv
 from gateway.pool import WorkerPool
+from gateway.prompts import PromptBuilder
 from gateway.protocol import ChatBody
 from gateway.requests import parse_json
 from gateway.settings import GatewaySettings
@@ -56,7 +60,7 @@ log = logging.getLogger(__name__)
 
 Messages = list[dict[str, Any]]
 Fallback = Callable[[], Awaitable[Response]]
-Result = Literal["hit", "branch", "miss"]
+Result = Literal["hit", "branch", "shared", "miss"]
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 # fields that change how the engine renders or answers: such a request is passed through
@@ -106,8 +110,10 @@ class ImplicitSessions:
         pool: WorkerPool,
         settings: GatewaySettings,
         metrics: GatewayMetrics,
+        prompts: PromptBuilder,
     ) -> None:
         self.manager = manager
+        self.prompts = prompts
         self.turns = turns
         self.pool = pool
         self.settings = settings
@@ -137,8 +143,9 @@ class ImplicitSessions:
         key = MatchKey(tenant, body["model"], body.get("tools"), fields.key, salt)
         digests = key.digests(messages)
         try:
-            found = await self.finder.locate(tenant, messages, digests)
-            planned = await self._plan(tenant, body, messages, digests[-1], found, fields, started)
+            prefixes = shared_prefixes(messages, fields.breakpoints)
+            found = await self.finder.locate(tenant, messages, digests, prefixes)
+            planned = await self._plan(tenant, body, messages, digests, found, fields, started)
         except (InvalidRequest, SessionBusy, SessionNotFound) as exc:
             log.info("implicit session not taken (%s): passed through", exc)
             self.metrics.implicit("passed")
@@ -181,7 +188,7 @@ class ImplicitSessions:
         tenant: str,
         body: dict[str, Any],
         messages: Messages,
-        end: str | None,
+        digests: list[str | None],
         found: Located | None,
         fields: CacheFields,
         started: float,
@@ -199,14 +206,17 @@ class ImplicitSessions:
         else:  # the conversation moved on from this state (or is busy): a fork of it
             await self.turns.give_back(tenant, found.state)
             state, parent, k = cut(found.state, found.at()), found.state.info, found.k
-            sid, result = new_session_id(), "branch"
+            answered = messages[k - 1].get("role") == "assistant"  # (else: a shared prefix)
+            sid, result = new_session_id(), "branch" if answered else "shared"
         turn_body = {**body, "messages": messages[k:]}
         turn = await self.turns.plan(
             tenant, state.info.session_id, turn_body, state, started=started
         )
         ttl = fields.ttl(self.settings.implicit_ttl)
         ttl = min(max(ttl, self.settings.min_ttl), self.settings.max_ttl)
-        return Planned(turn, result, sid, messages, end, ttl, parent)
+        shared = shared_prefixes(messages, fields.breakpoints) if result == "miss" else []
+        prefix_ttl = max(ttl, fields.breakpoint_ttl_s)
+        return Planned(turn, result, sid, messages, digests, ttl, parent, shared, prefix_ttl)
 
     # -- keeping the new state -------------------------------------------------------------
     async def _keep(self, planned: Planned, gen: Generation) -> None:
@@ -215,7 +225,8 @@ class ImplicitSessions:
         turn = planned.turn
         answer = gen.assistant()
         messages = [*planned.messages, answer]
-        digest = after(planned.end, answer) if planned.end is not None else None
+        end = planned.digests[-1]
+        digest = after(end, answer) if end is not None else None
         mark = (
             ImplicitMark(digest=digest, messages=len(messages), ttl=planned.ttl) if digest else None
         )
@@ -244,12 +255,54 @@ class ImplicitSessions:
                     implicit=mark,
                 )
             )
-            self.metrics.cached("implicit" if planned.parent else "shared", gen.usage)
+            self.metrics.cached("implicit" if planned.result == "branch" else "shared", gen.usage)
             self.metrics.sessions_created.inc()
         except CtxError as exc:
             self.metrics.implicit("unkept")
             with bind_session(planned.session_id):
                 log.warning("implicit session: the answer was not kept (%s)", exc)
+            return
+        if planned.shared:
+            await self._share_prefixes(planned, gen)
+
+    async def _share_prefixes(self, planned: Planned, gen: Generation) -> None:
+        """A new conversation's prefixes that others may share (its system prompt and
+        tools, a breakpoint): each is a state of this conversation, cut where the prefix
+        ends, if the template renders it as the start of the prompt and it is long
+        enough to be worth a fork (`implicit_min_prefix_tokens`). Best effort."""
+        turn, worker = planned.turn, gen.worker
+        assert worker is not None
+        prefixes = []
+        for k in planned.shared:
+            digest = planned.digests[k - 1]
+            if digest is None:
+                continue
+            try:
+                ids, _ = await self.prompts.chat(
+                    worker,
+                    turn.model,
+                    planned.messages[:k],
+                    generation_prompt=False,
+                    tools=turn.tools,
+                )
+            except Exception as exc:  # (only a cache entry fewer)
+                log.info("a shared prefix was not kept (%s)", exc)
+                return
+            if (
+                len(ids) < self.settings.implicit_min_prefix_tokens
+                or turn.prompt[: len(ids)] != ids
+            ):
+                continue
+            point = ImplicitPoint(
+                session_id=planned.session_id, version=1, tokens=len(ids), messages=k
+            )
+            prefixes.append(SharedPrefix(digest=digest, point=point, ttl=planned.prefix_ttl))
+        if not prefixes:
+            return
+        try:
+            await self.manager.mark_prefixes(MarkPrefixes(tenant=turn.tenant, prefixes=prefixes))
+        except CtxError as exc:
+            log.info("a shared prefix was not kept (%s)", exc)
 
 
 @dataclass(frozen=True)
@@ -260,6 +313,8 @@ class Planned:
     result: Result
     session_id: str  # the session the new state belongs to (new for a miss or a fork)
     messages: Messages  # the request's, all of them
-    end: str | None  # the digest of the request's messages (None: no state can be kept)
+    digests: list[str | None]  # of each prefix of them (the last: none if None)
     ttl: int
     parent: SessionInfo | None = None  # a fork's
+    shared: list[int] = field(default_factory=list)  # a new conversation's shared prefixes
+    prefix_ttl: int = 0

@@ -31,7 +31,7 @@ from ctxcache.errors import (
 )
 from gateway.idempotency import IdempotencyKey
 from gateway.implicit.fields import NO_FIELDS, CacheFields
-from gateway.implicit.finder import Located, MatchKey, StateFinder
+from gateway.implicit.finder import Located, MatchKey, StateFinder, shared_prefixes
 from gateway.locks import Held
 from gateway.points import blank, cut, share_kv
 from gateway.responses.items import chat_tool_choice, chat_tools, items_of, response_format
@@ -249,7 +249,7 @@ class ResponsePlanner:
         key = MatchKey(tenant, req.model, chat_tools(req.tools), fields.key)
         digests = key.digests(messages)
         try:
-            found = await self.finder.locate(tenant, messages, digests)
+            found = await self.finder.locate(tenant, messages, digests, shared_prefixes(messages))
         except StoreUnavailable:
             found = None
         return found, digests[-1]

@@ -132,8 +132,9 @@ def test_an_edited_message_reuses_only_what_precedes_it(stack: Stack, sdk: SDK) 
     before = implicit_counts(stack)
     edited = ask(client, history)
     after = implicit_counts(stack)
-    assert after["miss"] - before["miss"] == 1
-    # at most the system prompt's blocks are shared (vLLM-style prefix reuse), never the rest
+    # the system prompt before the edit is shared (a fork of its prefix), nothing after it
+    assert after["shared"] - before["shared"] == 1
+    assert (after["hit"], after["branch"]) == (before["hit"], before["branch"])
     assert cached(edited) <= answers[0].usage.prompt_tokens - 8
 
 
@@ -208,3 +209,46 @@ def test_new_conversations_with_one_prompt_cache_key_go_to_one_worker(
     after = prompt_tokens_by_worker(stack)
     grew = [b - a for a, b in zip(before, after, strict=True)]
     assert sorted(g > 0 for g in grew) == [False, True], grew  # one worker ran all four
+
+
+def test_a_new_conversation_forks_another_ones_system_prompt(stack: Stack, sdk: SDK) -> None:
+    """The system prompt of a conversation is kept as a shared prefix: a new conversation
+    of the same tenant with the same system prompt forks it (its KV read by the first
+    conversation's tag), and answers what it answers alone."""
+    client = sdk()
+    first = ask(client, [system("prefix"), {"role": "user", "content": QUESTIONS[0]}])
+    before = implicit_counts(stack)
+    other = [system("prefix"), {"role": "user", "content": "Something else?"}]
+    second = ask(client, other)
+    after = implicit_counts(stack)
+    assert after["shared"] - before["shared"] == 1 and after["miss"] == before["miss"]
+    assert cached(second) >= first.usage.prompt_tokens - 64 - 16  # (the system prompt's)
+    alone = ask(sdk("key-b"), other)  # the same question where nothing is shared
+    assert alone.choices[0].message.content == second.choices[0].message.content
+    # and the new conversation is one of its own: its next turn continues it
+    before = implicit_counts(stack)
+    ask(
+        client,
+        [
+            *other,
+            second.choices[0].message.model_dump(exclude_none=True),
+            {"role": "user", "content": "More?"},
+        ],
+    )
+    assert implicit_counts(stack)["hit"] - before["hit"] == 1
+
+
+def test_a_breakpoint_shares_the_prefix_up_to_it(stack: Stack, sdk: SDK) -> None:
+    client = sdk()
+    document = {
+        "role": "user",
+        "content": [
+            {"type": "text", "text": "[breakpoint] Read this. " + FACTS},
+            {"type": "text", "text": " End.", "prompt_cache_breakpoint": {"mode": "explicit"}},
+        ],
+    }
+    head = [{"role": "system", "content": "Be brief."}, document]
+    ask(client, [*head, {"role": "user", "content": QUESTIONS[0]}])
+    before = implicit_counts(stack)
+    ask(client, [*head, {"role": "user", "content": QUESTIONS[1]}])
+    assert implicit_counts(stack)["shared"] - before["shared"] == 1
