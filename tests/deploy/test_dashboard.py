@@ -330,12 +330,13 @@ def test_bytes_and_seconds_per_load(tmp_path: Path) -> None:
 
 @needs_promtool
 def test_the_implicit_hit_ratio_reads_the_requests_served_as_turns(tmp_path: Path) -> None:
-    """Hits and branches over hits, branches and misses: requests passed through are not
+    """Hits, branches and shared prefixes over those and misses: requests passed through are not
     in it (implicit sessions off for them), unkept is a line of its own, and a stack whose
     every request is passed through draws no line, not NaN."""
     gw = {"job": "ctxcache-gateway", "instance": "gw-0:8000"}
     name = "ctxcache_gateway_implicit_total"
-    per_result = {"hit": 3.0, "branch": 1.0, "miss": 1.0, "passed": 5.0, "unkept": 0.5}
+    per_result = {"hit": 2.0, "branch": 1.0, "shared": 1.0, "miss": 1.0, "passed": 5.0}
+    per_result["unkept"] = 0.5
     series = {name + labels(result=r, **gw): per_second(v) for r, v in per_result.items()}
     ratio, unkept = panel("Implicit hit ratio")
     (by_result,) = panel("Implicit sessions by result")

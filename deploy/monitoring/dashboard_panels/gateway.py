@@ -11,7 +11,7 @@ from dashboard_panels.promql import quantile, rate, sel, share, total
 
 GW_REQ = "ctxcache_gateway_requests_total"
 IMPLICIT = "ctxcache_gateway_implicit_total"
-SERVED = 'result=~"hit|branch|miss"'  # the requests served as a turn of an implicit session
+SERVED = 'result=~"hit|branch|shared|miss"'  # the requests served as an implicit session's turn
 API = 'route=~"/v1/.*"'  # the API's routes: not /health, /ready, /metrics
 FAILED = 'status=~"5.."'
 
@@ -121,23 +121,25 @@ def panels() -> list[Any]:
             "Implicit sessions by result",
             "Chat requests without a session per second, by what implicit sessions made of "
             "them (docs/implicit.md): hit (a turn of the conversation's latest state), branch "
-            "(a fork of an older state), miss (a new conversation), passed (passed through as "
+            "(a fork of an older state), shared (a new conversation forked from another's "
+            "shared prefix), miss (a new conversation), passed (passed through as "
             "it is: implicit sessions off, or a request that cannot be a turn). unkept counts "
-            "hits, branches and misses answered whose state could not be kept (the tenant's "
+            "the served requests whose state could not be kept (the tenant's "
             "quota full of explicit sessions, the store failing): their next request misses.",
             "reqps",
             (total(IMPLICIT, by="result"), "{{result}}"),
         ),
         timeseries(
             "Implicit hit ratio",
-            "Of the requests served as implicit turns (hit, branch, miss), the share that "
-            "continued a conversation the gateway kept (hit or branch), and the share whose "
+            "Of the requests served as implicit turns (hit, branch, shared, miss), the share "
+            "that continued what the gateway kept (a conversation: hit or branch; another's "
+            "prefix: shared), and the share whose "
             "new state was not kept (unkept; alert CtxcacheImplicitStatesUnkept). Passed-"
             "through requests are left out.",
             "percentunit",
             (
-                share(total(IMPLICIT, 'result=~"hit|branch"'), total(IMPLICIT, SERVED)),
-                "hit + branch",
+                share(total(IMPLICIT, 'result=~"hit|branch|shared"'), total(IMPLICIT, SERVED)),
+                "hit + branch + shared",
             ),
             (share(total(IMPLICIT, 'result="unkept"'), total(IMPLICIT, SERVED)), "unkept"),
         ),
@@ -145,7 +147,7 @@ def panels() -> list[Any]:
             "Cached tokens by kind",
             "Prompt tokens per second whose KV was reused, by kind: explicit (session turns), "
             "implicit (implicit sessions' hits and branches), shared (a new conversation's "
-            "prefix the engine already had: another conversation's system prompt, say).",
+            "prefix: another conversation's forked, or one the engine's own cache had).",
             "short",
             (total("ctxcache_gateway_cached_tokens_by_kind_total", by="kind"), "{{kind}}"),
         ),
