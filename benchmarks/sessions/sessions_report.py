@@ -234,7 +234,14 @@ def plot_sizes(path: Path, rows: list[dict[str, Any]]) -> None:
         ),
         (
             "active sessions' sidecar hit rate (%)",
-            {"hit rate": [(r["hit_rate"] or 0) * 100 for r in rows]},
+            {
+                "hit rate": [(r["hit_rate"] or 0) * 100 for r in rows],
+                **(
+                    {"implicit": [(r["implicit_kv_hit_rate"] or 0) * 100 for r in rows]}
+                    if "implicit_kv_hit_rate" in rows[0]
+                    else {}
+                ),
+            },
         ),
         (
             "Redis expiry during the mixed load",
