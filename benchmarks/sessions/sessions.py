@@ -13,9 +13,12 @@ with its in-process manager. For each size (1k, 10k, 100k live sessions):
   sessions the gateway serves (any of them can be read or take a turn), with the same
   records, token ids and messages a create through the gateway writes, but no engine call,
   so no KV and no sidecar pin (they stand for sessions whose KV the sidecar already let go);
+  with `--implicit`, as many implicit conversations too (`sessions_implicit.py`);
 - then a mixed load runs through the gateway (`--ops` operations, `--concurrency` clients):
   turns of the active sessions, creates of short-lived sessions (ttl 2–8 s: expiries go on
   all the time), reads of random sessions (GET, which also asks the sidecar) and listings;
+  with `--implicit`, also requests without a session: turns of an active set of implicit
+  conversations (the whole conversation resent) and new conversations' first requests;
 - measured: Redis bytes per session (INFO `used_memory` over the baseline, and `MEMORY
   USAGE` of sampled sessions' keys), the sidecar's bytes per session in each tier, p50/p99
   latency of each operation from the client, Redis' expiry cycle (keys expired, CPU ms),
@@ -43,6 +46,15 @@ from typing import Any
 import httpx
 
 from benchmarks.lib.util import rss_mib
+from benchmarks.sessions.sessions_implicit import (
+    IMPLICIT_MIX,
+    Conversations,
+    delta,
+    fill_implicit,
+    implicit_after,
+    live_implicit,
+    results,
+)
 from benchmarks.sessions.sessions_stack import (
     CHUNK,
     KEY,
@@ -50,6 +62,7 @@ from benchmarks.sessions.sessions_stack import (
     TENANT,
     Stack,
     bulk_create,
+    context_create,
     context_messages,
     own_stack,
 )
@@ -77,6 +90,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sidecar-memory-mib", type=int, default=512, help="part 1's sidecar")
     p.add_argument("--kv-only", action="store_true", help="only part 2 (the pin policies)")
     p.add_argument("--skip-kv", action="store_true", help="only part 1 (the sizes)")
+    p.add_argument(
+        "--implicit",
+        action="store_true",
+        help="part 1 with as many implicit conversations (no session_id) as sessions",
+    )
     add_kv_arguments(p)
     add_output_arguments(p, "sessions")
     p.add_argument("--quick", action="store_true", help="a small run (explicit options win)")
@@ -114,10 +132,12 @@ def main(args: argparse.Namespace) -> int:
 class Window:
     """What the mixed load of one size saw."""
 
-    latencies: dict[str, list[float]] = field(default_factory=lambda: {k: [] for k in MIX})
+    latencies: dict[str, list[float]]
     errors: dict[str, int] = field(default_factory=dict)
     cached_tokens: int = 0
     chunk_tokens: int = 0
+    implicit_cached: int = 0  # the same, of implicit turns
+    implicit_chunk: int = 0
 
 
 @dataclass
@@ -128,6 +148,14 @@ class Load:
     known: list[str] = field(default_factory=list)  # every long-lived session id
     free: list[str] = field(default_factory=list)  # active sessions with no turn in flight
     context: dict[str, int] = field(default_factory=dict)  # active session -> its tokens
+    conversations: Conversations | None = None  # --implicit: the implicit clients
+
+    @property
+    def mix(self) -> dict[str, int]:
+        return {**MIX, **IMPLICIT_MIX} if self.conversations is not None else MIX
+
+    def window(self) -> Window:
+        return Window({k: [] for k in self.mix})
 
     async def call(self, w: Window, op: str, method: str, url: str, body: Any = None) -> Any:
         t0 = time.perf_counter()
@@ -182,9 +210,13 @@ class Load:
             await self.call(w, "get", "GET", f"/v1/context/{sid}")
         elif name == "list":
             await self.call(w, "list", "GET", "/v1/context", None)
+        elif name == "implicit" and self.conversations is not None:
+            await self.conversations.turn(self.call, w)
+        elif name == "implicit_new" and self.conversations is not None:
+            await self.conversations.start(self.call, w, keep=False)
 
     async def mixed(self, w: Window, ops: int, bar: Any) -> None:
-        names = self.rng.choices(list(MIX), weights=list(MIX.values()), k=ops)
+        names = self.rng.choices(list(self.mix), weights=list(self.mix.values()), k=ops)
         queue = iter(names)
 
         async def client() -> None:
@@ -248,22 +280,41 @@ async def grow(args: argparse.Namespace, stack: Stack) -> list[dict[str, Any]]:
         aioredis.Redis.from_url(stack.redis_url) as redis,
     ):
         base = await redis_numbers(redis, [])
-        load = Load(args, h)
+        conv = Conversations(args.context_words) if args.implicit else None
+        load = Load(args, h, conversations=conv)
         for size in sizes_of(args):
-            w = Window()
+            w = load.window()
             load.free.clear()  # the previous active set goes idle
             # (a burst of creates, not part of the measured mix)
-            await asyncio.gather(*(load.create_active(Window()) for _ in range(args.active)))
-            live = int((await redis_numbers(redis, []))["live"])
+            await asyncio.gather(*(load.create_active(load.window()) for _ in range(args.active)))
+            if conv is not None:
+                conv.free.clear()
+                starts = (
+                    conv.start(load.call, load.window(), keep=True) for _ in range(args.active)
+                )
+                await asyncio.gather(*starts)
+            implicit_live = await live_implicit(redis) if conv is not None else 0
+            live = int((await redis_numbers(redis, []))["live"]) - implicit_live
             n = max(0, size - live)
             with tqdm(
                 total=n, desc=f"bulk to {size:,}", unit="session", disable=args.no_progress
             ) as bar:
-                bulk_s = await bulk_create(args, stack, n, load.known, bar)
+                make = context_create(args.context_words)
+                bulk_s = await bulk_create(
+                    args, stack, n, bar, make, lambda _, info: load.known.append(info.session_id)
+                )
+            filled: dict[str, Any] = {}
+            if conv is not None:
+                filled = await fill_implicit(args, stack, redis, conv, size - implicit_live)
             if not rows:  # warm up the stack (connections, scripts, code paths) unmeasured
                 with tqdm(total=args.ops // 5, desc="warm-up", disable=args.no_progress) as bar:
-                    await load.mixed(Window(), args.ops // 5, bar)
+                    await load.mixed(load.window(), args.ops // 5, bar)
+            if conv is not None:  # the bulk's conversations are found: a few woken
+                seen = results((await h.get("/metrics")).text)
+                filled["woken"] = await conv.wake(load.call, load.window())
+                filled["woken_results"] = delta(seen, results((await h.get("/metrics")).text))
             before = await redis_numbers(redis, [])
+            seen = results((await h.get("/metrics")).text)
             cpu_before = {name: cpu_s(pid) for name, pid in stack.pids.items()}
             sc_before = (await sc.get("/metrics")).text
             t0 = time.perf_counter()
@@ -274,6 +325,9 @@ async def grow(args: argparse.Namespace, stack: Stack) -> list[dict[str, Any]]:
             window_s = time.perf_counter() - t0
             cpu = {name: cpu_s(pid) - cpu_before[name] for name, pid in stack.pids.items()}
             after = await redis_numbers(redis, random.Random(size).sample(load.known, 200))
+            if conv is not None:
+                got = delta(seen, results((await h.get("/metrics")).text))
+                filled.update(await implicit_after(redis, conv, w, size, got, after["live"]))
             stats = (await sc.get("/stats")).json()
             sc_after = (await sc.get("/metrics")).text
             live = int(after["live"])
@@ -317,6 +371,7 @@ async def grow(args: argparse.Namespace, stack: Stack) -> list[dict[str, Any]]:
                 row[f"{op}_n"] = len(values)
                 row[f"{op}_p50_ms"] = round(percentile(values, 50) * 1000, 2)
                 row[f"{op}_p99_ms"] = round(percentile(values, 99) * 1000, 2)
+            row.update(filled)
             log.info("size %d: %s", size, row)
             rows.append(row)
     return rows

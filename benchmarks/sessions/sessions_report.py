@@ -17,8 +17,10 @@ PARAMS = (
     "context_words",
     "kv_bytes_per_token",
     "sidecar_memory_mib",
+    "implicit",
 )
 OPS = ("create", "turn", "get", "list")
+IMPLICIT_OPS = ("implicit", "implicit_new")  # --implicit: a turn, a new conversation
 TURN_TARGET = 1.3  # turn p50 at the largest size / at the smallest
 HIT_TARGET = 0.9  # the active sessions' hit rate at the largest idle scale, policy lru
 
@@ -29,6 +31,12 @@ def targets(rows: list[dict[str, Any]], kv_rows: list[dict[str, Any]]) -> dict[s
         ratio = rows[-1]["turn_p50_ms"] / rows[0]["turn_p50_ms"]
         out["turn_p50_ratio"] = round(ratio, 3)
         out["turn_p50_met"] = ratio <= TURN_TARGET
+        if "implicit_p50_ms" in rows[0]:  # (issue 55: the implicit turn's cost stays flat)
+            ratio = rows[-1]["implicit_p50_ms"] / rows[0]["implicit_p50_ms"]
+            out["implicit_p50_ratio"] = round(ratio, 3)
+            out["implicit_p50_met"] = ratio <= TURN_TARGET
+    if rows and "implicit_hit_ratio" in rows[0]:
+        out["implicit_hits_met"] = all(r["implicit_hit_ratio"] == 1.0 for r in rows)
     lru = [r for r in kv_rows if r["policy"] == "lru"]
     if lru:
         top = max(lru, key=lambda r: r["scale"])
@@ -73,6 +81,60 @@ def sizes_table(rows: list[dict[str, Any]]) -> str:
             ]
         )
     return markdown_table(head, body)
+
+
+def implicit_table(rows: list[dict[str, Any]]) -> str:
+    """Implicit conversations beside the explicit sessions, measured in the same windows."""
+    from benchmarks.lib.util import markdown_table
+
+    def ms(r: dict[str, Any], op: str) -> str:
+        return f"{r[f'{op}_p50_ms']:.1f} / {r[f'{op}_p99_ms']:.1f}"
+
+    def ratio(r: dict[str, Any], a: str, b: str) -> str:
+        return " / ".join(f"{r[f'{a}_{q}_ms'] / r[f'{b}_{q}_ms']:.2f}×" for q in ("p50", "p99"))
+
+    body = []
+    for r in rows:
+        got = r["implicit_results"]
+        woken = r.get("woken_results", {}).get("hit", 0)
+        body.append(
+            [
+                f"{r['live_implicit']:,} / {r['live_sessions'] - r['live_implicit']:,}",
+                "-"
+                if r["redis_bytes_per_implicit"] is None
+                else f"{r['redis_bytes_per_implicit']:,}",
+                f"{r['redis_implicit_keys_bytes']:,} + {r['redis_implicit_point_bytes']} point"
+                f" + {r['redis_implicit_index_bytes']} index",
+                ms(r, "implicit"),
+                ms(r, "turn"),
+                ratio(r, "implicit", "turn"),
+                ms(r, "implicit_new"),
+                ms(r, "create"),
+                ratio(r, "implicit_new", "create"),
+                f"{got['hit']:,} / {r['implicit_n']:,} ({r['implicit_hit_ratio']:.1%})",
+                ", ".join(f"{k} {v}" for k, v in got.items() if k != "hit" and v) or "-",
+                f"{woken} / {r.get('woken', 0)}",
+                "-" if r["implicit_kv_hit_rate"] is None else f"{r['implicit_kv_hit_rate']:.1%}",
+            ]
+        )
+    return markdown_table(
+        [
+            "live implicit / explicit",
+            "Redis B/implicit (used_memory)",
+            "Redis B/implicit (keys)",
+            "implicit turn p50 / p99 ms",
+            "explicit turn p50 / p99 ms",
+            "implicit ÷ explicit turn p50 / p99",
+            "implicit miss p50 / p99 ms",
+            "explicit create p50 / p99 ms",
+            "miss ÷ create p50 / p99",
+            "implicit hits / turns",
+            "other results",
+            "bulk woken: hits",
+            "implicit KV hit rate",
+        ],
+        body,
+    )
 
 
 def kv_table(kv_rows: list[dict[str, Any]]) -> str:
@@ -122,6 +184,8 @@ def report(
     parts = []
     if rows:
         parts.append(sizes_table(rows))
+    if rows and "implicit_n" in rows[0]:
+        parts.append(implicit_table(rows))
     if kv_rows:
         parts.append(kv_table(kv_rows))
     if reached:
@@ -145,10 +209,11 @@ def plot_sizes(path: Path, rows: list[dict[str, Any]]) -> None:
     import matplotlib.pyplot as plt
 
     xs = [r["live_sessions"] for r in rows]
+    ops = [*OPS, *(op for op in IMPLICIT_OPS if f"{op}_p50_ms" in rows[0])]
     fig, axes = plt.subplots(2, 4, figsize=(19, 8.5))
     panels = [
-        ("latency p50 (ms)", {op: [r[f"{op}_p50_ms"] for r in rows] for op in OPS}),
-        ("latency p99 (ms)", {op: [r[f"{op}_p99_ms"] for r in rows] for op in OPS}),
+        ("latency p50 (ms)", {op: [r[f"{op}_p50_ms"] for r in rows] for op in ops}),
+        ("latency p99 (ms)", {op: [r[f"{op}_p99_ms"] for r in rows] for op in ops}),
         (
             "bytes per live session",
             {
@@ -156,11 +221,27 @@ def plot_sizes(path: Path, rows: list[dict[str, Any]]) -> None:
                 "Redis (session keys)": [r["redis_session_keys_bytes"] for r in rows],
                 "sidecar memory tier": [r["sidecar_memory_bytes_per_session"] for r in rows],
                 "sidecar disk tier": [r["sidecar_disk_bytes_per_session"] for r in rows],
+                **(
+                    {
+                        "Redis (implicit, used_memory)": [
+                            r["redis_bytes_per_implicit"] or 0 for r in rows
+                        ]
+                    }
+                    if "redis_bytes_per_implicit" in rows[0]
+                    else {}
+                ),
             },
         ),
         (
             "active sessions' sidecar hit rate (%)",
-            {"hit rate": [(r["hit_rate"] or 0) * 100 for r in rows]},
+            {
+                "hit rate": [(r["hit_rate"] or 0) * 100 for r in rows],
+                **(
+                    {"implicit": [(r["implicit_kv_hit_rate"] or 0) * 100 for r in rows]}
+                    if "implicit_kv_hit_rate" in rows[0]
+                    else {}
+                ),
+            },
         ),
         (
             "Redis expiry during the mixed load",

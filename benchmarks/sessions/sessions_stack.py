@@ -10,14 +10,20 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from cache_manager.protocol import CreateSession, SessionInfo
+
+    Made = Callable[[CreateSession, SessionInfo], None]
 
 KEY, TENANT, MODEL = "sessions-key", "bench", "fake"
 WORDS = ["cache", "token", "session", "prefix", "history", "worker", "block", "chunk"]
 CHUNK = 256  # tokens a KV chunk of the fake engine
+BULK_TTL = 3600  # seconds: no bulk session expires during a run
 
 
 # -- the stack --------------------------------------------------------------------------------
@@ -32,12 +38,18 @@ class Stack:
 @contextlib.contextmanager
 def own_stack(args: argparse.Namespace, tmp: Path, logs: IO[str]) -> Iterator[Stack]:
     """Redis, a sidecar, the fake worker storing its made-up KV there (`w0` to the
-    gateway), and the gateway with a quota no bulk reaches."""
+    gateway), and the gateway with a quota no bulk reaches (implicit sessions on, as by
+    default)."""
     from benchmarks.lib.stack import Engine, Gateway, StackBuilder, StackSettings, SupervisorRunner
     from ctxcache.supervisor import Supervisor
 
     kv = ("--chunk-size", str(CHUNK), "--kv-bytes-per-token", str(args.kv_bytes_per_token))
-    env = {"CTX_GATEWAY_MIN_TTL": "1", "CTX_MANAGER_DEFAULT_QUOTA": QUOTA_JSON}
+    env = {
+        "CTX_GATEWAY_MIN_TTL": "1",
+        "CTX_MANAGER_DEFAULT_QUOTA": QUOTA_JSON,
+        # implicit conversations are kept as long as the bulk ones (the default: 30 min)
+        "CTX_GATEWAY_IMPLICIT_TTL": str(BULK_TTL),
+    }
     settings = StackSettings(
         redis_appendonly=False,
         sidecar=("--memory-bytes", str(args.sidecar_memory_mib << 20)),
@@ -58,10 +70,15 @@ QUOTA_JSON = '{"max_sessions": 1000000000, "max_context_tokens": 100000000000000
 
 
 async def bulk_create(
-    args: argparse.Namespace, stack: Stack, n: int, known: list[str], bar: Any
+    args: argparse.Namespace,
+    stack: Stack,
+    n: int,
+    bar: Any,
+    make: Callable[[random.Random], CreateSession],
+    made: Made,
 ) -> float:
-    """`n` idle sessions through the manager's own create; returns seconds taken."""
-    from cache_manager.protocol import CreateSession
+    """`n` idle sessions through the manager's own create (`make` builds each, `made` is
+    told of each created); returns seconds taken."""
     from cache_manager.redis_url import open_store_redis
     from cache_manager.service import SessionService
     from cache_manager.settings import ManagerSettings, TenantQuota
@@ -94,20 +111,8 @@ async def bulk_create(
 
         async def creator() -> None:
             for _ in todo:
-                messages = context_messages(rng, args.context_words)
-                info = await service.create(
-                    CreateSession(
-                        tenant=TENANT,
-                        model=MODEL,
-                        kind="chat",
-                        tokens=fake_ids(messages),
-                        messages=messages,
-                        ttl=3600,
-                        worker="w0",
-                        sidecar=stack.sidecar,
-                    )
-                )
-                known.append(info.session_id)
+                req = make(rng).model_copy(update={"worker": "w0", "sidecar": stack.sidecar})
+                made(req, await service.create(req))
                 bar.update(1)
 
         await asyncio.gather(*(creator() for _ in range(args.bulk_concurrency)))
@@ -115,6 +120,26 @@ async def bulk_create(
         await link.aclose()
     quiet.setLevel(level)
     return time.perf_counter() - t0
+
+
+def context_create(words: int) -> Callable[[random.Random], CreateSession]:
+    """A bulk session as `POST /v1/context` with `max_tokens: 0` writes it: a 2-message
+    chat context, prefill only."""
+
+    from cache_manager.protocol import CreateSession
+
+    def make(rng: random.Random) -> CreateSession:
+        messages = context_messages(rng, words)
+        return CreateSession(
+            tenant=TENANT,
+            model=MODEL,
+            kind="chat",
+            tokens=fake_ids(messages),
+            messages=messages,
+            ttl=BULK_TTL,
+        )
+
+    return make
 
 
 def context_messages(rng: random.Random, words: int) -> list[dict[str, str]]:
