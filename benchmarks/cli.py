@@ -42,7 +42,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     ),
     "agents": (
         "benchmarks.agents.agents",
-        "an agent's tool loop: session, stateless vLLM, Responses",
+        "an agent's tool loop: session, stateless (vLLM, gateway), Responses",
     ),
 }
 

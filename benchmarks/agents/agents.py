@@ -1,10 +1,10 @@
-"""`ctxcache bench agents`: an agent's tool loop, three ways side by side on one vLLM.
+"""`ctxcache bench agents`: an agent's tool loop, four ways side by side on one vLLM.
 
 One agent loop: a system prompt and two function tools, a user message, then `--steps`
 requests whose answer is a tool call (a named `tool_choice`, so even a random-weight preset
 answers with a valid call: vLLM's structured outputs), each followed by the call's result of
 `--tool-tokens` tokens of filler text, and a last request (`tool_choice: "none"`) that reads
-the last result and answers in text. The same loop, three ways (`--ways`):
+the last result and answers in text. The same loop, four ways (`--ways`):
 
 - `session`: `POST /v1/context` with the system prompt and the tools (timed, counted in the
   loop's total), then each step `POST /v1/chat/completions` through the gateway with
@@ -15,14 +15,19 @@ the last result and answers in text. The same loop, three ways (`--ways`):
   own prefix cache on (vLLM's default);
 - `responses`: `POST /v1/responses` through the gateway: function tools, `instructions`
   every step (as the Agents SDK sends them), `previous_response_id` and only the new
-  `function_call_output` item.
+  `function_call_output` item;
+- `stateless-gateway`: what `stateless` sends, through the gateway, without `session_id`:
+  an agent framework pointed at ctxcache unchanged (LangGraph, the Agents SDK over chat
+  completions), served by the gateway's implicit sessions (issue 55; before them, passed
+  through to vLLM).
 
 Every request streams and sends the tools and its `tool_choice`, as agent frameworks do.
 TTFT is the time to the first event carrying content or a tool-call delta (Responses: the
 first `response.output_item.added` or `*.delta` event); `cached_tokens` comes from each
 answer's usage. The ways run step by step in turn (step k of each before step k+1 of any,
 the order rotating every step), for `--rounds` rounds after `--warmup` uncounted ones; every
-loop has its own task number in its system prompt, so no loop reuses another's prefix.
+loop has its own task number in its system prompt, so no loop reuses another's prefix (nor
+is any loop's conversation another's: the ways through the gateway share its one tenant).
 
 One stack: Redis, the sidecar, vLLM with the ctxcache connector and a tool parser (as `bench
 multiturn` starts its `session` mode: `multiturn_stacks.start`) and the gateway; the
@@ -45,7 +50,7 @@ from benchmarks.multiturn.multiturn import DEFAULT_MODEL, user_message
 from ctxcache.cpu import AMX_FLAGS, cpu_class, cpu_flags
 
 NAME = "agents"
-WAYS = ("session", "stateless", "responses")
+WAYS = ("session", "stateless", "responses", "stateless-gateway")
 SYSTEM = (
     "You are a coding agent working on task {task:06d} in a Python repository. Use the "
     "tools to read files and run commands until the failing test passes, then say what "

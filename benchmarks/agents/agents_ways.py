@@ -1,4 +1,4 @@
-"""The three ways `ctxcache bench agents` runs its loop, their streams, and the rounds."""
+"""The four ways `ctxcache bench agents` runs its loop, their streams, and the rounds."""
 
 from __future__ import annotations
 
@@ -217,6 +217,12 @@ class StatelessLoop(Loop):
         return answer
 
 
+class StatelessGatewayLoop(StatelessLoop):
+    """`stateless`'s requests, sent to the gateway (no `session_id`)."""
+
+    name = "stateless-gateway"
+
+
 class ResponsesLoop(Loop):
     name = "responses"
     previous: str | None = None
@@ -252,6 +258,7 @@ LOOPS: dict[str, type[Loop]] = {
     "session": SessionLoop,
     "stateless": StatelessLoop,
     "responses": ResponsesLoop,
+    "stateless-gateway": StatelessGatewayLoop,
 }
 
 
@@ -280,7 +287,7 @@ def run(
             url: httpx.Client(base_url=url, headers=headers, timeout=900)
             for url in (gateway, engine)
         }
-    client = {"session": clients[gateway], "responses": clients[gateway]}
+    client = {w: clients[gateway] for w in ("session", "responses", "stateless-gateway")}
     client["stateless"] = clients[engine]
     stopping = sup.stopping if sup is not None else threading.Event()
     records: list[dict[str, Any]] = []

@@ -13,14 +13,20 @@ assistant turns are whatever the model answers (greedy, `--max-tokens` at most).
   loading the session's KV through the sidecar (the ctxcache connector);
 - `session-no-sidecar`: the same without the connector: what the gateway alone buys;
 - `roomy`: vLLM alone with a KV cache that holds every conversation: the floor a cache
-  tier cannot beat.
+  tier cannot beat;
+- `stateless-gateway` (opt-in): the `session` stack (gateway, vLLM with the connector,
+  sidecar) sent the whole history every turn without `session_id`, as most OpenAI clients
+  do: what the gateway's implicit sessions give them (issue 55); its own tenant, so it
+  reuses nothing of the `session` mode's.
 `--kv-blocks` sizes the KV cache of the first three; with `--interleave` (turn t of every
 conversation before turn t+1 of any: many users, each thinking between turns) and more
 conversations than the cache holds, vLLM's own prefix cache loses each conversation
 before its next turn.
 
 `--engine builtin` compares `session`, `full` (the whole history, nothing reused),
-`full-apc` (the whole history, the worker's own prefix cache) and the in-process `floor`.
+`full-apc` (the whole history, the worker's own prefix cache), optionally
+`stateless-gateway` (the whole history, no salt of the client's, a tenant of its own) and
+the in-process `floor`.
 
 Modes are interleaved turn by turn in one run. Every request streams; TTFT is the time to
 the first chunk carrying text. Per turn: TTFT p50/p90, total latency, request bytes,
@@ -42,6 +48,8 @@ from typing import Any
 from benchmarks.lib.util import add_output_arguments, plot_path, run_meta, write_outputs
 from benchmarks.multiturn.multiturn_stacks import (
     BUILTIN_MODES,
+    BUILTIN_SALTS,
+    STATELESS,
     VLLM_DEFAULT_MODES,
     VLLM_MODES,
     Mode,
@@ -76,6 +84,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", help="replay against this OpenAI-compatible URL (builtin modes)")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer key")
     p.add_argument(
+        "--stateless-api-key",
+        help="with --url: stateless-gateway's bearer key, of another tenant than --api-key's "
+        "(default --api-key's: then it may reuse the session mode's KV)",
+    )
+    p.add_argument(
         "--model",
         type=Path,
         default=DEFAULT_MODEL / "models" / "small",
@@ -96,7 +109,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--modes",
         default=None,
         help=f"comma-separated; vllm: {', '.join(VLLM_MODES)} (default the first four); "
-        f"builtin: {', '.join(BUILTIN_MODES)} (default session,full)",
+        f"builtin: {', '.join(BUILTIN_MODES)} (default session,full); stateless-gateway: "
+        "the whole history through the gateway without session_id, on the session's stack "
+        "(a tenant of its own)",
     )
     p.add_argument(
         "--interleave",
@@ -157,9 +172,9 @@ def main(args: argparse.Namespace) -> int:
         floor = Floor(local, args.threads)
     idle: dict[str, float] | None = None
     if args.url:
-        salts = {"session": None, "full": "fresh", "full-apc": "conversation"}
         url = args.url.rstrip("/")
-        given = [Mode(m, url, m == "session", salts[m]) for m in modes]
+        keys = {m: args.stateless_api_key if m == STATELESS else None for m in modes}
+        given = [Mode(m, url, m == "session", BUILTIN_SALTS[m], api_key=keys[m]) for m in modes]
         servers: Any = nullcontext((given, None))
     else:
         assert local is not None

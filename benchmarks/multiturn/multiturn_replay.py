@@ -13,7 +13,7 @@ from typing import Any
 
 from benchmarks.lib.util import percentile, stream_chat
 from benchmarks.multiturn.multiturn import user_message, user_token_targets
-from benchmarks.multiturn.multiturn_stacks import Mode
+from benchmarks.multiturn.multiturn_stacks import STATELESS, Mode
 
 SYSTEM = "You are a helpful assistant. Answer briefly."
 REFERENCES = ("vllm-full", "full")  # the mode every other mode's answers are compared with
@@ -29,15 +29,21 @@ class Conversation:
 
 class Replay:
     def __init__(
-        self, args: argparse.Namespace, modes: list[Mode], floor: Any, tokenizer: Any
+        self,
+        args: argparse.Namespace,
+        modes: list[Mode],
+        floor: Any,
+        tokenizer: Any,
+        transport: Any = None,  # an httpx transport (the tests' fake servers)
     ) -> None:
         import httpx
 
         self.args, self.modes, self.floor, self.tokenizer = args, modes, floor, tokenizer
-        headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-        headers["content-type"] = "application/json"
         self.http = {
-            m.name: httpx.Client(base_url=m.url, headers=headers, timeout=900) for m in modes
+            m.name: httpx.Client(
+                base_url=m.url, headers=_headers(m, args), timeout=900, transport=transport
+            )
+            for m in modes
         }
         self.model = args.model_name or self._first_model(modes[0].name)
         names = [m.name for m in modes]
@@ -247,6 +253,10 @@ class Replay:
                     row[f"session_vs_{floor}"] = (
                         row["session"]["ttft_p50_ms"] / row[floor]["ttft_p50_ms"]
                     )
+            if "session" in row and STATELESS in row:  # its TTFT against the session's
+                row[f"{STATELESS}_vs_session"] = (
+                    row[STATELESS]["ttft_p50_ms"] / row["session"]["ttft_p50_ms"]
+                )
             row["identical_outputs"] = all(
                 row[m]["identical"] == self.args.conversations
                 for m in names
@@ -254,6 +264,13 @@ class Replay:
             )
             rows.append(row)
         return rows
+
+
+def _headers(mode: Mode, args: argparse.Namespace) -> dict[str, str]:
+    """A mode's request headers: its own key (a tenant of its own) or the run's."""
+    key = mode.api_key or args.api_key
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    return headers | {"content-type": "application/json"}
 
 
 def _dumps(body: dict[str, Any]) -> bytes:

@@ -6,6 +6,9 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.lib.util import markdown_table
+from benchmarks.multiturn.multiturn_stacks import STATELESS
+
+VS_SESSION = f"{STATELESS}_vs_session"  # its TTFT p50 over the session's, per turn
 
 
 def summary(rows: list[dict[str, Any]], names: list[str], replay: Any) -> dict[str, Any]:
@@ -28,6 +31,8 @@ def summary(rows: list[dict[str, Any]], names: list[str], replay: Any) -> dict[s
         if key in last:
             later = [r[key] for r in rows if r["turn"] >= 2] or [rows[0][key]]
             out[f"{key}_max_from_turn_2"] = max(later)
+    if VS_SESSION in last:
+        out[f"{VS_SESSION}_last_turn"] = last[VS_SESSION]
     return out
 
 
@@ -43,6 +48,8 @@ def table(rows: list[dict[str, Any]], names: list[str], reference: str) -> str:
     for floor in ("roomy", "floor"):
         if rows and f"session_vs_{floor}" in rows[0]:
             headers += [f"session / {floor}"]
+    if rows and VS_SESSION in rows[0]:
+        headers += [f"{STATELESS} / session"]
     headers += [f"same answer as {reference}"]
     out = []
     for r in rows:
@@ -61,6 +68,8 @@ def table(rows: list[dict[str, Any]], names: list[str], reference: str) -> str:
         for floor in ("roomy", "floor"):
             if f"session_vs_{floor}" in r:
                 line += [f"{r[f'session_vs_{floor}']:.2f}×"]
+        if VS_SESSION in r:
+            line += [f"{r[VS_SESSION]:.2f}×"]
         same = [
             f"{m} {r[m]['identical']}"
             for m in names

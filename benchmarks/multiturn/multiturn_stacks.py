@@ -10,13 +10,23 @@ every mode has its own KV cache and none warms another's:
 | `session-no-sidecar` | ctxcache gateway → vLLM without the connector | `--kv-blocks` |
 | `roomy` | vLLM alone, the whole history, a cache that holds every conversation | `--roomy-gib` |
 | `vllm-full-connector` | opt-in: `vllm-full`, the ctxcache connector loaded, idle | `--kv-blocks` |
+| `stateless-gateway` | opt-in: `session`'s stack, whole history, no `session_id` | `--kv-blocks` |
+
+`stateless-gateway` is what a client that never sends `session_id` gets from ctxcache (the
+gateway's implicit sessions, issue 55; before them, a pass-through to vLLM). Its vLLM stores
+into the same sidecar as `session`'s and its gateway shares `session`'s Redis, so its gateway
+has an API key of its own tenant (`STATELESS_KEY`): the gateway salts every request per tenant
+(gateway/salt.py), so the two modes share no KV block and no conversation state, although
+their conversations are the same.
 
 vLLM computes slightly differently (greedy answers can part after a few tokens) as soon as
 any KV connector is configured — its own ExampleConnector gives the same answers as ours —
 so `vllm-full-connector` tells that apart from anything a session changes.
 
 `--engine builtin` runs `ctxcache serve --engine builtin` and the modes of the built-in
-worker (`session`, `full`, `full-apc`; the in-process floor is in `floor.py`).
+worker (`session`, `full`, `full-apc`, `stateless-gateway`; the in-process floor is in
+`floor.py`). With `stateless-gateway` the server gets two API keys, one per tenant
+(`MAIN_KEY` for the other modes, `STATELESS_KEY` for it): the same isolation as on vLLM.
 
 Both are started with the one stack builder's parts (benchmarks/lib/stack.py).
 """
@@ -38,9 +48,30 @@ from ctxcache.net import free_port
 from ctxcache.supervisor import Supervisor
 
 VLLM_BLOCK = 128  # vLLM's KV block on CPU, in tokens
-VLLM_MODES = ("vllm-full", "session", "session-no-sidecar", "roomy", "vllm-full-connector")
+STATELESS = "stateless-gateway"  # the whole history through the gateway, no session_id
+VLLM_MODES = (
+    "vllm-full",
+    "session",
+    "session-no-sidecar",
+    "roomy",
+    "vllm-full-connector",
+    STATELESS,
+)
 VLLM_DEFAULT_MODES = VLLM_MODES[:4]
-BUILTIN_MODES = ("session", "full", "full-apc")
+BUILTIN_MODES = ("session", "full", "full-apc", STATELESS)
+GATEWAY_MODES = ("session", "session-no-sidecar", STATELESS)  # behind a gateway
+CONNECTOR_MODES = ("session", STATELESS)  # vLLM storing into the sidecar
+# the whole history with no salt of the client's: its own tenant keeps it from the session's
+# KV (the gateway's per-tenant cache_salt) and from its conversations in Redis
+STATELESS_KEY, STATELESS_TENANT = "bench-stateless-gateway", "bench-stateless-gateway"
+MAIN_KEY, MAIN_TENANT = "bench-multiturn", "bench-multiturn"  # the builtin server's others
+# the client's cache_salt of each mode on one server (`Mode.salt`)
+BUILTIN_SALTS: dict[str, str | None] = {
+    "session": None,
+    "full": "fresh",
+    "full-apc": "conversation",
+    STATELESS: None,
+}
 
 
 @dataclass(frozen=True)
@@ -54,6 +85,7 @@ class Mode:
     session: bool
     salt: str | None = None
     engine: str = ""  # the engine's own URL (its /metrics), where the benchmark started it
+    api_key: str | None = None  # its bearer key (None: the run's `--api-key`)
 
 
 @contextmanager
@@ -80,27 +112,32 @@ def _builtin(
     port = free_port()
     serve = ("serve", "--port", str(port), "--data-dir", str(data))
     argv = ctxcache_argv(*serve, "--model", str(model), "--engine", "builtin")
+    keys: dict[str, str | None] = dict.fromkeys(modes)
+    if STATELESS in modes:  # a tenant of its own (the module's docstring)
+        argv += ["--api-key", f"{MAIN_KEY}={MAIN_TENANT}"]
+        argv += ["--api-key", f"{STATELESS_KEY}={STATELESS_TENANT}"]
+        keys = {m: STATELESS_KEY if m == STATELESS else MAIN_KEY for m in modes}
     env = {"CTX_WORKER_THREADS": str(args.threads)}
     SupervisorRunner(sup).start(Service("serve", argv, port, "/ready", env, 600))
     url = f"http://127.0.0.1:{port}"
-    salts = {"session": None, "full": "fresh", "full-apc": "conversation"}
-    return [Mode(m, url, m == "session", salts[m]) for m in modes]
+    return [Mode(m, url, m == "session", BUILTIN_SALTS[m], api_key=keys[m]) for m in modes]
 
 
 def _vllm(
     args: argparse.Namespace, modes: list[str], model: Path, data: Path, sup: Supervisor
 ) -> list[Mode]:
-    needs_gateway = {"session", "session-no-sidecar"} & set(modes)
+    needs_gateway = set(GATEWAY_MODES) & set(modes)
+    stores = set(CONNECTOR_MODES) & set(modes)
     memory = ("--data-dir", str(data / "sidecar"), "--memory-bytes", str(4 << 30))
     # started together, waited for together: they compile in parallel
     threads = {"OMP_NUM_THREADS": str(args.threads)}
     engines = tuple(
-        Engine("vllm", m, _vllm_args(args, m), model, m == "session", False, env=threads)
+        Engine("vllm", m, _vllm_args(args, m), model, m in stores, False, env=threads)
         for m in modes
     )
     settings = StackSettings(
         redis="bundled" if needs_gateway else None,
-        sidecar=memory if "session" in modes else None,
+        sidecar=memory if stores else None,
         engines=engines,
     )
     builder = StackBuilder(settings, data, SupervisorRunner(sup))
@@ -110,15 +147,18 @@ def _vllm(
     for mode in modes:
         engine = stack.url(mode)
         if mode in needs_gateway:
+            stateless = mode == STATELESS
             gateway = Gateway(
                 f"gw-{mode}",
+                keys={STATELESS_KEY: STATELESS_TENANT} if stateless else {},
                 env=_gateway_env(args, mode),
                 log_level=None,
                 engines=(mode,),
-                sidecar=mode == "session",
+                sidecar=mode in stores,
             )
             url = builder.gateway(gateway).url
-            out.append(Mode(mode, url, session=True, engine=engine))
+            key = STATELESS_KEY if stateless else None
+            out.append(Mode(mode, url, session=not stateless, engine=engine, api_key=key))
         else:
             out.append(Mode(mode, engine, session=False, engine=engine))
     return out
@@ -127,7 +167,7 @@ def _vllm(
 def _vllm_args(args: argparse.Namespace, mode: str) -> tuple[str, ...]:
     """`ctxcache vllm`'s arguments of `mode` after its model, port and sidecar."""
     argv: list[str] = []
-    if mode == "session" and getattr(args, "async_loads", False):
+    if mode in CONNECTOR_MODES and getattr(args, "async_loads", False):
         argv.append("--async-loads")
     if mode == "vllm-full-connector":  # loaded, never used: no request carries a tag
         argv += ["--sidecar", "lm://127.0.0.1:9"]

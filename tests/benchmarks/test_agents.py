@@ -1,4 +1,4 @@
-"""`ctxcache bench agents`: the three ways' loops against a fake gateway and vLLM (what each
+"""`ctxcache bench agents`: the four ways' loops against a fake gateway and vLLM (what each
 sends, when its TTFT is taken, what a failing way does), and on the real vLLM (slow)."""
 
 from __future__ import annotations
@@ -112,12 +112,15 @@ def _bodies(fake: Fake, host: str, path: str) -> list[dict[str, Any]]:
     return [s["body"] for s in _sent(fake, host, path)]
 
 
+ALL = ["session", "stateless", "responses", "stateless-gateway"]
+
+
 def test_each_way_sends_what_an_agent_sends_and_times_the_first_content() -> None:
     fake = Fake()
-    records, errors = _run(fake, ["session", "stateless", "responses"])
+    records, errors = _run(fake, ALL)
     assert errors == {}
     requests = STEPS + 1  # the calls and the text answer
-    for way in ("session", "stateless", "responses"):
+    for way in ALL:
         mine = [r for r in records if r["way"] == way and r["kind"] != "create"]
         assert [(r["round"], r["step"]) for r in mine] == [
             (n, k) for n in (1, 2) for k in range(1, requests + 1)
@@ -133,7 +136,8 @@ def test_each_way_sends_what_an_agent_sends_and_times_the_first_content() -> Non
     assert creates[0]["messages"] != creates[1]["messages"]  # each loop its own prefix
 
     # the session: only the new messages, the tool message answering the call returned
-    sent = _sent(fake, "gateway", "/v1/chat/completions")[:requests]
+    chats = _sent(fake, "gateway", "/v1/chat/completions")
+    sent = [s for s in chats if "session_id" in s["body"]][:requests]
     session = [s["body"] for s in sent]
     assert all(b["session_id"] == "ctx_fake" and b["tools"] == TOOLS for b in session)
     assert session[0]["messages"] == [{"role": "user", "content": USER}]
@@ -149,6 +153,20 @@ def test_each_way_sends_what_an_agent_sends_and_times_the_first_content() -> Non
     assert call["function"] == {"name": "read_file", "arguments": '{"path": "a"}'}
     assert last[3]["tool_call_id"] == call["id"] and last[5]["content"] == "result two"
 
+    # stateless through the gateway: the same whole conversation, no session, no create
+    gateway = [s["body"] for s in chats if "session_id" not in s["body"]]
+    assert len(gateway) == 3 * requests  # its warm-up round's and 2 counted rounds'
+    mine = gateway[requests - 1]["messages"]
+    assert [m["role"] for m in mine] == [m["role"] for m in last]
+    assert mine[3]["tool_call_id"] == mine[2]["tool_calls"][0]["id"]
+    assert mine[5]["content"] == "result two" and gateway[0]["tools"] == TOOLS
+    systems = {
+        _bodies(fake, "vllm", "/v1/chat/completions")[0]["messages"][0]["content"],
+        gateway[0]["messages"][0]["content"],
+        creates[0]["messages"][0]["content"],
+    }
+    assert len(systems) == 3  # every loop its own prefix
+
     # Responses: function tools without the wrapper, the previous id, the call's output
     resp = _bodies(fake, "gateway", "/v1/responses")[:requests]
     assert resp[0]["tools"][0]["name"] == "read_file" and "previous_response_id" not in resp[0]
@@ -160,15 +178,19 @@ def test_each_way_sends_what_an_agent_sends_and_times_the_first_content() -> Non
     assert resp[1]["previous_response_id"] == f"resp_{first.removeprefix('call_')}"
     assert all(b["instructions"] == resp[0]["instructions"] for b in resp)
 
-    rows = report.rows(records, ["session", "stateless", "responses"], requests)
-    totals = report.totals(records, ["session", "stateless", "responses"])
+    rows = report.rows(records, ALL, requests)
+    totals = report.totals(records, ALL)
     assert [r["step"] for r in rows] == [1, 2, 3] and rows[-1]["kind"] == "answer"
-    assert all(r["session_vs_stateless"] > 0 and r["responses_vs_stateless"] > 0 for r in rows)
+    for r in rows:
+        assert r["session_vs_stateless"] > 0 and r["responses_vs_stateless"] > 0
+        assert r["stateless-gateway_vs_stateless"] > 0
+        assert r["stateless-gateway"]["cached_tokens"] == 64
     assert totals["session"]["create_ms"] > 0 and len(totals["session"]["loop_ms_rounds"]) == 2
-    assert totals["session_vs_stateless"] > 0
+    assert totals["session_vs_stateless"] > 0 and totals["stateless-gateway"]["create_ms"] is None
     meta = {"steps": STEPS, "tool_tokens": 2, "rounds": 2, "totals": totals, "errors": {}}
-    text = report.table(meta, rows, ["session", "stateless", "responses"])
+    text = report.table(meta, rows, ALL)
     assert "| 3 (answer) |" in text and "| loop total ms | " in text
+    assert "stateless-gateway cached / prompt" in text and "stateless-gateway ÷ stateless" in text
 
 
 def test_a_failing_way_is_reported_with_its_answer_and_the_others_go_on() -> None:
@@ -197,8 +219,8 @@ def test_the_loop_on_vllm_reuses_the_history_every_way(tmp_path: Path, tiny_mode
     rows = data["results"]
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows[1:]:  # every way reuses the history from the second request on
-        for way in ("session", "stateless", "responses"):
+        for way in ALL:  # (stateless-gateway: vLLM's own prefix cache, 256 blocks, at least)
             assert r[way]["cached_tokens"] >= 128, (way, r)
     for r in rows:  # vLLM's own TTFT of each request, read from its /metrics
-        assert all(r[way]["engine_ttft_ms"] > 0 for way in ("session", "stateless", "responses"))
+        assert all(r[way]["engine_ttft_ms"] > 0 for way in ALL)
     assert "| loop total ms |" in (out / "agents.md").read_text()
