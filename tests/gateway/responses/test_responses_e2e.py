@@ -266,12 +266,16 @@ def test_unknown_foreign_expired_and_hostile_ids_answer_like_openai(stack: Stack
 
 
 def test_store_false_leaves_nothing_behind(stack: Stack, sdk: SDK) -> None:
+    """`store: false` with implicit sessions off for it (`prompt_cache_options.mode:
+    explicit`) writes nothing; by default what it keeps is an implicit session's state, never
+    a response (`test_implicit_responses.py`)."""
     client = sdk("key-b")
+    off = {"extra_body": {"prompt_cache_options": {"mode": "explicit"}}}
     with stack.client("key-b") as http:
         before = http.get("/v1/context", params={"limit": 100}).json()["data"]
         (parent,) = chain(client, QUESTIONS[:1])
         parent_info = http.get(f"/v1/context/{session_of(parent.id)}").json()
-        r = client.responses.create(input="Hi", store=False, **GREEDY)
+        r = client.responses.create(input="Hi", store=False, **GREEDY, **off)
         cont = client.responses.create(
             input="And?", previous_response_id=parent.id, store=False, **GREEDY
         )
