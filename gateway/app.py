@@ -127,6 +127,7 @@ def create_app(settings: GatewaySettings, *, freeze_heap: bool = False) -> FastA
             app.state.metrics = metrics
             app.state.turns = turns
             implicit = ImplicitSessions(manager, turns, pool, settings, metrics, prompts)
+            stack.push_async_callback(implicit.drain)
             app.state.completions = CompletionService(
                 turns,
                 pool,

@@ -27,6 +27,7 @@ from gateway.completions.answers import shape
 from gateway.completions.streams import SSEResponse, UsageTap, relayed
 from gateway.idempotency import REPLAYED, IdempotencyKey, check_header, with_session
 from gateway.implicit.fields import NO_FIELDS, CacheFields, engine_bytes
+from gateway.implicit.first import FirstRequest
 from gateway.implicit.service import ImplicitSessions
 from gateway.metrics import GatewayMetrics
 from gateway.pool import WorkerPool
@@ -88,8 +89,8 @@ class CompletionService:
         fields = CacheFields.of(doc) if b"prompt_cache" in raw else NO_FIELDS
         if kind == "chat" and self.implicit is not None and self.implicit.take(tenant, doc, fields):
 
-            async def fallback() -> Response:
-                return await self.passthrough(tenant, kind, raw, doc)
+            async def fallback(first: FirstRequest | None) -> Response:
+                return await self.passthrough(tenant, kind, raw, doc, first)
 
             return await self.implicit.serve(tenant, doc, raw, fields, fallback)
         if kind == "chat" and self.implicit is not None:
@@ -174,15 +175,24 @@ class CompletionService:
         return await self.turns.stream(turn, shaper, include_usage, finish)
 
     async def passthrough(
-        self, tenant: str, kind: str, raw: bytes, body: dict[str, Any]
+        self,
+        tenant: str,
+        kind: str,
+        raw: bytes,
+        body: dict[str, Any],
+        first: FirstRequest | None = None,
     ) -> Response:
         """No session: the request goes as it is (plus the tenant's `cache_salt`) to the
         least-loaded healthy worker. A stream whose tokens are counted also asks the worker
-        for its usage (`with_usage`)."""
+        for its usage (`with_usage`). `first`: a new implicit session's first request
+        (`gateway.implicit.first`), which adds its KV tag and reads its answer."""
         path = PATHS[kind]
         body, raw, _ = engine_bytes(body, raw)  # (OpenAI's prompt-caching fields: ours)
         if kind == "chat":
             raw = passthrough_tool_choice(body, raw)  # (`allowed_tools`: for the engine)
+        affinity = None
+        if first is not None:
+            raw, affinity = first.engine_raw(raw, body), first.affinity
         stream, counted = body.get("stream"), metering.counted()
         drop_usage = False
         if stream and counted:
@@ -193,16 +203,18 @@ class CompletionService:
         if stream:
             with call:
                 upstream, _ = await failover(
-                    self.pool, body["model"], lambda w: open_stream(w, path, raw)
+                    self.pool, body["model"], lambda w: open_stream(w, path, raw), affinity=affinity
                 )
             call.streaming()
             self.metrics.relayed_streams.inc()
             tap = UsageTap(call, drop=drop_usage) if counted else None
-            return relayed(self.pool, upstream, self.metrics, t0, tap)
+            return relayed(self.pool, upstream, self.metrics, t0, tap, first)
         with call:
-            (status, payload), _ = await failover(
-                self.pool, body["model"], lambda w: post_raw(w, path, raw)
+            (status, payload), worker = await failover(
+                self.pool, body["model"], lambda w: post_raw(w, path, raw), affinity=affinity
             )
+        if first is not None and status < 400:
+            payload = first.answer(payload, worker)
         if status >= 400:
             call.refused()  # the worker's error answer: the engine ran nothing
             payload = refused_payload(status, payload)  # (a refusal: in our envelope)

@@ -29,6 +29,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from ctxcache.disconnect import ClientLeft, until_the_client_leaves
 from ctxcache.errors import BackendUnavailable, CtxError
+from gateway.implicit.first import FirstRequest
 from gateway.metering import EngineCall
 from gateway.metrics import GatewayMetrics
 from gateway.pool import WorkerPool
@@ -122,23 +123,33 @@ def relayed(
     metrics: GatewayMetrics,
     t0: float,
     tap: UsageTap | None = None,
+    new: FirstRequest | None = None,
 ) -> SSEResponse:
     """A stream without a session: the worker's bytes, passed on as they arrive, nothing
     re-serialised (timed from `t0`, the request's start, as `plain`). A request whose
-    tokens are counted reads them on the way (`tap`)."""
+    tokens are counted reads them on the way (`tap`); a new implicit session's first
+    request (`new`) reads its answer and ids, and takes out the ids."""
+
+    if new is not None:
+        new.worker = upstream.worker
 
     async def events() -> AsyncGenerator[bytes, None]:
         first = True
         try:
             async with pool.lease(upstream.worker):
                 async for chunk in upstream.raw():
+                    if new is not None and not (chunk := new.feed(chunk)):
+                        continue
                     if tap is not None and not (chunk := tap.feed(chunk)):
                         continue
                     if first:  # (the first bytes: the role chunk or the first token)
                         metrics.first_token("plain", time.perf_counter() - t0, streamed=True)
                         first = False
                     yield chunk
-            if tap is not None and (rest := tap.end()):
+            rest = new.end(upstream.worker) if new is not None else b""
+            if tap is not None:
+                rest = tap.feed(rest) + tap.end() if rest else tap.end()
+            if rest:
                 yield rest
             metrics.completed("plain", time.perf_counter() - t0)
         finally:

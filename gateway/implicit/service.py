@@ -5,11 +5,13 @@ extend a conversation this gateway answered is served as a turn of that conversa
   request's `prompt_cache_options.mode`, and a body a session turn renders as the engine
   would: text messages, one choice, no template of its own);
 - `serve` finds the longest state of the conversation the tenant has (one store round
-  trip: the digests of its prefixes that end with an answer, `gateway.implicit.digests`),
-  and runs the turn there: appended to the session at its latest state, a fork of it at
-  an older one (a regenerated answer, a branch, an edited tail), or a new session if
-  nothing matches. The answer is what the client would get without ctxcache (no session in
-  it), and its state is kept under the digest of the messages and the answer.
+  trip: the digests of its prefixes that end with an answer or a shared prefix,
+  `gateway.implicit.finder`), and runs the turn there: appended to the session at its
+  latest state, a fork of it at an older one (a regenerated answer, a branch, an edited
+  tail) or at another conversation's shared prefix. A request that matches nothing goes
+  to the engine as it is (`gateway.implicit.first`), and its new session is written after
+  the answer. The answer is what the client would get without ctxcache (no session in it),
+  and its state is kept under the digest of the messages and the answer.
 
 Nothing here may fail a request that the engine would have answered: a body the turn
 cannot take, or a store that does not answer, is passed through as it is
@@ -22,7 +24,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from fastapi import Response
@@ -32,10 +34,7 @@ from cache_manager.keys import new_session_id
 from cache_manager.protocol import (
     CreateSession,
     ImplicitMark,
-    ImplicitPoint,
-    MarkPrefixes,
     SessionInfo,
-    SharedPrefix,
 )
 from ctxcache.errors import CtxError, InvalidRequest, SessionBusy, SessionNotFound
 from ctxcache.logs import bind_session
@@ -44,6 +43,8 @@ from gateway.completions.answers import shape
 from gateway.implicit.digests import after
 from gateway.implicit.fields import CacheFields, for_engine
 from gateway.implicit.finder import Located, MatchKey, StateFinder, shared_prefixes
+from gateway.implicit.first import FirstRequest
+from gateway.implicit.new import New, NewConversations, state_ttl
 from gateway.metrics import GatewayMetrics
 from gateway.points import blank, cut, share_kv
 from gateway.pool import WorkerPool
@@ -59,7 +60,8 @@ from gateway.turns import TurnService
 log = logging.getLogger(__name__)
 
 Messages = list[dict[str, Any]]
-Fallback = Callable[[], Awaitable[Response]]
+# the request passed through (with a `FirstRequest`: a new conversation's, its state kept)
+Fallback = Callable[[FirstRequest | None], Awaitable[Response]]
 Result = Literal["hit", "branch", "shared", "miss"]
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
@@ -77,6 +79,12 @@ RENDERING = (
     "mm_processor_kwargs",
     "kv_transfer_params",
 )
+
+
+def allowed_tools(body: dict[str, Any]) -> bool:
+    """Whether the request's tool choice is OpenAI's `allowed_tools`."""
+    choice = body.get("tool_choice")
+    return isinstance(choice, dict) and choice.get("type") == "allowed_tools"
 
 
 def renders_alike(body: dict[str, Any]) -> bool:
@@ -119,6 +127,7 @@ class ImplicitSessions:
         self.settings = settings
         self.metrics = metrics
         self.finder = StateFinder(manager, turns, settings)
+        self.new = NewConversations(manager, pool, settings, metrics, prompts)
 
     def take(self, tenant: str, body: dict[str, Any], fields: CacheFields) -> bool:
         """Whether the request is served as an implicit session (else: passed through)."""
@@ -136,30 +145,34 @@ class ImplicitSessions:
         try:
             body, _ = parse_json(raw, ChatBody, doc)
         except CtxError:
-            return await fallback()  # (the engine says what it makes of it)
+            return await fallback(None)  # (the engine says what it makes of it)
         body = for_engine(body, fields)
         messages: Messages = body["messages"]
         salt = body.get("cache_salt")
         key = MatchKey(tenant, body["model"], body.get("tools"), fields.key, salt)
         digests = key.digests(messages)
+        prefixes = shared_prefixes(messages, fields.breakpoints)
         try:
-            prefixes = shared_prefixes(messages, fields.breakpoints)
+            await self.new.settled(digests)
             found = await self.finder.locate(tenant, messages, digests, prefixes)
+            if found is None and not allowed_tools(body):
+                self.metrics.implicit("miss")
+                return await fallback(self.new.first(tenant, body, digests, fields))
             planned = await self._plan(tenant, body, messages, digests, found, fields, started)
         except (InvalidRequest, SessionBusy, SessionNotFound) as exc:
             log.info("implicit session not taken (%s): passed through", exc)
             self.metrics.implicit("passed")
-            return await fallback()
+            return await fallback(None)
         except CtxError as exc:  # the store, the workers: the request goes as it is
             if exc.status < 500:
                 raise
             log.warning("implicit session not taken (%s): passed through", exc)
             self.metrics.implicit("passed")
-            return await fallback()
+            return await fallback(None)
         except Exception:  # (an engine whose /tokenize answers nonsense, say)
             log.exception("implicit session not taken: passed through")
             self.metrics.implicit("passed")
-            return await fallback()
+            return await fallback(None)
         self.metrics.implicit(planned.result)
         if body.get("stream"):
             return await self._stream(planned, body)
@@ -182,7 +195,11 @@ class ImplicitSessions:
 
         return await self.turns.stream(turn, shaper, include_usage, finish)
 
-    # -- planning ------------------------------------------------------------------------
+    async def drain(self) -> None:
+        """Wait for the new conversations' writes still running (shutdown, tests)."""
+        await self.new.drain()
+
+    # -- a turn of a found state ---------------------------------------------------------------
     async def _plan(
         self,
         tenant: str,
@@ -193,32 +210,34 @@ class ImplicitSessions:
         fields: CacheFields,
         started: float,
     ) -> Planned:
-        result: Result = "miss"
+        """The turn on the state found; with none, a new conversation's first turn (a
+        request the engine would render otherwise than a session turn does: an
+        `allowed_tools` choice, whose engine request renders only the allowed tools)."""
         parent: SessionInfo | None = None
-        k = 0
+        k = found.k if found is not None else 0
         if found is None:
-            sid = new_session_id()
+            sid, result = new_session_id(), "miss"
             affinity = self.pool.keyed(body["model"], fields.key) if fields.key else None
             state = blank(sid, tenant, body["model"], origin="implicit", affinity=affinity)
         elif found.latest:
-            state, k = found.state, found.k
+            state = found.state
             sid, result = state.info.session_id, "hit"
         else:  # the conversation moved on from this state (or is busy): a fork of it
             await self.turns.give_back(tenant, found.state)
-            state, parent, k = cut(found.state, found.at()), found.state.info, found.k
-            answered = messages[k - 1].get("role") == "assistant"  # (else: a shared prefix)
+            state, parent = cut(found.state, found.at()), found.state.info
+            answered = messages[found.k - 1].get("role") == "assistant"  # (else: a prefix)
             sid, result = new_session_id(), "branch" if answered else "shared"
         turn_body = {**body, "messages": messages[k:]}
         turn = await self.turns.plan(
             tenant, state.info.session_id, turn_body, state, started=started
         )
-        ttl = fields.ttl(self.settings.implicit_ttl)
-        ttl = min(max(ttl, self.settings.min_ttl), self.settings.max_ttl)
-        shared = shared_prefixes(messages, fields.breakpoints) if result == "miss" else []
-        prefix_ttl = max(ttl, fields.breakpoint_ttl_s)
-        return Planned(turn, result, sid, messages, digests, ttl, parent, shared, prefix_ttl)
+        ttl = state_ttl(fields, self.settings)
+        new = None
+        if found is None:
+            new = New(tenant, sid, body, digests, ttl, max(ttl, fields.breakpoint_ttl_s))
+            new.breakpoints = fields.breakpoints
+        return Planned(turn, result, sid, messages, digests, ttl, parent, new)
 
-    # -- keeping the new state -------------------------------------------------------------
     async def _keep(self, planned: Planned, gen: Generation) -> None:
         """Keep the turn's state under the digest of its messages and answer. An answer
         that cannot be kept is answered all the same (the next request misses)."""
@@ -227,17 +246,18 @@ class ImplicitSessions:
         messages = [*planned.messages, answer]
         end = planned.digests[-1]
         digest = after(end, answer) if end is not None else None
-        mark = (
-            ImplicitMark(digest=digest, messages=len(messages), ttl=planned.ttl) if digest else None
-        )
+        mark = None
+        if digest is not None:
+            mark = ImplicitMark(digest=digest, messages=len(messages), ttl=planned.ttl)
         try:
             if planned.result == "hit":
                 await self.turns.commit(turn, gen, implicit=mark)
                 self.metrics.cached("implicit", gen.usage)
                 return
-            if planned.parent is not None:
-                await share_kv(self.manager, turn.tenant, planned.parent)
             assert gen.worker is not None
+            parent = planned.parent
+            if parent is not None:
+                await share_kv(self.manager, turn.tenant, parent)
             await self.manager.create(
                 CreateSession(
                     session_id=planned.session_id,
@@ -251,7 +271,7 @@ class ImplicitSessions:
                     worker=gen.worker.id,
                     sidecar=gen.worker.sidecar,
                     origin="implicit",
-                    kv_key=planned.parent.kv_key if planned.parent is not None else None,
+                    kv_key=parent.kv_key if parent is not None else None,
                     implicit=mark,
                 )
             )
@@ -262,59 +282,20 @@ class ImplicitSessions:
             with bind_session(planned.session_id):
                 log.warning("implicit session: the answer was not kept (%s)", exc)
             return
-        if planned.shared:
-            await self._share_prefixes(planned, gen)
-
-    async def _share_prefixes(self, planned: Planned, gen: Generation) -> None:
-        """A new conversation's prefixes that others may share (its system prompt and
-        tools, a breakpoint): each is a state of this conversation, cut where the prefix
-        ends, if the template renders it as the start of the prompt and it is long
-        enough to be worth a fork (`implicit_min_prefix_tokens`). Best effort."""
-        turn, worker = planned.turn, gen.worker
-        assert worker is not None
-        prefixes = []
-        for k in planned.shared:
-            digest = planned.digests[k - 1]
-            if digest is None:
-                continue
-            try:
-                ids, _ = await self.prompts.chat(
-                    worker,
-                    turn.model,
-                    planned.messages[:k],
-                    generation_prompt=False,
-                    tools=turn.tools,
-                )
-            except Exception as exc:  # (only a cache entry fewer)
-                log.info("a shared prefix was not kept (%s)", exc)
-                return
-            if (
-                len(ids) < self.settings.implicit_min_prefix_tokens
-                or turn.prompt[: len(ids)] != ids
-            ):
-                continue
-            point = ImplicitPoint(
-                session_id=planned.session_id, version=1, tokens=len(ids), messages=k
-            )
-            prefixes.append(SharedPrefix(digest=digest, point=point, ttl=planned.prefix_ttl))
-        if not prefixes:
-            return
-        try:
-            await self.manager.mark_prefixes(MarkPrefixes(tenant=turn.tenant, prefixes=prefixes))
-        except CtxError as exc:
-            log.info("a shared prefix was not kept (%s)", exc)
+        if planned.new is not None:  # (a new conversation's: its prefixes others may share)
+            shared = shared_prefixes(planned.messages, planned.new.breakpoints)
+            await self.new.share_prefixes(planned.new, turn.prompt, shared, turn.tools, gen.worker)
 
 
 @dataclass(frozen=True)
 class Planned:
-    """An implicit turn, planned: where its state will be kept."""
+    """A turn of a found state, planned: where its new state will be kept."""
 
     turn: Turn
     result: Result
-    session_id: str  # the session the new state belongs to (new for a miss or a fork)
+    session_id: str  # the session the new state belongs to (a new one for a fork)
     messages: Messages  # the request's, all of them
-    digests: list[str | None]  # of each prefix of them (the last: none if None)
+    digests: list[str | None]  # of each prefix of them (the last: None if no state can be)
     ttl: int
     parent: SessionInfo | None = None  # a fork's
-    shared: list[int] = field(default_factory=list)  # a new conversation's shared prefixes
-    prefix_ttl: int = 0
+    new: New | None = None  # a new conversation's (a miss planned as a turn)
