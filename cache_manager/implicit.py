@@ -24,6 +24,8 @@ from cache_manager.protocol import ImplicitPoint
 from cache_manager.redis_url import StoreRedis
 from cache_manager.store_errors import redis_errors
 
+POPS = 64  # expired ids skipped, at most, looking for a live one to evict
+
 
 def point_key(tenant: str, digest: str) -> str:
     return f"im:{{{tenant}}}:{digest}"
@@ -63,12 +65,19 @@ class ImplicitIndex:
                 pipe.zremrangebyscore(lru_key(tenant), 0, now_ms)
             await pipe.execute()
 
-    async def least_used(self, tenant: str, count: int) -> list[str]:
-        """The tenant's `count` live implicit sessions used least recently."""
+    async def pop_least_used(self, tenant: str) -> str | None:
+        """Take the tenant's least recently used live implicit session out of the order
+        (the caller evicts it): each evictor gets another, however many run at once."""
         now_ms = int(time.time() * 1000)
-        async with redis_errors():
-            ids = await self.redis.zrangebyscore(lru_key(tenant), now_ms, "+inf", 0, count)
-        return [i.decode() for i in ids]
+        for _ in range(POPS):
+            async with redis_errors():
+                popped = await self.redis.zpopmin(lru_key(tenant))
+            if not popped:
+                return None
+            session_id, expires_ms = popped[0]
+            if expires_ms >= now_ms:
+                return session_id.decode()  # (else: expired, only its place was left)
+        return None
 
     async def live(self, tenant: str) -> int:
         """How many of the tenant's sessions are implicit (and could give way)."""

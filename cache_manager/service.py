@@ -177,11 +177,13 @@ class SessionService:
 
     async def _evict_implicit(self, tenant: str) -> bool:
         """Delete the tenant's least recently used implicit session; False: it has none."""
-        for session_id in await self.implicit.least_used(tenant, EVICTIONS_PER_CREATE):
+        for _ in range(EVICTIONS_PER_CREATE):
+            session_id = await self.implicit.pop_least_used(tenant)
+            if session_id is None:
+                return False
             try:
                 await self.delete(session_id, tenant)
-            except SessionNotFound:  # (expired: only its place in the order was left)
-                await self.implicit.forget(tenant, session_id)
+            except SessionNotFound:  # (gone meanwhile: another)
                 continue
             with bind_session(session_id):
                 log.info("implicit session evicted: the tenant's quota is full")
