@@ -64,10 +64,10 @@ class FirstRequest:
         self.ids = list(choice.get("token_ids") or ())
         self.message = choice.get("message") or {}
         self.finished = True
-        if not self.wants_ids:
-            doc.pop("prompt_token_ids", None)
+        if not self.wants_ids:  # (as the engine writes a field nobody asked for: null)
+            doc["prompt_token_ids"] = None
             for c in doc["choices"]:
-                c.pop("token_ids", None)
+                c["token_ids"] = None
             payload = orjson.dumps(doc)
         self.done_with(self, worker)
         return payload

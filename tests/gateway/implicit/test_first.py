@@ -46,7 +46,7 @@ def test_a_whole_answer_loses_the_ids_and_keeps_its_message() -> None:
         ],
     }
     out = orjson.loads(first.answer(orjson.dumps(answer), WORKER))
-    assert "prompt_token_ids" not in out and "token_ids" not in out["choices"][0]
+    assert out["prompt_token_ids"] is None and out["choices"][0]["token_ids"] is None
     assert done == [first] and first.tokens() == [1, 2, 3, 7, 8]
     assert first.assistant() == {"role": "assistant", "content": "ok"}
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import httpx
 import openai
+import orjson
 
 from tests.gateway.conftest import SDK, Stack
 
@@ -252,3 +253,54 @@ def test_a_breakpoint_shares_the_prefix_up_to_it(stack: Stack, sdk: SDK) -> None
     before = implicit_counts(stack)
     ask(client, [*head, {"role": "user", "content": QUESTIONS[1]}])
     assert implicit_counts(stack)["shared"] - before["shared"] == 1
+
+
+def shape_of(value: Any) -> Any:
+    """The fields of an answer, nested (the values aside)."""
+    if isinstance(value, dict):
+        return {k: shape_of(v) for k, v in value.items() if k not in ("logprobs",)}
+    if isinstance(value, list):
+        return [shape_of(v) for v in value[:1]]
+    return type(value).__name__ if value is not None else None
+
+
+def fields_of(value: Any) -> set[str]:
+    """Every field path of an answer that holds a value (the engine's nulls aside)."""
+    out: set[str] = set()
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if v is not None:
+                out |= {k} | {f"{k}.{f}" for f in fields_of(v)}
+    elif isinstance(value, list) and value:
+        out |= {f"[].{f}" for f in fields_of(value[0])}
+    return out
+
+
+def test_an_implicit_answer_has_the_fields_a_pass_through_has(stack: Stack) -> None:
+    """A miss's answer is the engine's own (its ids nulled), field for field; a hit's,
+    shaped by the gateway, has every field with a value that the pass-through's has (the
+    engine's extension fields that are null, `prompt_token_ids`, `kv_transfer_params`,
+    `stop_reason`, are not written: docs/implicit.md), streamed or not."""
+    plain = {"prompt_cache_options": {"mode": "explicit"}}
+    with stack.client() as http:
+        history: list[dict[str, Any]] = [system("shape"), {"role": "user", "content": "One?"}]
+        body = {"model": "tiny", "messages": history, "max_tokens": 4, "temperature": 0}
+        miss = http.post("/v1/chat/completions", json=body).json()
+        passed = http.post("/v1/chat/completions", json={**body, **plain}).json()
+        assert shape_of(miss) == shape_of(passed)
+        history += [miss["choices"][0]["message"], {"role": "user", "content": "Two?"}]
+        hit = http.post("/v1/chat/completions", json=body).json()
+        passed = http.post("/v1/chat/completions", json={**body, **plain}).json()
+        assert fields_of(hit) == fields_of(passed)
+
+        def chunks(extra: dict[str, Any]) -> list[set[str]]:
+            doc = {**body, "stream": True, "stream_options": {"include_usage": True}, **extra}
+            r = http.post("/v1/chat/completions", json=doc)
+            events = [e[6:] for e in r.text.split("\n\n") if e.startswith("data: ")]
+            assert events[-1] == "[DONE]"
+            return [fields_of(orjson.loads(e)) for e in events[:-1]]
+
+        history += [hit["choices"][0]["message"], {"role": "user", "content": "Three?"}]
+        streamed_hit = chunks({})
+        streamed_passed = chunks(plain)
+    assert streamed_hit[0] == streamed_passed[0] and streamed_hit[-1] == streamed_passed[-1]
