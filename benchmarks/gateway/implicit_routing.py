@@ -9,11 +9,12 @@ each request is read from the workers' own counters (the one whose prompt tokens
 with the tokens it reused by tier (its L1, the sidecar). Every request streams; TTFT is
 the time to the first chunk carrying text.
 
-The ways (`--ways`), each on a stack of its own (Redis, a sidecar, two built-in workers
-`w0` and `w1` on the same model, a gateway), all started before the first request (one
-after the other) and measured side by side: one request at a time, the ways in turn
-request by request (their order rotating every step), so one engine computes at a time and
-the machine's load weighs on every way alike.
+The ways (`--ways`) run on two stacks, each of Redis, a sidecar, two built-in workers `w0`
+and `w1` on the same model and a gateway: implicit sessions on (`implicit` and `keyed`, a
+tenant each: they share no state and no KV) and off (`passthrough`). Both stacks are up
+before the first request, and the ways are measured side by side: one request at a time,
+the ways in turn request by request (their order rotating every step), so one engine
+computes at a time and the machine's load weighs on every way alike.
 
 - `implicit`: the gateway's default. The first conversation is a miss (the least-loaded
   worker); each later one forks its system prompt (`shared`: its prefix the first's
@@ -45,13 +46,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import hashlib
 import random
 import sys
 import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -62,7 +61,6 @@ from benchmarks.lib.util import add_output_arguments, plot_path, run_meta, write
 NAME = "implicit-routing"
 WAYS = ("implicit", "passthrough", "keyed")
 WORKERS = ("w0", "w1")
-KEY, TENANT = "bench-routing", "bench-routing"
 SYSTEM = "You are the support assistant of the ctxcache project. Read the handbook first. "
 
 
@@ -120,6 +118,7 @@ class Record:
     cached_tokens: int
     l1_tokens: int
     sidecar_tokens: int
+    result: str  # the gateway's implicit result (`ctxcache_gateway_implicit_total`)
     inflight: dict[str, int] | None = None  # the gateway's, per worker, before it was sent
 
 
@@ -144,13 +143,10 @@ def main(args: argparse.Namespace) -> int:
     work = Workload.make(args, model)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    with contextlib.ExitStack() as stacks:  # (started one after the other, then all up)
-        urls = {}
-        for way in ways:
-            logs = stacks.enter_context((out / f"stack-{way}.log").open("w"))
-            urls[way] = stacks.enter_context(stack(args, way, model, logs))
+    with ExitStack() as owner:
+        urls = start_stacks(args, ways, model, out, owner)
         records, counts = asyncio.run(run_ways(args, ways, work, urls))
-    rows = report.rows(records, counts, work.prefix_tokens)
+    rows = report.rows(records, work.prefix_tokens)
     meta = run_meta(
         NAME,
         ways=ways,
@@ -167,7 +163,7 @@ def main(args: argparse.Namespace) -> int:
         model=str(model),
         threads=args.threads,
         seed=args.seed,
-        implicit_counts=counts,
+        gateway_implicit_counts=counts,  # per stack: implicit sessions on, off
         requests=[asdict(r) for r in records],
     )
     data = {"meta": meta, "results": rows}
@@ -210,36 +206,59 @@ class Workload:
         return cls(system, questions, model.name, len(rendered))
 
 
-@contextmanager
-def stack(
-    args: argparse.Namespace, way: str, model: Path, logs: Any
-) -> Iterator[tuple[str, dict[str, str]]]:
-    """The way's stack: Redis, a sidecar, the two workers (storing into the sidecar but for
-    `passthrough`) and the gateway; its URL and the workers' by the gateway's names."""
+def kind_of(way: str) -> str:
+    """The stack a way runs on: implicit sessions on (`implicit` and `keyed`, a tenant
+    each) or off (`passthrough`)."""
+    return "off" if way == "passthrough" else "on"
+
+
+def api_key(way: str) -> str:
+    """The way's API key, its tenant's name too: the ways on one stack share no state and
+    no KV (the gateway salts every request per tenant)."""
+    return f"bench-{way}"
+
+
+def start_stacks(
+    args: argparse.Namespace, ways: list[str], model: Path, out: Path, owner: ExitStack
+) -> dict[str, tuple[str, dict[str, str]]]:
+    """A stack per kind of the ways (Redis, a sidecar, the two workers, storing into the
+    sidecar where implicit sessions are on, and the gateway), stopped with `owner`: every
+    engine started at once, then each gateway once its engines are up. Per way: its
+    gateway's URL and its workers' by the gateway's names."""
     from benchmarks.lib.stack import Engine, Gateway, StackBuilder, StackSettings, SupervisorRunner
     from ctxcache.supervisor import Supervisor
 
     threads = ("--threads", str(args.threads)) if args.threads else ()
-    engines = tuple(
-        Engine("builtin", w, threads, model, store=way != "passthrough", route=w) for w in WORKERS
-    )
-    env = {
-        "CTX_GATEWAY_HEALTH_INTERVAL_S": "0.5",
-        "CTX_GATEWAY_IMBALANCE_SLACK": str(args.imbalance_slack),
-        "CTX_GATEWAY_IMPLICIT_SESSIONS": "false" if way == "passthrough" else "true",
-    }
-    settings = StackSettings(
-        redis_appendonly=False,
-        sidecar=("--memory-bytes", str(1 << 30), "--log-level", "WARNING"),
-        engines=engines,
-        gateway=Gateway(keys={KEY: TENANT}, env=env),
-    )
-    with (
-        tempfile.TemporaryDirectory(prefix="ctxcache-bench-routing-") as tmp,
-        Supervisor(out=logs) as sup,
-        StackBuilder(settings, Path(tmp), SupervisorRunner(sup)).started() as s,
-    ):
-        yield s.gateway, {w: s.url(w) for w in WORKERS}
+    builders = {}
+    for kind in dict.fromkeys(map(kind_of, ways)):
+        engines = tuple(
+            Engine("builtin", w, threads, model, kind == "on", False, w, startup_timeout=600)
+            for w in WORKERS
+        )
+        settings = StackSettings(
+            redis_appendonly=False,
+            sidecar=("--memory-bytes", str(1 << 30), "--log-level", "WARNING"),
+            engines=engines,
+        )
+        tmp = owner.enter_context(tempfile.TemporaryDirectory(prefix="ctxcache-bench-routing-"))
+        logs = owner.enter_context((out / f"stack-{kind}.log").open("w"))
+        sup = owner.enter_context(Supervisor(out=logs))
+        builders[kind] = StackBuilder(settings, Path(tmp), SupervisorRunner(sup))
+        owner.callback(builders[kind].stop)
+        builders[kind].start()
+    urls = {}
+    for kind, builder in builders.items():
+        builder.wait_engines(timeout=600)
+        here = [w for w in ways if kind_of(w) == kind]
+        env = {
+            "CTX_GATEWAY_HEALTH_INTERVAL_S": "0.5",
+            "CTX_GATEWAY_IMBALANCE_SLACK": str(args.imbalance_slack),
+            "CTX_GATEWAY_IMPLICIT_SESSIONS": "true" if kind == "on" else "false",
+        }
+        gateway = builder.gateway(Gateway(keys={api_key(w): api_key(w) for w in here}, env=env))
+        workers = {w: builder.stack.url(w) for w in WORKERS}
+        urls.update({w: (gateway.url, workers) for w in here})
+    return urls
 
 
 def keyed_to(key_prefix: str, worker: str) -> str:
@@ -259,16 +278,19 @@ async def run_ways(
     urls: dict[str, tuple[str, dict[str, str]]],
 ) -> tuple[list[Record], dict[str, dict[str, int]]]:
     """The ways' conversations, request by request in turn (the ways' order rotating every
-    step), then `implicit`'s load check: every request's record, and each gateway's
-    implicit counts over the run."""
+    step), then `implicit`'s load check: every request's record, and each stack's gateway's
+    implicit counts over the run (the load check's busy streams are misses there)."""
     from tqdm import tqdm
 
-    clients = {way: Client(gw, KEY, work.model, workers) for way, (gw, workers) in urls.items()}
+    clients = {
+        way: Client(gw, api_key(way), work.model, workers) for way, (gw, workers) in urls.items()
+    }
     try:
         for client in clients.values():
             await client.wait_workers(list(WORKERS))
             await client.warm_up()
-        before = {way: await client.implicit() for way, client in clients.items()}
+        gateways = {kind_of(way): client for way, client in clients.items()}  # (one a stack)
+        before = {kind: await client.implicit() for kind, client in gateways.items()}
         plans = {way: conversations(args, way, work) for way in ways}
         steps = [(i, t) for i in range(max(map(len, plans.values()))) for t in range(args.turns)]
         check = "implicit" in ways and args.load_check
@@ -289,9 +311,9 @@ async def run_ways(
                 owner = next(r.worker for r in records if r.way == "implicit")
                 records += await load_check(args, work, clients["implicit"], owner, bar)
         counts = {}
-        for way, client in clients.items():
+        for kind, client in gateways.items():
             after = await client.implicit()
-            counts[way] = {k: after[k] - before[way][k] for k in after}
+            counts[kind] = {k: after[k] - before[kind][k] for k in after}
         return records, counts
     finally:
         for client in clients.values():
@@ -365,5 +387,6 @@ def record(
         cached_tokens=served.cached_tokens,
         l1_tokens=served.tiers.get("l1", 0),
         sidecar_tokens=served.tiers.get("sidecar", 0),
+        result=served.result,
         inflight=inflight,
     )

@@ -78,6 +78,7 @@ class Served:
     cached_tokens: int
     worker: str  # "?" where no worker or both counted a prompt meanwhile
     tiers: dict[str, int] = field(default_factory=dict)
+    result: str = "?"  # what the gateway's implicit sessions made of it (its counter's move)
 
 
 def moved(before: dict[str, Counters], after: dict[str, Counters]) -> tuple[str, dict[str, int]]:
@@ -161,18 +162,22 @@ class Client:
         await self.workers.aclose()
 
     async def send(self, conv: Conversation, turn: int, max_tokens: int) -> Served:
-        """Turn `turn` of `conv`, alone in flight on the workers' prompts: the worker whose
-        prompt counter moved served it."""
+        """Turn `turn` of `conv`, alone in flight on the workers' prompts and in the
+        gateway's implicit counts: the worker whose prompt counter moved served it, and the
+        result whose count moved is what the gateway made of it."""
+        counted = await self.implicit()
         before = await self.workers.counters()
         text, ttft, total, usage = await stream(
             self.gateway, conv.body(self.model, turn, max_tokens)
         )
         after = await self.workers.counters()
+        now = await self.implicit()
         conv.answered(text)
         worker, tiers = moved(before, after)
         details = usage.get("prompt_tokens_details") or {}
-        prompt = int(usage.get("prompt_tokens", 0))
-        return Served(ttft, total, prompt, int(details.get("cached_tokens") or 0), worker, tiers)
+        prompt, cached = int(usage.get("prompt_tokens", 0)), int(details.get("cached_tokens") or 0)
+        result = "+".join(r for r in RESULTS if now[r] > counted[r]) or "?"
+        return Served(ttft, total, prompt, cached, worker, tiers, result)
 
     async def warm_up(self) -> None:
         """One short request straight to each worker (its first forward pass is slow), not

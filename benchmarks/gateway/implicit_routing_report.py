@@ -24,9 +24,7 @@ def mean(values: Sequence[int]) -> float | None:
     return round(sum(values) / len(values), 1) if values else None
 
 
-def rows(
-    records: Sequence[Record], counts: dict[str, dict[str, int]], prefix_tokens: int
-) -> list[dict[str, Any]]:
+def rows(records: Sequence[Record], prefix_tokens: int) -> list[dict[str, Any]]:
     """A row per way (its conversations), then a row per routing check: the keyed way's
     keys, the load check's new conversations while the prefix's worker was busy and the
     one after."""
@@ -47,7 +45,7 @@ def rows(
                 "way": way,
                 "requests": len(main),
                 "by_worker": dict(sorted(by_worker.items())),
-                "implicit": counts.get(way, {}),
+                "implicit": dict(Counter(r.result for r in main)),
                 "cold_first_ttft_p50_ms": p50(cold),
                 "new_conversations": len(new),
                 "new_reused_prefix": sum(r.cached_tokens >= reused_at for r in new),

@@ -10,7 +10,7 @@ import pytest
 from tests.benchmarks.test_commands import run_bench
 
 
-@pytest.mark.slow  # three stacks of two workers one after the other, ~1-2 min (docs/testing.md)
+@pytest.mark.slow  # three stacks of two workers one after the other, ~1 min (docs/testing.md)
 @pytest.mark.timeout(300)
 def test_bench_implicit_routing_shares_the_prefix_on_its_worker(
     tmp_path: Path, tiny_model: Path
@@ -32,21 +32,20 @@ def test_bench_implicit_routing_shares_the_prefix_on_its_worker(
     assert len(implicit["by_worker"]) == 1, implicit  # (one request at a time: no overload)
     assert implicit["new_reused_prefix"] == implicit["new_conversations"] == convs - 1
     assert implicit["later_on_first_worker"] == implicit["later_turns"] == convs * (turns - 1)
-    counts = implicit["implicit"]
-    assert counts["shared"] == convs - 1 + probes + 1 and counts["hit"] == convs * (turns - 1)
-    assert counts["passed"] == counts["unkept"] == 0
+    hits = convs * (turns - 1)
+    assert implicit["implicit"] == {"miss": 1, "shared": convs - 1, "hit": hits}
 
     # passthrough: implicit sessions off, least-loaded routing over both workers
     passthrough = rows["passthrough"]
     assert set(passthrough["by_worker"]) == {"w0", "w1"}, passthrough
-    passed = passthrough["implicit"].pop("passed")  # (every one: none is an implicit session)
-    assert passed == passthrough["requests"] and not any(passthrough["implicit"].values())
+    assert passthrough["implicit"] == {"passed": passthrough["requests"]}
     assert passthrough["later_cached_share"] < implicit["later_cached_share"]
 
     # keyed: every request of a key on its one worker; a user's second conversation forks
     keyed, keys = rows["keyed"], rows["keys"]
     assert keyed["new_reused_prefix"] == keyed["new_conversations"] == meta["users"]
-    assert keyed["implicit"]["shared"] == meta["users"]
+    users = meta["users"]
+    assert keyed["implicit"] == {"miss": users, "shared": users, "hit": 2 * users * (turns - 1)}
     assert keys["keys_on_one_worker"] == len(keys["keys"]) == meta["users"]
 
     # the load bound: the prefix's worker busy, new conversations go to the other one and
@@ -57,6 +56,10 @@ def test_bench_implicit_routing_shares_the_prefix_on_its_worker(
     assert owner not in busy["by_worker"] and sum(busy["by_worker"].values()) == probes
     assert all(i[owner] == meta["imbalance_slack"] + 1 for i in busy["inflight_before"])
     assert busy["sidecar_mean"] > 0
+    probed = [r for r in meta["requests"] if r["phase"] != "main"]
+    assert [r["result"] for r in probed] == ["shared"] * (probes + 1)
+    # the gateway's own count of the stack: the busy streams were new conversations
+    assert meta["gateway_implicit_counts"]["on"]["miss"] == 1 + users + meta["imbalance_slack"] + 1
     assert after["by_worker"] == {owner: 1} and after["reused_prefix"] == 1
 
     table = (tmp_path / "routing" / "implicit-routing.md").read_text()
