@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
+import os
 import random
 import sys
 import tempfile
@@ -141,14 +142,14 @@ def main(args: argparse.Namespace) -> int:
         sys.stderr.write(f"building the {args.preset} preset into {model} ...\n")
         create_model(args.preset, model)
     work = Workload.make(args, model)
+    meta = run_meta(NAME)  # (its date and load average: the start's)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with ExitStack() as owner:
         urls = start_stacks(args, ways, model, out, owner)
         records, counts = asyncio.run(run_ways(args, ways, work, urls))
     rows = report.rows(records, work.prefix_tokens)
-    meta = run_meta(
-        NAME,
+    meta.update(
         ways=ways,
         conversations=args.conversations,
         turns=args.turns,
@@ -165,6 +166,7 @@ def main(args: argparse.Namespace) -> int:
         seed=args.seed,
         gateway_implicit_counts=counts,  # per stack: implicit sessions on, off
         requests=[asdict(r) for r in records],
+        load_avg_1m_end=round(os.getloadavg()[0], 2),
     )
     data = {"meta": meta, "results": rows}
     paths = write_outputs(out, NAME, data, report.table(meta, rows))

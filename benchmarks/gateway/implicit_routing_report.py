@@ -123,7 +123,8 @@ def table(meta: dict[str, Any], out_rows: Sequence[dict[str, Any]]) -> str:
     lines = [
         f"{meta['conversations']} new conversations a way (no `session_id`), {meta['turns']} "
         f"requests each, one at a time, sharing a {prefix}-token system prompt (rendered alone); "
-        f"`max_tokens` {meta['max_tokens']}, two built-in workers on `{Path(meta['model']).name}`.",
+        f"`max_tokens` {meta['max_tokens']}, two built-in workers on `{Path(meta['model']).name}`; "
+        f"load average {meta['load_avg_1m_end']} at the end.",
         "",
         markdown_table(
             [
