@@ -27,6 +27,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "benchmarks.gateway.gateway_keys",
         "wrong API keys/s with 100,000 keys vs 10",
     ),
+    "implicit-routing": (
+        "benchmarks.gateway.implicit_routing",
+        "sessionless conversations sharing a prefix, two workers: implicit sessions vs off",
+    ),
     "multiturn": (
         "benchmarks.multiturn.multiturn",
         "multi-turn chat replay, session vs full history",
