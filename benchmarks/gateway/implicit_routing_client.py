@@ -13,6 +13,8 @@ from typing import Any
 import httpx
 import orjson
 
+from benchmarks.lib.util import ChatStream
+
 IMPLICIT = "ctxcache_gateway_implicit_total"
 RESULTS = ("shared", "hit", "branch", "miss", "passed", "unkept")
 PROMPT = "ctxcache_worker_prompt_tokens_total"
@@ -95,27 +97,14 @@ async def stream(
     client: httpx.AsyncClient, body: dict[str, Any]
 ) -> tuple[str, float, float, dict[str, Any]]:
     """POST a streamed chat body: the answer's text, TTFT, whole time and usage chunk."""
-    parts: list[str] = []
-    usage: dict[str, Any] = {}
-    ttft = 0.0
-    t0 = time.perf_counter()
+    reading = ChatStream()
     async with client.stream("POST", "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
             await r.aread()
             raise RuntimeError(f"chat answered {r.status_code}: {r.text[:500]}")
         async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = orjson.loads(line[6:])
-            for choice in chunk.get("choices") or []:
-                piece = (choice.get("delta") or {}).get("content") or ""
-                if piece and not ttft:
-                    ttft = time.perf_counter() - t0
-                parts.append(piece)
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-    total = time.perf_counter() - t0
-    return "".join(parts), ttft or total, total, usage
+            reading.line(line)
+    return reading.result()
 
 
 @dataclass

@@ -273,32 +273,45 @@ def bar_plot(
     plt.close(fig)
 
 
+class ChatStream:
+    """A streamed chat answer read line by line: its text, the seconds to its first
+    content token (the whole time when none came), the whole time, and the usage chunk."""
+
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+        self.usage: dict[str, Any] = {}
+        self.ttft = 0.0
+        self.t0 = time.perf_counter()
+
+    def line(self, line: str) -> None:
+        import orjson
+
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            return
+        chunk = orjson.loads(line[6:])
+        for choice in chunk.get("choices") or []:
+            piece = (choice.get("delta") or {}).get("content") or ""
+            if piece and not self.ttft:
+                self.ttft = time.perf_counter() - self.t0
+            self.parts.append(piece)
+        if chunk.get("usage"):
+            self.usage = chunk["usage"]
+
+    def result(self) -> tuple[str, float, float, dict[str, Any]]:
+        total = time.perf_counter() - self.t0
+        return "".join(self.parts), self.ttft or total, total, self.usage
+
+
 def stream_chat(
     client: Any, data: bytes, on_error: str = "stream"
 ) -> tuple[str, float, float, dict[str, Any]]:
     """POST `data` (a streamed chat body) to `client`'s /v1/chat/completions (an
-    `httpx.Client`): the text, the seconds to its first content token (the whole time when
-    none came), the whole time, and the usage chunk."""
-    import orjson
-
-    parts: list[str] = []
-    usage: dict[str, Any] = {}
-    ttft = 0.0
-    t0 = time.perf_counter()
+    `httpx.Client`): `ChatStream.result`."""
+    reading = ChatStream()
     with client.stream("POST", "/v1/chat/completions", content=data) as r:
         if r.status_code != 200:
             r.read()
             raise RuntimeError(f"{on_error}: {r.status_code}: {r.text[:500]}")
         for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = orjson.loads(line[6:])
-            for choice in chunk.get("choices") or []:
-                piece = (choice.get("delta") or {}).get("content") or ""
-                if piece and not ttft:
-                    ttft = time.perf_counter() - t0
-                parts.append(piece)
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-    total = time.perf_counter() - t0
-    return "".join(parts), ttft or total, total, usage
+            reading.line(line)
+    return reading.result()
