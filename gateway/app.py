@@ -137,7 +137,7 @@ def create_app(settings: GatewaySettings, *, freeze_heap: bool = False) -> FastA
                 implicit=implicit,
             )
             app.state.contexts = ContextService(manager, turns, pool, settings, metrics)
-            app.state.responses = ResponseService(manager, turns, settings, metrics)
+            app.state.responses = ResponseService(manager, turns, settings, metrics, implicit.new)
             app.state.conversations = ConversationService(manager, turns, settings, metrics)
             log.info(
                 "gateway ready: %d worker(s), manager %s",

@@ -32,6 +32,7 @@ from ctxcache.errors import (
 from gateway.idempotency import IdempotencyKey
 from gateway.implicit.fields import NO_FIELDS, CacheFields
 from gateway.implicit.finder import Located, MatchKey, StateFinder, shared_prefixes
+from gateway.implicit.new import New
 from gateway.locks import Held
 from gateway.points import blank, cut, share_kv
 from gateway.responses.items import chat_tool_choice, chat_tools, items_of, response_format
@@ -71,6 +72,10 @@ class Planned:
     # its messages, under which its state is kept with the answer's; None: not kept so
     implicit_end: str | None = None
     implicit_ttl: int = 0
+    # what implicit sessions made of it (`ctxcache_gateway_implicit_total`): hit, branch,
+    # shared or miss; None: not an implicit session's. A miss's prefixes others may share.
+    implicit_result: str | None = None
+    implicit_new: New | None = None
 
 
 def with_instructions(
@@ -121,6 +126,8 @@ class ResponsePlanner:
         conv = req.conversation_id
         at: dict[str, int] | None = None  # the point in the session; None: its latest
         implicit_end: str | None = None
+        found: Located | None = None
+        digests: list[str | None] = []
         instructed = False
         missing: CtxError = InvalidRequest("the session is gone")
         record = key.record() if key is not None else None
@@ -136,7 +143,8 @@ class ResponsePlanner:
         else:
             sid = key.session_id() if key is not None else new_session_id()
             loaded = blank(sid, tenant, req.model)
-            found, implicit_end = await self._implicit(tenant, req, cache)
+            found, digests = await self._implicit(tenant, req, cache)
+            implicit_end = digests[-1] if digests else None
             if found is not None:  # a whole input that continues a state: continued there
                 sid, at, loaded = found.state.info.session_id, found.at(), found.state
                 new = with_instructions(req.instructions, [], new)[found.k :]
@@ -181,6 +189,12 @@ class ResponsePlanner:
             changes.update(session_id=None, kv_key=None)
         if changes:
             turn = dataclasses.replace(turn, **changes)
+        result = _result(found, appending) if implicit_end is not None else None
+        chain = None
+        if result == "miss":  # (a new chain: its system prompt may be another's prefix)
+            kept = cache.ttl(self.settings.implicit_ttl)
+            chain = New(tenant, sid, body, digests, kept, max(kept, cache.breakpoint_ttl_s))
+            chain.breakpoints = cache.breakpoints
         if mode == "append":
             target = sid
         elif fork and key is not None:
@@ -235,16 +249,19 @@ class ResponsePlanner:
             store=req.store,
             implicit_end=implicit_end,
             implicit_ttl=cache.ttl(self.settings.implicit_ttl) if implicit_end else 0,
+            implicit_result=result,
+            implicit_new=chain,
         )
 
     async def _implicit(
         self, tenant: str, req: ResponseCreate, fields: CacheFields
-    ) -> tuple[Located | None, str | None]:
+    ) -> tuple[Located | None, list[str | None]]:
         """A new chain's whole input, as an implicit session's (docs/implicit.md): the
-        state it continues, if any, and the digest of its messages (None: implicit
-        sessions are off for it). A store that does not answer only loses the match."""
+        state it continues, if any, and the digests of its messages' prefixes (none:
+        implicit sessions are off for it). A store that does not answer only loses the
+        match."""
         if not (fields.implicit and self.finder.on_for(tenant)):
-            return None, None
+            return None, []
         messages = with_instructions(req.instructions, [], req.messages())
         key = MatchKey(tenant, req.model, chat_tools(req.tools), fields.key)
         digests = key.digests(messages)
@@ -252,7 +269,7 @@ class ResponsePlanner:
             found = await self.finder.locate(tenant, messages, digests, shared_prefixes(messages))
         except StoreUnavailable:
             found = None
-        return found, digests[-1]
+        return found, digests
 
     async def _load(
         self,
@@ -325,3 +342,15 @@ class ResponsePlanner:
             await self.turns.give_back(tenant, state)
             raise missing
         return sid, state
+
+
+def _result(found: Located | None, appending: bool) -> str:
+    """What implicit sessions made of a whole input: a turn of its conversation's latest
+    state (hit), a fork of an older one (branch), of another's shared prefix (shared), or
+    a new chain (miss)."""
+    if found is None:
+        return "miss"
+    if appending:
+        return "hit"
+    answered = found.state.messages[found.k - 1].get("role") == "assistant"
+    return "branch" if answered else "shared"

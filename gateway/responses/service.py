@@ -44,6 +44,8 @@ from gateway.completions.streams import SSEResponse
 from gateway.idempotency import REPLAYED, IdempotencyKey, KeyOf
 from gateway.implicit.digests import after
 from gateway.implicit.fields import NO_FIELDS, CacheFields
+from gateway.implicit.finder import shared_prefixes
+from gateway.implicit.new import NewConversations
 from gateway.locks import NO_LOCK, Held
 from gateway.metrics import GatewayMetrics
 from gateway.requests import parse_json
@@ -80,11 +82,13 @@ class ResponseService:
         turns: TurnService,
         settings: GatewaySettings,
         metrics: GatewayMetrics,
+        new: NewConversations | None = None,
     ) -> None:
         self.manager = manager
         self.turns = turns
         self.settings = settings
         self.metrics = metrics
+        self.new = new  # (implicit sessions on: keeps a new chain's shared prefixes)
         self.planner = ResponsePlanner(manager, turns, settings)
 
     # -- create -------------------------------------------------------------------------
@@ -207,6 +211,7 @@ class ResponseService:
                 await self.turns.commit(turn, gen, stored, answer=final, implicit=mark)
             except SessionNotFound:  # deleted while the turn ran
                 raise planned.missing from None
+            self._implicit(planned, gen)
             return final
         parent = planned.parent
         await self.manager.create(
@@ -235,7 +240,21 @@ class ResponseService:
         with bind_session(planned.session_id):
             what = f"fork of {parent.session_id}" if parent is not None else "new chain"
             log.info("response %s: %s", final["id"], what)
+        self._implicit(planned, gen)
+        if planned.implicit_new is not None and self.new is not None:
+            new = planned.implicit_new
+            shared = shared_prefixes(new.body["messages"], new.breakpoints)
+            await self.new.share_prefixes(new, turn.prompt, shared, turn.tools, gen.worker)
         return final
+
+    def _implicit(self, planned: Planned, gen: Generation) -> None:
+        """Count what implicit sessions made of a whole input, as for chat requests."""
+        result = planned.implicit_result
+        if result is None:
+            return
+        self.metrics.implicit(result)
+        if result != "miss":
+            self.metrics.cached("shared" if result == "shared" else "implicit", gen.usage)
 
     # -- retrieve, delete, input items --------------------------------------------------
     async def _record(self, tenant: str, response_id: str) -> tuple[str, str, dict[str, Any]]:
