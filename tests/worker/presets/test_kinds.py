@@ -4,14 +4,19 @@ built-in worker refuses the kinds only vLLM runs."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from transformers import AutoConfig
 
-from tests.utils import run_cli
+from tests.utils import require_vllm, run_cli
 from tests.worker.presets.test_model import _digest
+from tests.worker.presets.vllm_kv_groups import MARK
 from worker.engine.runner import ModelRunner
 from worker.model_cli import PRESET_NAMES
 from worker.model_kind import KIND_FILE, UnsupportedModelKind, check_builtin, preset_of
@@ -54,3 +59,32 @@ def test_the_builtin_worker_refuses_other_kinds(build_preset: Build) -> None:
     done = run_cli("worker", "--model", str(model), "--port", "1")
     assert done.returncode == 2
     assert "of kind 'sliding'" in done.stderr and "--engine vllm" in done.stderr
+
+
+def vllm_kv_groups(model: Path) -> dict[str, Any]:
+    """What vLLM builds of `model`'s KV cache (`vllm_kv_groups.py`, in a child process)."""
+    require_vllm()
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.worker.presets.vllm_kv_groups", str(model)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"},
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith(MARK)]
+    assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads(lines[-1][len(MARK) :])
+
+
+def test_vllm_builds_a_sliding_and_a_full_kv_group(build_preset: Build) -> None:
+    found = vllm_kv_groups(build_preset("tiny-sliding"))
+    assert found["architecture"] == "LlamaForCausalLM" and found["block_size"] == 128
+    kinds = [(g["spec"]["type"], g["spec"]["sliding_window"]) for g in found["groups"]["hma_on"]]
+    assert sorted(kinds, key=str) == [("FullAttentionSpec", None), ("SlidingWindowSpec", 256)]
+    layers = {g["spec"]["type"]: g["layers"] for g in found["groups"]["hma_on"]}
+    assert [int(n.split(".")[2]) for n in layers["SlidingWindowSpec"]] == [0, 2]
+    assert [int(n.split(".")[2]) for n in layers["FullAttentionSpec"]] == [1, 3]
+    # without the hybrid manager (a connector that is not SupportsHMA) every layer keeps
+    # full-size KV in one group
+    (one,) = found["groups"]["hma_off"]
+    assert one["spec"]["type"] == "FullAttentionSpec" and len(one["layers"]) == 4
