@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 # Spelled out so that `--help` does not import torch; a test keeps it equal to `PRESETS`.
-PRESET_NAMES = ("tiny", "small", "tiny-sliding", "small-sliding")
+PRESET_NAMES = ("tiny", "small", "tiny-sliding", "small-sliding", "tiny-mla")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from transformers import PretrainedConfig, PreTrainedTokenizerFast
 
 from worker.model_kind import KIND_FILE
-from worker.presets import dense, sliding
+from worker.presets import dense, mla, sliding
 from worker.presets.spec import PRESETS, Preset
 from worker.presets.tokenizer import BOS, EOS, PAD, self_retokenizing_ids, train_tokenizer
 
@@ -23,7 +23,11 @@ log = logging.getLogger(__name__)
 __all__ = ["PRESETS", "Preset", "create_model"]
 
 ConfigFn = Callable[[Preset, int, int, int, int], PretrainedConfig]
-CONFIGS: dict[str, ConfigFn] = {"dense": dense.config, "sliding": sliding.config}
+CONFIGS: dict[str, ConfigFn] = {
+    "dense": dense.config,
+    "sliding": sliding.config,
+    "mla": mla.config,
+}
 
 
 @lru_cache(maxsize=4)

@@ -2,7 +2,7 @@
 
 A kind is an architecture and its KV layout: `dense` (Qwen2, full attention in every layer,
 the only kind the built-in worker runs), `sliding` (Llama with per-layer `layer_types`,
-windowed layers beside full ones), `mla` (DeepSeek-V2's latent attention), `hybrid`
+windowed layers beside full ones), `mla` (DeepSeek-V3's latent attention, dense MLPs), `hybrid`
 (Qwen3-Next: gated-delta-net linear attention beside full attention). Each kind's config is
 written by the module of that name in this package.
 """
@@ -68,4 +68,6 @@ PRESETS: dict[str, Preset] = {
     "tiny-sliding": _kind(TINY, "sliding", 2345, sliding_window=256),
     # small's shape; windowed layers of 512 tokens, every other layer
     "small-sliding": _kind(SMALL, "sliding", 6789, sliding_window=512),
+    # tiny's shape with DeepSeek-V3's latent attention (512 + 64 per token and layer)
+    "tiny-mla": _kind(TINY, "mla", 3456),
 }

@@ -88,3 +88,22 @@ def test_vllm_builds_a_sliding_and_a_full_kv_group(build_preset: Build) -> None:
     # full-size KV in one group
     (one,) = found["groups"]["hma_off"]
     assert one["spec"]["type"] == "FullAttentionSpec" and len(one["layers"]) == 4
+
+
+def test_tiny_mla_is_deepseek_v3_latent_attention(build_preset: Build) -> None:
+    model = build_preset("tiny-mla")
+    config = AutoConfig.from_pretrained(model)
+    assert config.architectures == ["DeepseekV3ForCausalLM"]
+    assert (config.kv_lora_rank, config.qk_rope_head_dim, config.q_lora_rank) == (512, 64, None)
+    assert config.first_k_dense_replace == config.num_hidden_layers  # no expert layer
+    assert preset_of(model) == ("tiny-mla", "mla")
+
+
+def test_vllm_builds_one_latent_kv_group_on_16_token_blocks(build_preset: Build) -> None:
+    found = vllm_kv_groups(build_preset("tiny-mla"))
+    assert found["architecture"] == "DeepseekV3ForCausalLM" and found["backends"] == ["CPU_MLA"]
+    (group,) = found["groups"]["hma_on"]
+    spec = group["spec"]
+    assert (spec["type"], spec["head_size"], spec["num_kv_heads"]) == ("MLAAttentionSpec", 576, 1)
+    assert spec["block_size"] == 16 == found["block_size"]  # the CPU MLA kernel's only size
+    assert len(group["layers"]) == 4
