@@ -50,6 +50,11 @@ class Group:
             return f"full attention, {len(self.layers)} layers"
         return f"sliding window {self.window}, {len(self.layers)} layers"
 
+    def hit_from(self, head: int) -> int:
+        """The shortest hit for which vLLM keeps no block before token `head` (a block
+        boundary) in this group: 0 for full attention."""
+        return 0 if self.window is None else head + self.window - 1 + self.retained
+
     def first_kept(self, tokens: int) -> int:
         """The first token of the first block vLLM holds for this group once `tokens`
         tokens are computed (the blocks before it are its null block): 0 for full attention."""
@@ -94,19 +99,25 @@ class GroupPlanner:
             k.fits(tags) for _, k in self.sliding
         )
 
-    def _units(self, ids: Sequence[int], limit: int, root: int) -> list[int]:
-        """The prefix hash at every unit boundary E = unit, 2 unit, ... up to `limit`."""
-        size, unit = self.chunk_size, self.unit
-        chunks = chunk_hashes(ids, size, limit, root)
-        out: list[int] = []
-        for end in range(unit, limit + 1, unit):
-            whole = end // size
-            if end % size == 0:
-                out.append(chunks[whole - 1])
-            else:
-                prev = chunks[whole - 1] if whole else root
-                out.append(chain_hash(prev, ids[whole * size : end]))
-        return out
+    def _hash(self, ids: Sequence[int], chunks: list[int], end: int, root: int) -> int:
+        """The hash of the prefix `ids[:end]`: its chunk's where it ends one, else the tail
+        hash of the chunk it ends in (`chunks`: the chunk hashes, at least that far)."""
+        whole = end // self.chunk_size
+        if end % self.chunk_size == 0:
+            return chunks[whole - 1]
+        prev = chunks[whole - 1] if whole else root
+        return chain_hash(prev, ids[whole * self.chunk_size : end])
+
+    def _edges(self, limit: int) -> list[int]:
+        """The ends up to `limit` where a sliding group's only hit may be off the unit grid
+        (`store_specs`): E with E - (W - 1 + retained) on a block boundary."""
+        residues = {
+            (g.window - 1 + g.retained) % g.block_size
+            for g, _ in self.sliding
+            if g.window is not None and self.unit == g.block_size
+        }
+        bs = self.groups[0].block_size
+        return [e for r in residues if r for e in range(r, limit + 1, bs)]
 
     def lookup(
         self,
@@ -118,19 +129,38 @@ class GroupPlanner:
     ) -> GroupLookup:
         """The longest prefix of `ids[:usable]` every group can load (module docstring),
         asked of the sidecar in one call."""
-        full: list[tuple[Group, Candidates]] = [
-            (g, p.candidates(ids, usable, tags, root)) for g, p in self.full
-        ]
-        unit = self.unit
+        unit, size = self.unit, self.chunk_size
+        chunks = chunk_hashes(ids, size, len(ids), root)
         # a unit is asked for while it starts before `usable` (a hit inside it loads part)
         limit = min(len(ids), -(-usable // unit) * unit)
-        hashes = self._units(ids, limit, root)
+        grid = [self._hash(ids, chunks, e, root) for e in range(unit, limit + 1, unit)]
+        edges = {e: self._hash(ids, chunks, e, root) for e in self._edges(usable)}
+        full: list[tuple[Group, Candidates]] = []
+        for g, planner in self.full:
+            cands = planner.candidates(ids, usable, tags, root)
+            keys = planner.keys
+            for boundary, tails in cands.tails:  # the edge ends as tail candidates too
+                begin = boundary * size
+                tails += [
+                    Piece(keys.key(h, tags), begin, e - begin)
+                    for e, h in edges.items()
+                    if begin < e < begin + size
+                ]
+                tails.sort(key=lambda t: -t.length)
+            full.append((g, cands))
         units = {
-            g.index: [Piece(k.key(h, tags), i * unit, unit) for i, h in enumerate(hashes)]
+            g.index: [Piece(k.key(h, tags), i * unit, unit) for i, h in enumerate(grid)]
+            for g, k in self.sliding
+        }
+        parts = {
+            g.index: {
+                e: Piece(k.key(h, tags), e // unit * unit, e % unit) for e, h in edges.items()
+            }
             for g, k in self.sliding
         }
         keys = [key for _, c in full for key in c.asked()]
         keys += [p.key for pieces in units.values() for p in pieces]
+        keys += [p.key for pieces in parts.values() for p in pieces.values()]
         found = dict(zip(keys, exists_many(keys), strict=True)) if keys else {}
         out = GroupLookup()
         end = usable
@@ -139,32 +169,24 @@ class GroupPlanner:
             out.found |= got.found
             out.by_group[g.index] = got.pieces
             end = min(end, got.tokens)
-        runs: dict[int, list[int]] = {}
-        for g, _ in self.sliding:
-            have = [found[p.key] for p in units[g.index]]
-            out.found |= {p.key for p, ok in zip(units[g.index], have, strict=True) if ok}
-            runs[g.index] = _run_starts(have)
-        end = self._sliding_end(end, runs)
-        for g, _ in self.sliding:
-            first = g.first_kept(end) // unit
-            out.by_group[g.index] = units[g.index][first : -(-end // unit)] if end else []
+        windows = [
+            _Window(
+                g,
+                units[g.index],
+                {e: p for e, p in parts[g.index].items() if found[p.key]},
+                [found[p.key] for p in units[g.index]],
+                unit,
+            )
+            for g, _ in self.sliding
+        ]
+        for w in windows:
+            out.found |= {p.key for p, ok in zip(w.units, w.have, strict=True) if ok}
+        end = _sliding_end(end, windows, unit)
+        for w in windows:
+            out.by_group[w.group.index] = w.pieces(end) if end else []
         out.tokens = end
         out.pieces = [p for pieces in out.by_group.values() for p in pieces if p.begin < end]
         return out
-
-    def _sliding_end(self, end: int, runs: dict[int, list[int]]) -> int:
-        """The longest hit up to `end` whose every sliding group has all its units, from the
-        one holding its first kept token to the hit's end; 0 if there is none."""
-        unit = self.unit
-        while end > 0:
-            last = -(-end // unit) - 1  # the unit holding the hit's last token
-            if all(
-                last < len(runs[g.index]) and runs[g.index][last] <= g.first_kept(end) // unit
-                for g, _ in self.sliding
-            ):
-                return end
-            end = last * unit  # the next hit to try: the unit boundary below
-        return 0
 
     def load_specs(
         self,
@@ -203,28 +225,89 @@ class GroupPlanner:
         """Every full group's chunks and tail; every sliding group's units that lie in the
         blocks vLLM still holds for it (none of `skip`, the keys the lookup found)."""
         valid = len(ids)
-        out = []
-        for g, planner in self.full:
-            pieces = planner.stores(ids, valid, tags, root, skip)
-            if pieces:
-                out.append(
-                    StoreSpec(req_id, session, pieces, list(blocks[g.index]), trace, g.index)
-                )
-        if self.sliding:
-            unit = self.unit
-            hashes = self._units(ids, valid, root)
+        unit, size = self.unit, self.chunk_size
+        chunks = chunk_hashes(ids, size, valid, root)
+        pieces = {g.index: planner.stores(ids, valid, tags, root, skip) for g, planner in self.full}
+        heads = {}  # sliding group -> the first token of the blocks vLLM still holds
+        for g, keys in self.sliding:
+            held = blocks[g.index]
+            first = next((i for i, b in enumerate(held) if b != NULL_BLOCK), len(held))
+            heads[g.index] = first * g.block_size
+            pieces[g.index] = [
+                piece
+                for e in range(unit, valid + 1, unit)
+                if e - unit >= heads[g.index]
+                and (
+                    piece := Piece(keys.key(self._hash(ids, chunks, e, root), tags), e - unit, unit)
+                ).key
+                not in skip
+            ]
+        # The hit a later turn makes on this store, `valid` cut to the unit, needs a block
+        # vLLM has already freed when `valid - W + 1` is just past a block boundary; then
+        # the shortest hit these blocks serve is stored too, off the grid: the edge end.
+        edge = max((g.hit_from(heads[g.index]) for g, _ in self.sliding), default=0)
+        if valid // unit * unit < edge <= valid and edge in self._edges(valid):
+            h = self._hash(ids, chunks, edge, root)
+            for g, planner in self.full:
+                begin = edge // size * size
+                pieces[g.index].append(Piece(planner.keys.key(h, tags), begin, edge - begin))
             for g, keys in self.sliding:
-                held = list(blocks[g.index])
-                first = next((i for i, b in enumerate(held) if b != NULL_BLOCK), len(held))
-                pieces = [
-                    piece
-                    for i, h in enumerate(hashes)
-                    if i * unit >= first * g.block_size
-                    and (piece := Piece(keys.key(h, tags), i * unit, unit)).key not in skip
-                ]
-                if pieces:
-                    out.append(StoreSpec(req_id, session, pieces, held, trace, g.index))
+                if edge // unit * unit >= heads[g.index]:
+                    pieces[g.index].append(
+                        Piece(keys.key(h, tags), edge // unit * unit, edge % unit)
+                    )
+        return [
+            StoreSpec(req_id, session, pieces[g.index], list(blocks[g.index]), trace, g.index)
+            for g in self.groups
+            if pieces[g.index]
+        ]
+
+
+@dataclass
+class _Window:
+    """A sliding group's units and edge pieces the sidecar has, for a lookup."""
+
+    group: Group
+    units: list[Piece]
+    parts: dict[int, Piece]  # edge end -> its piece, where found
+    have: list[bool]
+    unit: int
+
+    def __post_init__(self) -> None:
+        self.runs = _run_starts(self.have)
+
+    def _last(self, end: int) -> int:
+        """The last whole unit a hit of `end` needs."""
+        if end % self.unit and end not in self.parts:
+            return end // self.unit  # the unit holding the hit's last token, whole
+        return end // self.unit - 1
+
+    def covers(self, end: int) -> bool:
+        """Whether a hit of `end` finds every unit it needs, from the one holding the
+        first token vLLM keeps to the end (the edge piece where `end` is one)."""
+        first, last = self.group.first_kept(end) // self.unit, self._last(end)
+        return last < first or (last < len(self.runs) and self.runs[last] <= first)
+
+    def pieces(self, end: int) -> list[Piece]:
+        first, last = self.group.first_kept(end) // self.unit, self._last(end)
+        out = self.units[first : last + 1]
+        if end % self.unit and end in self.parts:
+            out.append(self.parts[end])
         return out
+
+
+def _sliding_end(end: int, windows: list[_Window], unit: int) -> int:
+    """The longest hit up to `end` that every sliding group covers; 0 if there is none.
+    Below `end`, the hits tried are the unit boundaries and the edge ends."""
+    edges = sorted({e for w in windows for e in w.parts if e < end}, reverse=True)
+    while end > 0:
+        if all(w.covers(end) for w in windows):
+            return end
+        below = (end - 1) // unit * unit
+        while edges and edges[0] >= end:
+            edges.pop(0)
+        end = max(below, edges[0] if edges else 0)
+    return 0
 
 
 def _run_starts(have: list[bool]) -> list[int]:

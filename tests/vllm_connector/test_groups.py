@@ -133,6 +133,31 @@ def test_a_hit_needs_the_whole_window_or_it_is_shorter() -> None:
     assert lookup.tokens == 768  # the full group to 896, the window [256, 768) complete
 
 
+def test_when_vllm_freed_the_block_a_grid_hit_needs_the_edge_end_is_stored() -> None:
+    """1023 tokens: vLLM keeps the sliding group's blocks from token 1023 - 511 = 512 on,
+    and the hit on the unit grid, 896, would need the block of token 385 — freed. So the
+    store adds the shortest hit its blocks serve, 1023: a tail to it in the full group, the
+    piece [896, 1023) in the sliding one; the next turn hits all of it."""
+    seq = ids(1023)
+    plan = planner()
+    blocks = (held(FULL, 1023, 1), held(SLIDING, 1023, 20))
+    specs = plan.store_specs("r", "sess", seq, TAGS, 0, set(), blocks)
+    spans = {s.group: [(p.begin, p.end) for p in s.pieces] for s in specs}
+    assert spans[0][-2:] == [(768, 896), (768, 1023)]
+    assert spans[1] == [(512, 640), (640, 768), (768, 896), (896, 1023)]
+    stored = stored_keys(specs)
+    turn = [*seq, *ids(60, seed=2)]
+    lookup = plan.lookup(turn, len(turn) - 1, TAGS, 0, lambda keys: [k in stored for k in keys])
+    assert lookup.tokens == 1023
+    loads = plan.load_specs("r2", lookup, 1023, (held(FULL, 1023, 1), held(SLIDING, 1023, 9)))
+    assert [(s.group, s.start, s.end) for s in loads] == [(0, 0, 1023), (1, 512, 1023)]
+    # one token fewer is on the usual side: no edge end stored
+    shorter = plan.store_specs(
+        "r", "sess", seq[:1022], TAGS, 0, set(), (held(FULL, 1022, 1), held(SLIDING, 1022, 20))
+    )
+    assert all(p.length % BS == 0 for s in shorter for p in s.pieces)
+
+
 def test_a_short_conversation_is_all_window() -> None:
     seq = ids(400)
     plan = planner()
