@@ -64,6 +64,7 @@ def test_after_a_prefix_cache_reset_the_sidecar_serves_both_groups(
         sliding_stack.reset_prefix_cache()  # vLLM forgets; only the sidecar has the KV
         context = chat.context_tokens()
         _, usage = chat.turn(question)  # also checks the text against the full history
+        log.info("turn after a reset: %d of %d history tokens reused", cached(usage), context)
         assert context - BLOCK <= cached(usage) <= context
     wait_for(lambda: vllm_counter(sliding_stack, "loaded_tokens") > loaded_before)
     held = chat.info()
