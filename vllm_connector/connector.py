@@ -8,10 +8,13 @@ Load it with
 (`SchedulerSide`: lookups and plans) and one in each worker process (`WorkerSide`: the
 copies); this class only routes vLLM's hooks to them (docs/vllm.md).
 
-What it cannot serve (`unsupported`: MLA, a quantised KV cache, hybrid models) it refuses
-at start-up on both sides with one log line, and vLLM runs without it: no lookups, loads or
-stores (`"required": true` makes that a start-up error instead). A worker that turns
-itself off later (its cache layout cannot be read) says so in its step output
+It is `SupportsHMA`, so vLLM keeps its hybrid KV cache manager on: a model of several KV
+cache groups (sliding-window layers beside full attention) is served group by group
+(`vllm_connector.groups`, `group_plan`, `group_worker`; docs/vllm.md, "Hybrid models").
+What it cannot serve (`unsupported`: MLA, a quantised KV cache, Mamba / linear-attention
+state) it refuses at start-up on both sides with one log line, and vLLM runs without it: no
+lookups, loads or stores (`"required": true` makes that a start-up error instead). A worker
+that turns itself off later (its cache layout cannot be read) says so in its step output
 (`CtxcacheWorkerMeta`), and the scheduler half then plans nothing more.
 """
 
@@ -27,10 +30,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.v1.kv_cache_interface import (
-    FullAttentionSpec,
     KVCacheSpec,
     KVQuantMode,
     MLAAttentionSpec,
@@ -39,6 +43,9 @@ from vllm.v1.kv_cache_interface import (
 
 from ctxcache import tracing
 from vllm_connector.config import ConnectorConfig
+from vllm_connector.group_plan import Group, GroupPlanner
+from vllm_connector.group_worker import GroupWorker
+from vllm_connector.groups import served_groups
 from vllm_connector.metrics import CtxcachePromMetrics, CtxcacheStats
 from vllm_connector.plan import Planner
 from vllm_connector.scheduler import SchedulerSide, StepPlan
@@ -83,7 +90,7 @@ INSTEAD = (
 )
 
 
-class CtxcacheConnector(KVConnectorBase_V1):
+class CtxcacheConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
@@ -94,7 +101,7 @@ class CtxcacheConnector(KVConnectorBase_V1):
         self.config = ConnectorConfig.from_extra(transfer.kv_connector_extra_config)
         block_size = vllm_config.cache_config.block_size
         self.scheduler: SchedulerSide | None = None
-        self.worker: WorkerSide | None = None
+        self.worker: WorkerSide | GroupWorker | None = None
         # what this connector cannot serve: refused, on both sides alike (the same config)
         self.refused = unsupported(vllm_config, kv_cache_config)
         if self.refused is not None:
@@ -111,15 +118,31 @@ class CtxcacheConnector(KVConnectorBase_V1):
                 INSTEAD,
             )
             return
+        groups = _hybrid_groups(kv_cache_config)
+        if groups is not None:
+            block_size = groups[0].block_size
+            if not self.config.async_loads and len(kv_cache_config.kv_cache_groups) > 1:
+                # vLLM takes a failed load of such a model as a failed request only
+                # (`failed_recving`), which it can only recompute while it waits for it
+                self.config = self.config.model_copy(update={"async_loads": True})
+            log.info(
+                "ctxcache connector (%s): hybrid KV cache manager on; %d KV cache groups "
+                "served (%s), loads asynchronous",
+                role.name.lower(),
+                len(groups),
+                "; ".join(f"group {g.index}: {g.kind}" for g in groups),
+            )
         if role == KVConnectorRole.SCHEDULER:
             # A cache: a block that cannot be loaded is recomputed, never a failed request.
             if transfer.kv_load_failure_policy != "recompute":
                 log.info("ctxcache connector: kv_load_failure_policy set to 'recompute'")
                 transfer.kv_load_failure_policy = "recompute"
-            planner = Planner(
-                _key_maker(vllm_config, self.config),
-                self.config.chunk_size,
-                self.config.tail_granularity(block_size),
+            keys = _key_maker(vllm_config, self.config)
+            tail = self.config.tail_granularity(block_size)
+            planner: Planner | GroupPlanner = (
+                Planner(keys, self.config.chunk_size, tail)
+                if groups is None
+                else GroupPlanner(groups, keys, self.config.chunk_size, tail)
             )
             self.scheduler = SchedulerSide(
                 self.config,
@@ -129,7 +152,12 @@ class CtxcacheConnector(KVConnectorBase_V1):
         else:
             from vllm.distributed import get_tensor_model_parallel_rank
 
-            self.worker = WorkerSide(self.config, block_size, get_tensor_model_parallel_rank())
+            rank = get_tensor_model_parallel_rank()
+            self.worker = (
+                WorkerSide(self.config, block_size, rank)
+                if groups is None
+                else GroupWorker(self.config, groups, rank)
+            )
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -186,6 +214,12 @@ class CtxcacheConnector(KVConnectorBase_V1):
             return None, None
         return self.worker.take_sent() or None, self.worker.take_loaded() or None
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """`get_finished`'s requests, and (a hybrid model) the loads that failed."""
+        sent, loaded = self.get_finished(finished_req_ids)
+        failed = self.worker.take_failed() if isinstance(self.worker, GroupWorker) else set()
+        return KVConnectorTransferResults(set(sent or ()), set(loaded or ()), failed)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_invalid() if self.worker is not None else set()
 
@@ -220,7 +254,7 @@ class CtxcacheConnector(KVConnectorBase_V1):
         if self.scheduler is None:
             return
         groups = blocks.get_block_ids() if num_external_tokens > 0 else ([],)
-        self.scheduler.after_alloc(request, list(groups[0]), num_external_tokens)
+        self.scheduler.after_alloc_groups(request, groups, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         if self.scheduler is None:
@@ -236,7 +270,9 @@ class CtxcacheConnector(KVConnectorBase_V1):
             self.scheduler.turn_off(meta.off)
         if self.config.async_loads:
             self.scheduler.loads_reported(
-                connector_output.finished_recving or (), connector_output.invalid_block_ids
+                connector_output.finished_recving or (),
+                connector_output.invalid_block_ids,
+                connector_output.failed_recving,
             )
 
     def request_finished(
@@ -244,7 +280,16 @@ class CtxcacheConnector(KVConnectorBase_V1):
     ) -> tuple[bool, dict[str, Any] | None]:
         if self.scheduler is None:
             return False, None
-        return self.scheduler.finished(request, block_ids), None
+        return self.scheduler.finished_groups(request, (block_ids,)), None
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """(vLLM's hybrid KV cache manager on) the finished request's blocks of every
+        group; a sliding-window group's blocks before its last window are its null block."""
+        if self.scheduler is None:
+            return False, None
+        return self.scheduler.finished_groups(request, block_ids), None
 
     # -- metrics --------------------------------------------------------------------------
     @classmethod
@@ -288,10 +333,9 @@ def _key_maker(vllm_config: VllmConfig, config: ConnectorConfig) -> KeyMaker:
 
 def unsupported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> str | None:
     """What of this engine the connector cannot serve, in words, or None. It moves full
-    attention's K and V in the model's dtype, one KV cache group (the blocks of
-    `get_block_ids()[0]`): not MLA's latent cache, not a quantised cache (fp8: the keys
-    and the payload carry the model's dtype), not Mamba/linear-attention state or a
-    second group's blocks (hybrid models)."""
+    attention's and sliding windows' K and V in the model's dtype, group by group
+    (`served_groups`): not MLA's latent cache, not a quantised cache (fp8: the keys and
+    the payload carry the model's dtype), not Mamba/linear-attention state."""
     model = vllm_config.model_config
     if model is not None and getattr(model, "use_mla", False):
         return "an MLA model (its latent KV cache)"
@@ -300,19 +344,27 @@ def unsupported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) 
         return f"a {cache_dtype} KV cache (--kv-cache-dtype {cache_dtype}; only 'auto')"
     if kv_cache_config is None:
         return None
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) > 1:
-        kinds = sorted({type(g.kv_cache_spec).__name__ for g in groups})
-        return f"a hybrid model ({len(groups)} KV cache groups: {', '.join(kinds)})"
-    for group in groups:
+    for group in kv_cache_config.kv_cache_groups:
         for spec in _specs(group.kv_cache_spec):
             if isinstance(spec, MLAAttentionSpec):
                 return "an MLA model (its latent KV cache)"
-            if type(spec) is not FullAttentionSpec:  # (its subclasses evict or add blocks)
-                return f"a model with {type(spec).__name__} layers (not plain full attention)"
-            if spec.kv_quant_mode != KVQuantMode.NONE:
-                return f"a quantised KV cache ({spec.kv_quant_mode.name})"
-    return None
+            quant = getattr(spec, "kv_quant_mode", KVQuantMode.NONE)
+            if quant != KVQuantMode.NONE:
+                return f"a quantised KV cache ({quant.name})"
+    served = served_groups(kv_cache_config)  # (full attention and sliding windows)
+    return served if isinstance(served, str) else None
+
+
+def _hybrid_groups(kv_cache_config: KVCacheConfig | None) -> list[Group] | None:
+    """The groups of a model the connector serves group by group (several KV cache groups,
+    or a sliding window); None for one full-attention group, served as it always was."""
+    if kv_cache_config is None:
+        return None
+    groups = served_groups(kv_cache_config)
+    assert not isinstance(groups, str)  # (refused before)
+    if len(kv_cache_config.kv_cache_groups) == 1 and groups[0].window is None:
+        return None
+    return groups
 
 
 def _specs(spec: KVCacheSpec) -> list[KVCacheSpec]:

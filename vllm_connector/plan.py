@@ -40,6 +40,7 @@ class LoadSpec:
     pieces: list[Piece]
     block_ids: list[int] = field(default_factory=list)
     trace: dict[str, str] | None = None  # the request's W3C trace headers (tracing on)
+    group: int = 0  # vLLM's KV cache group whose layers and blocks these are
 
 
 @dataclass
@@ -51,6 +52,7 @@ class StoreSpec:
     pieces: list[Piece]
     block_ids: list[int]
     trace: dict[str, str] | None = None  # the request's W3C trace headers (tracing on)
+    group: int = 0  # vLLM's KV cache group whose layers and blocks these are
 
 
 @dataclass
@@ -105,6 +107,15 @@ class Planner:
         every chunk that starts before `usable`, and the tail candidates at every chunk
         boundary, since which boundary the run of chunks reaches is known only from the
         answers."""
+        candidates = self.candidates(ids, usable, tags, root)
+        keys = candidates.asked()
+        found = dict(zip(keys, exists_many(keys), strict=True)) if keys else {}
+        return candidates.resolve(found)
+
+    def candidates(
+        self, ids: Sequence[int], usable: int, tags: tuple[tuple[str, str], ...], root: int
+    ) -> Candidates:
+        """The blocks a lookup asks about (`lookup`), before the sidecar answers."""
         chunks = [(p, h) for p, h in self._chunks(ids, len(ids), tags, root) if p.begin < usable]
         tails: list[tuple[int, list[Piece]]] = []  # (boundary, candidates longest first)
         gran = self.tail_tokens
@@ -122,24 +133,7 @@ class Planner:
                 tails.append((i, cands))
                 if i < len(chunks):
                     prev = chunks[i][1]
-        keys = [p.key for p, _ in chunks] + [t.key for _, cands in tails for t in cands]
-        found = dict(zip(keys, exists_many(keys), strict=True)) if keys else {}
-        out = Lookup()
-        for piece, _ in chunks:
-            if not found[piece.key]:
-                break
-            out.found.add(piece.key)
-            out.pieces.append(piece)
-            out.tokens = piece.end
-        run = len(out.pieces)
-        for boundary, cands in tails:
-            if boundary == run and out.tokens < usable:
-                tail = next((t for t in cands if found[t.key]), None)
-                if tail is not None:
-                    out.pieces.append(tail)
-                    out.tokens = tail.end
-        out.tokens = min(out.tokens, usable)
-        return out
+        return Candidates([p for p, _ in chunks], tails, usable)
 
     def stores(
         self,
@@ -159,6 +153,67 @@ class Planner:
             length = (valid - start) // self.tail_tokens * self.tail_tokens
             if length:
                 out.append(self._tail(ids, start, length, prev, tags))
+        return out
+
+    def load_specs(
+        self,
+        req_id: str,
+        lookup: Lookup,
+        num_external: int,
+        blocks: Sequence[Sequence[int]],
+        trace: dict[str, str] | None = None,
+    ) -> list[LoadSpec]:
+        """The load of tokens `[lookup.tokens - num_external, lookup.tokens)` into the
+        request's blocks (`blocks[0]`: one KV cache group, all of them from its first token)."""
+        start = lookup.tokens - num_external
+        pieces = [p for p in lookup.pieces if p.end > start]
+        return [LoadSpec(req_id, start, lookup.tokens, pieces, list(blocks[0]), trace)]
+
+    def store_specs(
+        self,
+        req_id: str,
+        session: str,
+        ids: Sequence[int],
+        tags: tuple[tuple[str, str], ...],
+        root: int,
+        skip: set[str],
+        blocks: Sequence[Sequence[int]],
+        trace: dict[str, str] | None = None,
+    ) -> list[StoreSpec]:
+        """The stores of a finished request whose computed tokens are `ids` (`stores`)."""
+        pieces = self.stores(ids, len(ids), tags, root, skip)
+        return [StoreSpec(req_id, session, pieces, list(blocks[0]), trace)] if pieces else []
+
+
+@dataclass
+class Candidates:
+    """A lookup's chunk keys and tail candidates (`Planner.candidates`), resolved against
+    the sidecar's answers (`resolve`)."""
+
+    chunks: list[Piece]
+    tails: list[tuple[int, list[Piece]]]
+    usable: int
+
+    def asked(self) -> list[str]:
+        return [p.key for p in self.chunks] + [t.key for _, c in self.tails for t in c]
+
+    def resolve(self, found: dict[str, bool]) -> Lookup:
+        """The longest run of found chunks from the first, then the longest found tail."""
+        out = Lookup()
+        for piece in self.chunks:
+            if not found[piece.key]:
+                break
+            out.found.add(piece.key)
+            out.pieces.append(piece)
+            out.tokens = piece.end
+        run = len(out.pieces)
+        for boundary, cands in self.tails:
+            if boundary == run and out.tokens < self.usable:
+                tail = next((t for t in cands if found[t.key]), None)
+                if tail is not None:
+                    out.pieces.append(tail)
+                    out.tokens = tail.end
+        out.tokens = min(out.tokens, self.usable)
         return out
 
 

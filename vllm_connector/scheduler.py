@@ -21,6 +21,7 @@ from typing import Any, Protocol
 from ctxcache import tracing
 from ctxcache.lmcache_keys import tags_from_params
 from vllm_connector.config import ConnectorConfig
+from vllm_connector.group_plan import GroupPlanner
 from vllm_connector.plan import LoadSpec, Lookup, Planner, StoreSpec, session_of
 from vllm_connector.stats import Counters
 from worker.kv.hashing import salt_root
@@ -60,7 +61,10 @@ class _View:
 
 class SchedulerSide:
     def __init__(
-        self, config: ConnectorConfig, planner: Planner, make_client: ClientFactory
+        self,
+        config: ConnectorConfig,
+        planner: Planner | GroupPlanner,
+        make_client: ClientFactory,
     ) -> None:
         self.config, self.planner = config, planner
         self.breaker = CircuitBreaker()
@@ -69,7 +73,7 @@ class SchedulerSide:
         self._client: Any = None
         self._lookups: dict[str, tuple[int, Lookup]] = {}
         self._found: dict[str, set[str]] = {}
-        self._loads: dict[str, LoadSpec] = {}
+        self._loads: dict[str, list[LoadSpec]] = {}  # one per KV cache group loaded
         self._stores: list[StoreSpec] = []
         self._loading: dict[str, set[int]] = {}  # (async_loads) request -> blocks loading
         self._failed: set[str] = set()  # requests whose async load failed: not loaded again
@@ -153,30 +157,41 @@ class SchedulerSide:
         return extra
 
     def after_alloc(self, request: RequestLike, block_ids: list[int], num_external: int) -> None:
-        """Plan the load vLLM just made room for, into the request's own blocks (all of
-        them, from its first token: vLLM's `get_blocks` at allocation)."""
+        """`after_alloc_groups` for a model of one KV cache group."""
+        self.after_alloc_groups(request, (block_ids,), num_external)
+
+    def after_alloc_groups(
+        self, request: RequestLike, blocks: Sequence[Sequence[int]], num_external: int
+    ) -> None:
+        """Plan the load vLLM just made room for, into the request's own blocks of each KV
+        cache group (all of them, from its first token: vLLM's `get_blocks` at allocation;
+        a sliding-window group's blocks before its window are vLLM's null block)."""
         cached = self._lookups.pop(request.request_id, None)
         if num_external <= 0 or cached is None:
             return
-        lookup = cached[1]
-        start = lookup.tokens - num_external
-        pieces = [p for p in lookup.pieces if p.end > start]
-        spec = LoadSpec(
-            request.request_id, start, lookup.tokens, pieces, list(block_ids), _trace(request)
+        specs = self.planner.load_specs(
+            request.request_id, cached[1], num_external, blocks, _trace(request)
         )
-        self._loads[request.request_id] = spec
+        if not specs:
+            return
+        self._loads[request.request_id] = specs
         if self.config.async_loads:
-            self._loading[request.request_id] = set(block_ids)
+            held = {b for spec in specs for b in spec.block_ids}
+            self._loading[request.request_id] = held
         self.counters.add("load_tokens_planned", num_external)
 
-    def loads_reported(self, done: Iterable[str], failed_blocks: set[int]) -> None:
-        """(async_loads) The workers' report of a step: loads over, blocks that failed. A
+    def loads_reported(
+        self, done: Iterable[str], failed_blocks: set[int], failed: Iterable[str] = ()
+    ) -> None:
+        """(async_loads) The workers' report of a step: loads over, blocks that failed (and,
+        for a hybrid model, requests whose load failed: vLLM's `failed_recving`). A
         request whose load failed recomputes what it lost; were it looked up again (vLLM
         asks again when nothing of the load was usable), the same broken blocks would be
         planned again, so it is not: it is computed, and its KV stored anew at its end."""
+        failed = set(failed)
         for rid in done:
             blocks = self._loading.pop(rid, set())
-            if blocks & failed_blocks:
+            if blocks & failed_blocks or rid in failed:
                 self._failed.add(rid)
 
     def build(self, scheduler_output: Any) -> StepPlan:
@@ -184,13 +199,18 @@ class SchedulerSide:
         request in the step it allocates it, and its blocks are known since then, so no
         planned load is left out: a load that cannot be carried out is reported as failed
         blocks by the worker, never skipped) and the stores of finished requests."""
-        plan = StepPlan(loads=list(self._loads.values()))
+        plan = StepPlan(loads=[spec for specs in self._loads.values() for spec in specs])
         self._loads.clear()
         plan.stores, self._stores = self._stores, []
         return plan
 
     def finished(self, request: RequestLike, block_ids: list[int]) -> bool:
-        """Plan the finished request's stores; True keeps its blocks until they are read."""
+        """`finished_groups` for a model of one KV cache group."""
+        return self.finished_groups(request, (block_ids,))
+
+    def finished_groups(self, request: RequestLike, blocks: Sequence[Sequence[int]]) -> bool:
+        """Plan the finished request's stores, from its blocks of each KV cache group; True
+        keeps its blocks until they are read."""
         rid = request.request_id
         found = self._found.pop(rid, set())
         self._lookups.pop(rid, None)
@@ -207,11 +227,11 @@ class SchedulerSide:
         if valid <= 0:
             return False
         ids = list(request.all_token_ids[:valid])
-        pieces = self.planner.stores(ids, valid, view.tags, view.root, found)
-        if not pieces:
-            return False
-        self._stores.append(StoreSpec(rid, view.session, pieces, list(block_ids), _trace(request)))
-        return True
+        specs = self.planner.store_specs(
+            rid, view.session, ids, view.tags, view.root, found, blocks, _trace(request)
+        )
+        self._stores.extend(specs)
+        return bool(specs)
 
     def close(self) -> None:
         if self._client is not None:

@@ -73,11 +73,17 @@ class _Loaded:
 
 
 class WorkerSide:
-    def __init__(self, config: ConnectorConfig, block_size: int, rank: int = 0) -> None:
+    def __init__(
+        self,
+        config: ConnectorConfig,
+        block_size: int,
+        rank: int = 0,
+        counters: Counters | None = None,
+    ) -> None:
         self.config = config
         self.block_size = block_size
         self.rank = rank
-        self.counters = Counters()
+        self.counters = counters if counters is not None else Counters()
         self.regions = Regions()  # the local sidecars' regions, mapped and (CUDA) pinned
         self.socket = LocalSocket(config, self.regions)
         self.kv: PagedKV | None = None  # the registered cache and its copier
@@ -267,6 +273,14 @@ class WorkerSide:
         """Requests whose async load is over since the last call, its copies done on the
         device (polled: never a host wait); their failed blocks go to `take_invalid`, which
         vLLM calls after this in the same step."""
+        ready = self.take_loaded_blocks()
+        for failed in ready.values():
+            self._invalid.update(failed)
+        return set(ready)
+
+    def take_loaded_blocks(self) -> dict[str, set[int]]:
+        """`take_loaded`'s requests, each with its failed blocks (kept out of
+        `take_invalid`: a hybrid model's worker reports a failed request instead)."""
         ready: dict[str, set[int]] = {}
         with self._loaded_lock:
             for rid, over in list(self._loaded.items()):
@@ -274,9 +288,7 @@ class WorkerSide:
                 if failed is not None:
                     ready[rid] = failed
                     del self._loaded[rid]
-        for failed in ready.values():
-            self._invalid.update(failed)
-        return set(ready)
+        return ready
 
     def _settled(self, rid: str, over: _Loaded) -> set[int] | None:
         """`over`'s failed blocks once its copies are done, else None (asked again next

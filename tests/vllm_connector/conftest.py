@@ -86,12 +86,16 @@ def started_stack(
     *,
     local: bool = True,
     manager: bool = False,
+    dtype: str | None = None,
+    vllm_args: tuple[str, ...] = (),
 ) -> Iterator[VllmStack]:
     """vLLM with the connector (`connector_config`: its extra settings), a sidecar and a
     gateway, stopped when the block ends. `local`: KV moves through the sidecar's shared
     memory (as `ctxcache serve` sets it up), else over lm:// only. `manager`: the gateway
     reaches Redis through a manager service (which pins the sessions' KV), else through
-    the manager in its own process. Every process inherits this one's environment."""
+    the manager in its own process. `dtype`: vLLM's --dtype (default: as `ctxcache serve`
+    picks it for this CPU); `vllm_args`: more of vLLM's arguments. Every process inherits
+    this one's environment."""
     require_vllm()
     root = tmp_path_factory.mktemp("vllm-stack")
     local_dir = shm_dir(root) if local else None
@@ -116,7 +120,8 @@ def started_stack(
                 tool_call_parser="hermes",  # as `ctxcache serve` picks for the presets (Qwen2)
                 # as `ctxcache serve` picks for this CPU: bfloat16 with AMX or avx512_bf16,
                 # else float32; full and session answers come from this one engine, in one dtype
-                dtype=vllm_dtype().dtype,
+                dtype=dtype or vllm_dtype().dtype,
+                extra_args=list(vllm_args),
             )
             vllm = Engine("vllm", "vllm", env=launch.env(), startup_timeout=600)
             builder.add_engine(replace(vllm, command=tuple(launch.argv()), port=launch.port))

@@ -1,4 +1,4 @@
-"""What the connector cannot serve — MLA, a quantised (fp8) KV cache, hybrid models — it
+"""What the connector cannot serve — MLA, a quantised (fp8) KV cache, Mamba state — it
 refuses at start-up on both sides, with one log line, and vLLM runs without it: no lookup,
 no load, no store planned. A worker that turns itself off later makes the scheduler half
 plan nothing more.
@@ -36,7 +36,6 @@ with warnings.catch_warnings():  # vLLM's imports warn (torch.jit deprecations)
         KVQuantMode,
         MambaSpec,
         MLAAttentionSpec,
-        SlidingWindowSpec,
     )
     from vllm.v1.outputs import KVConnectorOutput
 
@@ -141,26 +140,12 @@ UNSUPPORTED = {
         kv_cache_config(
             full(), MambaSpec(block_size=BLOCK, shapes=((4, 8),), dtypes=(torch.float32,))
         ),
-        "hybrid model (2 KV cache groups",
-    ),
-    "hybrid-sliding-window": (
-        {},
-        kv_cache_config(
-            full(),
-            SlidingWindowSpec(
-                block_size=BLOCK,
-                num_kv_heads=2,
-                head_size=32,
-                dtype=torch.bfloat16,
-                sliding_window=64,
-            ),
-        ),
-        "hybrid model",
+        "hybrid model with state-space or linear-attention layers",
     ),
     "mamba-only": (
         {},
         kv_cache_config(MambaSpec(block_size=BLOCK, shapes=((4, 8),), dtypes=(torch.float32,))),
-        "MambaSpec layers",
+        "KV cache group 0: MambaSpec",
     ),
 }
 

@@ -1,0 +1,81 @@
+"""Which of vLLM's KV cache groups the connector serves (`served_groups`), from the engine's
+`KVCacheConfig` (docs/vllm.md, "Hybrid models").
+
+With vLLM's hybrid KV cache manager on (the connector is `SupportsHMA`), a model whose
+layers differ in their attention has one KV cache group per kind (and per page-sized share
+of layers), each with its own block table:
+
+- full attention (`FullAttentionSpec`): served, every block;
+- sliding window (`SlidingWindowSpec`): served, the last window (`group_plan`);
+- a group vLLM does not transfer (`enable_kv_transfer` false: replicas it rebuilds from
+  another group after a load): left alone;
+- anything else — Mamba / linear-attention state (`MambaSpec`), chunked local attention,
+  MLA's latent cache, cross-attention — is not served. A load sets a request's computed
+  tokens for **every** group at once, so a group the connector cannot fill makes loads
+  impossible for the whole model: it runs without the cache, and `served_groups` says why.
+"""
+
+from __future__ import annotations
+
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+    UniformTypeKVCacheSpecs,
+)
+
+from vllm_connector.group_plan import Group
+
+
+def served_groups(kv_cache_config: KVCacheConfig) -> list[Group] | str:
+    """The groups the connector serves, or why it serves none of this model (in words)."""
+    out: list[Group] = []
+    for index, group in enumerate(kv_cache_config.kv_cache_groups):
+        if not getattr(group, "enable_kv_transfer", True):
+            continue
+        spec = group.kv_cache_spec
+        layers = tuple(group.layer_names)
+        kind = _kind(spec)
+        if kind == "full":
+            out.append(Group(index, layers, spec.block_size))
+        elif kind == "sliding":
+            assert isinstance(spec, SlidingWindowSpec)
+            out.append(
+                Group(
+                    index, layers, spec.block_size, spec.sliding_window, spec.extra_retained_tokens
+                )
+            )
+        elif isinstance(spec, MambaSpec):
+            return (
+                "a hybrid model with state-space or linear-attention layers (KV cache group "
+                f"{index}: MambaSpec, mamba_cache_mode {spec.mamba_cache_mode!r}; the "
+                "connector does not save or restore their state, and a load must fill every "
+                "group)"
+            )
+        else:
+            return (
+                f"a model with {type(spec).__name__} layers (KV cache group {index}; the "
+                "connector serves full-attention and sliding-window groups)"
+            )
+    if not out:
+        return "a model with no KV cache group to transfer"
+    sizes = sorted({g.block_size for g in out})
+    if len(sizes) > 1:
+        return f"a hybrid model whose KV cache groups differ in block size ({sizes} tokens)"
+    return out
+
+
+def _kind(spec: KVCacheSpec) -> str | None:
+    specs = (
+        list(spec.kv_cache_specs.values()) if isinstance(spec, UniformTypeKVCacheSpecs) else [spec]
+    )
+    # (exact types: their subclasses — MLA, sinks, circular buffers — lay out or evict
+    # blocks otherwise)
+    if all(type(s) is FullAttentionSpec for s in specs):
+        return "full"  # (with the hybrid manager off, a window layer is one of these: its
+        # blocks are all kept)
+    if len(specs) == 1 and type(spec) is SlidingWindowSpec:
+        return "sliding"
+    return None
