@@ -86,12 +86,16 @@ def started_stack(
     *,
     local: bool = True,
     manager: bool = False,
+    served_name: str = "tiny",
+    dtype: str | None = None,
 ) -> Iterator[VllmStack]:
     """vLLM with the connector (`connector_config`: its extra settings), a sidecar and a
     gateway, stopped when the block ends. `local`: KV moves through the sidecar's shared
     memory (as `ctxcache serve` sets it up), else over lm:// only. `manager`: the gateway
     reaches Redis through a manager service (which pins the sessions' KV), else through
-    the manager in its own process. Every process inherits this one's environment."""
+    the manager in its own process. `tiny_model` may be any preset, served as
+    `served_name`; `dtype`: vLLM's, else the CPU's choice. Every process inherits this
+    one's environment."""
     require_vllm()
     root = tmp_path_factory.mktemp("vllm-stack")
     local_dir = shm_dir(root) if local else None
@@ -106,7 +110,7 @@ def started_stack(
             assert stack.sidecar_lm is not None
             launch = VllmLaunch(
                 model=str(tiny_model),
-                served_name="tiny",
+                served_name=served_name,
                 port=free_port(),
                 sidecar_lm=stack.sidecar_lm,
                 sidecar_local_dir=str(local_dir) if local_dir else None,
@@ -116,7 +120,7 @@ def started_stack(
                 tool_call_parser="hermes",  # as `ctxcache serve` picks for the presets (Qwen2)
                 # as `ctxcache serve` picks for this CPU: bfloat16 with AMX or avx512_bf16,
                 # else float32; full and session answers come from this one engine, in one dtype
-                dtype=vllm_dtype().dtype,
+                dtype=dtype or vllm_dtype().dtype,
             )
             vllm = Engine("vllm", "vllm", env=launch.env(), startup_timeout=600)
             builder.add_engine(replace(vllm, command=tuple(launch.argv()), port=launch.port))
