@@ -6,7 +6,15 @@ import argparse
 from pathlib import Path
 
 # Spelled out so that `--help` does not import torch; a test keeps it equal to `PRESETS`.
-PRESET_NAMES = ("tiny", "small", "tiny-sliding", "small-sliding", "tiny-mla")
+PRESET_NAMES = (
+    "tiny",
+    "small",
+    "tiny-sliding",
+    "small-sliding",
+    "tiny-mla",
+    "tiny-hybrid",
+    "tiny-gemma3",
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

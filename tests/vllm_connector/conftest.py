@@ -86,6 +86,7 @@ def started_stack(
     *,
     local: bool = True,
     manager: bool = False,
+    served_name: str = "tiny",
     dtype: str | None = None,
     vllm_args: tuple[str, ...] = (),
 ) -> Iterator[VllmStack]:
@@ -93,9 +94,10 @@ def started_stack(
     gateway, stopped when the block ends. `local`: KV moves through the sidecar's shared
     memory (as `ctxcache serve` sets it up), else over lm:// only. `manager`: the gateway
     reaches Redis through a manager service (which pins the sessions' KV), else through
-    the manager in its own process. `dtype`: vLLM's --dtype (default: as `ctxcache serve`
-    picks it for this CPU); `vllm_args`: more of vLLM's arguments. Every process inherits
-    this one's environment."""
+    the manager in its own process. `tiny_model` may be any preset, served as
+    `served_name`; `dtype`: vLLM's --dtype (default: as `ctxcache serve` picks it for this
+    CPU); `vllm_args`: more of vLLM's arguments. Every process inherits this one's
+    environment."""
     require_vllm()
     root = tmp_path_factory.mktemp("vllm-stack")
     local_dir = shm_dir(root) if local else None
@@ -110,7 +112,7 @@ def started_stack(
             assert stack.sidecar_lm is not None
             launch = VllmLaunch(
                 model=str(tiny_model),
-                served_name="tiny",
+                served_name=served_name,
                 port=free_port(),
                 sidecar_lm=stack.sidecar_lm,
                 sidecar_local_dir=str(local_dir) if local_dir else None,

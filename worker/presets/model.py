@@ -14,7 +14,8 @@ from safetensors.torch import save_file
 from transformers import PretrainedConfig, PreTrainedTokenizerFast
 
 from worker.model_kind import KIND_FILE
-from worker.presets import dense, mla, sliding
+from worker.presets import dense, gemma3, hybrid, mla, sliding
+from worker.presets.experts import per_expert
 from worker.presets.spec import PRESETS, Preset
 from worker.presets.tokenizer import BOS, EOS, PAD, self_retokenizing_ids, train_tokenizer
 
@@ -23,10 +24,19 @@ log = logging.getLogger(__name__)
 __all__ = ["PRESETS", "Preset", "create_model"]
 
 ConfigFn = Callable[[Preset, int, int, int, int], PretrainedConfig]
+InitFn = Callable[[str, torch.Size, torch.Generator], torch.Tensor | None]
+# each architecture's config, and where it has one, its initial values for some weights
 CONFIGS: dict[str, ConfigFn] = {
-    "dense": dense.config,
-    "sliding": sliding.config,
-    "mla": mla.config,
+    "qwen2": dense.config,
+    "llama": sliding.config,
+    "gemma3": gemma3.config,
+    "deepseek_v3": mla.config,
+    "qwen3_next": hybrid.config,
+}
+INITS: dict[str, InitFn] = {"qwen3_next": hybrid.init, "gemma3": gemma3.init}
+# the weights renamed as the architecture's checkpoints name them, where transformers' differ
+CHECKPOINTS: dict[str, Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]] = {
+    "qwen3_next": per_expert
 }
 
 
@@ -37,7 +47,9 @@ def _tokenizer(vocab_size: int, corpus_chars: int) -> tuple[PreTrainedTokenizerF
     return tokenizer, self_retokenizing_ids(tokenizer)
 
 
-def _init(name: str, shape: torch.Size, gen: torch.Generator) -> torch.Tensor:
+def _init(name: str, shape: torch.Size, gen: torch.Generator, arch: str) -> torch.Tensor:
+    if (own := INITS.get(arch)) is not None and (t := own(name, shape, gen)) is not None:
+        return t
     if name.endswith("norm.weight"):
         return torch.ones(shape)
     if name.endswith(".bias"):
@@ -45,7 +57,7 @@ def _init(name: str, shape: torch.Size, gen: torch.Generator) -> torch.Tensor:
     return torch.randn(shape, generator=gen) * 0.05
 
 
-def _weights(config: PretrainedConfig, seed: int, allowed: list[int]) -> dict[str, torch.Tensor]:
+def _weights(config: PretrainedConfig, p: Preset, allowed: list[int]) -> dict[str, torch.Tensor]:
     """Seeded normal weights, in sorted-name order, so the same preset gives the same bytes."""
     from transformers import AutoModelForCausalLM
 
@@ -53,8 +65,10 @@ def _weights(config: PretrainedConfig, seed: int, allowed: list[int]) -> dict[st
         shapes = {
             n: p.shape for n, p in AutoModelForCausalLM.from_config(config).named_parameters()
         }
-    gen = torch.Generator().manual_seed(seed)
-    out = {name: _init(name, shapes[name], gen).contiguous() for name in sorted(shapes)}
+    gen = torch.Generator().manual_seed(p.seed)
+    out = {name: _init(name, shapes[name], gen, p.arch).contiguous() for name in sorted(shapes)}
+    if (checkpoint := CHECKPOINTS.get(p.arch)) is not None:
+        out = checkpoint(out)
     # The output layer only produces ids whose text re-tokenizes to themselves (SPEC.md).
     mask = torch.zeros(config.vocab_size, dtype=torch.bool)
     mask[allowed] = True
@@ -69,9 +83,9 @@ def create_model(preset: str, out_dir: Path) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer, allowed = _tokenizer(p.vocab_size, p.corpus_chars)
     ids = [int(tokenizer.convert_tokens_to_ids(t)) for t in (BOS, EOS, PAD)]
-    config = CONFIGS[p.kind](p, len(tokenizer), *ids)
+    config = CONFIGS[p.arch](p, len(tokenizer), *ids)
     save_file(
-        _weights(config, p.seed, allowed),
+        _weights(config, p, allowed),
         str(out_dir / "model.safetensors"),
         metadata={"format": "pt"},
     )

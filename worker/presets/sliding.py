@@ -1,4 +1,4 @@
-"""`sliding`: windowed layers beside full-attention ones, as Mistral, gpt-oss and Gemma mix them.
+"""`sliding`: windowed layers beside full-attention ones, as Mistral and gpt-oss mix them.
 
 A Llama architecture (the Qwen2 shape without q/k/v biases) whose `layer_types` alternate
 `sliding_attention` and `full_attention`, starting with a windowed layer. vLLM 0.32 reads

@@ -1,10 +1,12 @@
 """The presets: one row per `ctxcache model create --preset NAME`, and the kinds they build.
 
-A kind is an architecture and its KV layout: `dense` (Qwen2, full attention in every layer,
-the only kind the built-in worker runs), `sliding` (Llama with per-layer `layer_types`,
-windowed layers beside full ones), `mla` (DeepSeek-V3's latent attention, dense MLPs), `hybrid`
-(Qwen3-Next: gated-delta-net linear attention beside full attention). Each kind's config is
-written by the module of that name in this package.
+A preset's kind is what its KV cache is, as vLLM sees it (and as the connector must serve
+it): `dense`, full attention in every layer (Qwen2; the only kind the built-in worker
+runs); `sliding`, windowed layers beside full ones (Llama with per-layer `layer_types`, or
+Gemma 3's 5:1 shape); `mla`, DeepSeek-V3's latent attention; `hybrid`, gated-delta-net linear
+attention beside full attention (Qwen3-Next). Its `arch` names the module of this package
+that writes its config: `dense.py` (qwen2), `sliding.py` (llama), `gemma3.py`, `mla.py`
+(deepseek_v3), `hybrid.py` (qwen3_next).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ class Preset:
     max_model_len: int
     seed: int
     kind: str = "dense"
+    # the architecture, one config module of this package each (a kind may have several)
+    arch: str = "qwen2"
     # sliding: the window of the `sliding_attention` layers, in tokens
     sliding_window: int | None = None
 
@@ -54,8 +58,8 @@ SMALL = Preset(
 )
 
 
-def _kind(base: Preset, kind: str, seed: int, **changes: int) -> Preset:
-    fields = {**base.__dict__, "kind": kind, "seed": seed, **changes}
+def _kind(base: Preset, kind: str, arch: str, seed: int, **changes: int) -> Preset:
+    fields = {**base.__dict__, "kind": kind, "arch": arch, "seed": seed, **changes}
     return Preset(**fields)
 
 
@@ -65,9 +69,13 @@ PRESETS: dict[str, Preset] = {
     # ~88M parameters: a 1,000-token prefill takes about a second on 2 CPU cores
     "small": SMALL,
     # tiny's shape; layers alternate sliding (256 tokens, two of vLLM's CPU blocks) and full
-    "tiny-sliding": _kind(TINY, "sliding", 2345, sliding_window=256),
+    "tiny-sliding": _kind(TINY, "sliding", "llama", 2345, sliding_window=256),
     # small's shape; windowed layers of 512 tokens, every other layer
-    "small-sliding": _kind(SMALL, "sliding", 6789, sliding_window=512),
+    "small-sliding": _kind(SMALL, "sliding", "llama", 6789, sliding_window=512),
     # tiny's shape with DeepSeek-V3's latent attention (512 + 64 per token and layer)
-    "tiny-mla": _kind(TINY, "mla", 3456),
+    "tiny-mla": _kind(TINY, "mla", "deepseek_v3", 3456),
+    # tiny's shape; layers alternate a gated delta net (linear attention) and full attention
+    "tiny-hybrid": _kind(TINY, "hybrid", "qwen3_next", 4567),
+    # Gemma 3's shape at tiny's width: 6 layers, five 512-token windows to one global layer
+    "tiny-gemma3": _kind(TINY, "sliding", "gemma3", 5678, num_layers=6, sliding_window=512),
 }

@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+from safetensors.torch import load_file
 from transformers import AutoConfig
 
 from tests.utils import require_vllm, run_cli
@@ -107,3 +109,53 @@ def test_vllm_builds_one_latent_kv_group_on_16_token_blocks(build_preset: Build)
     assert (spec["type"], spec["head_size"], spec["num_kv_heads"]) == ("MLAAttentionSpec", 576, 1)
     assert spec["block_size"] == 16 == found["block_size"]  # the CPU MLA kernel's only size
     assert len(group["layers"]) == 4
+
+
+def test_tiny_hybrid_alternates_gated_delta_net_and_full_attention(build_preset: Build) -> None:
+    model = build_preset("tiny-hybrid")
+    config = AutoConfig.from_pretrained(model)
+    assert config.architectures == ["Qwen3NextForCausalLM"]
+    assert config.layer_types == ["linear_attention", "full_attention"] * 2
+    assert config.dtype == torch.bfloat16  # vLLM's CPU delta-net kernels: bfloat16 only
+    assert preset_of(model) == ("tiny-hybrid", "hybrid")
+    weights = load_file(model / "model.safetensors")
+    # experts stored one by one, as vLLM's loader reads them
+    assert "model.layers.0.mlp.experts.3.down_proj.weight" in weights
+    assert not any(name.endswith("experts.gate_up_proj") for name in weights)
+    # Qwen3-Next's norms scale by 1 + weight: zero is unit scale; its gated norm is plain
+    assert not weights["model.layers.0.input_layernorm.weight"].any()
+    assert (weights["model.layers.0.linear_attn.norm.weight"] == 1).all()
+
+
+def test_vllm_builds_a_mamba_and_a_full_group_and_needs_the_hybrid_manager(
+    build_preset: Build,
+) -> None:
+    found = vllm_kv_groups(build_preset("tiny-hybrid"))
+    assert found["backends"] == ["CPU_ATTN", "GDN_ATTN"]
+    groups = {g["spec"]["type"]: g["layers"] for g in found["groups"]["hma_on"]}
+    assert sorted(groups) == ["FullAttentionSpec", "MambaSpec"]
+    assert groups["MambaSpec"] == ["model.layers.0.linear_attn", "model.layers.2.linear_attn"]
+    # without the hybrid manager vLLM cannot lay the state out: it would not start
+    assert "Failed to promote" in found["groups"]["hma_off"]
+
+
+def test_tiny_gemma3_has_five_windowed_layers_to_one_global(build_preset: Build) -> None:
+    model = build_preset("tiny-gemma3")
+    config = AutoConfig.from_pretrained(model)
+    assert config.architectures == ["Gemma3ForCausalLM"]
+    assert config.layer_types == ["sliding_attention"] * 5 + ["full_attention"]
+    assert (config.sliding_window, config.tie_word_embeddings) == (512, False)
+    assert preset_of(model) == ("tiny-gemma3", "sliding")
+    weights = load_file(model / "model.safetensors")
+    assert not weights["model.layers.0.pre_feedforward_layernorm.weight"].any()  # 1 + w
+    found = vllm_kv_groups(model)
+    specs = [(g["spec"]["type"], g["spec"]["sliding_window"]) for g in found["groups"]["hma_on"]]
+    # vLLM groups layers in equal numbers: one group per windowed layer beside the global one
+    assert (
+        sorted(specs, key=str) == [("FullAttentionSpec", None)] + [("SlidingWindowSpec", 512)] * 5
+    )
+
+
+@pytest.mark.parametrize("name", ["tiny-mla", "tiny-hybrid", "tiny-gemma3"])
+def test_same_preset_same_files(name: str, build_preset: Build, tmp_path: Path) -> None:
+    assert _digest(create_model(name, tmp_path / "again")) == _digest(build_preset(name))

@@ -1,4 +1,4 @@
-"""`python -m tests.worker.presets.vllm_kv_groups MODEL_DIR`: what vLLM builds of a model's
+"""`python -m tests.worker.presets.vllm_kv_groups MODEL_DIR [DTYPE]`: what vLLM builds of a model's
 KV cache, without starting an engine; one line on stdout, `KV_GROUPS {json}` (vLLM logs
 to stdout too).
 
@@ -6,7 +6,8 @@ vLLM's own steps, in one process: the engine config (`EngineArgs.create_engine_c
 CPU platform's checks included), the model's layers instantiated (random weights, nothing
 loaded), each attention layer's `get_kv_cache_spec` as the model runner asks it, the KV
 layout resolved as the engine core does, and `get_kv_cache_groups` with the hybrid KV-cache
-manager on and off. Run as a child process: it initialises vLLM's distributed state.
+manager on and off (a group list, or the error vLLM would stop with). Run as a child
+process: it initialises vLLM's distributed state.
 """
 
 from __future__ import annotations
@@ -29,13 +30,14 @@ def _spec(spec: Any) -> dict[str, Any]:
     }
 
 
-def kv_groups(model: str, *, max_model_len: int = 1024) -> dict[str, Any]:
+def kv_groups(model: str, dtype: str = "auto", *, max_model_len: int = 1024) -> dict[str, Any]:
     from vllm.config import get_layers_from_vllm_config, set_current_vllm_config
     from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
     from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
     from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.platforms import current_platform
     from vllm.utils.network_utils import get_open_port
     from vllm.v1.attention.backends.utils import (
         get_supported_kv_cache_layouts,
@@ -45,7 +47,7 @@ def kv_groups(model: str, *, max_model_len: int = 1024) -> dict[str, Any]:
     from vllm.v1.kv_cache_interface import AttentionSpec
     from vllm.v1.worker.utils import customize_attention_spec
 
-    args = EngineArgs(model=model, max_model_len=max_model_len, dtype="float32")
+    args = EngineArgs(model=model, max_model_len=max_model_len, dtype=dtype)
     args.enforce_eager = True
     cfg = args.create_engine_config()
     with set_current_vllm_config(cfg):
@@ -58,6 +60,7 @@ def kv_groups(model: str, *, max_model_len: int = 1024) -> dict[str, Any]:
         )
         ensure_model_parallel_initialized(1, 1)
         initialize_model(vllm_config=cfg)
+        current_platform.update_block_size_for_backend(cfg)  # as the executor does
         layers = get_layers_from_vllm_config(cfg, AttentionLayerBase)  # type: ignore[type-abstract]
         specs = {}
         for name, layer in layers.items():
@@ -71,7 +74,11 @@ def kv_groups(model: str, *, max_model_len: int = 1024) -> dict[str, Any]:
         groups: dict[str, Any] = {}
         for hma in (True, False):
             cfg.scheduler_config.disable_hybrid_kv_cache_manager = not hma
-            built = get_kv_cache_groups(cfg, dict(specs))
+            try:
+                built = get_kv_cache_groups(cfg, dict(specs))
+            except (ValueError, NotImplementedError) as exc:  # what vLLM would fail with
+                groups["hma_on" if hma else "hma_off"] = f"{type(exc).__name__}: {exc}"
+                continue
             groups["hma_on" if hma else "hma_off"] = [
                 {"spec": _spec(g.kv_cache_spec), "layers": list(g.layer_names)} for g in built
             ]
@@ -85,4 +92,4 @@ def kv_groups(model: str, *, max_model_len: int = 1024) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    print(MARK + json.dumps(kv_groups(sys.argv[1])), flush=True)
+    print(MARK + json.dumps(kv_groups(*sys.argv[1:3])), flush=True)
