@@ -64,7 +64,6 @@ def main(args: argparse.Namespace) -> int:
     from ctxcache import tracing
     from ctxcache.logs import setup_logging
     from ctxcache.settings import from_args, serve_app
-    from worker.app import create_app
     from worker.model_kind import UnsupportedModelKind, check_builtin
     from worker.settings import WorkerSettings
 
@@ -79,6 +78,8 @@ def main(args: argparse.Namespace) -> int:
     except UnsupportedModelKind as exc:
         sys.stderr.write(f"ctxcache worker: {exc}\n")
         return 2
+    from worker.app import create_app  # (torch and the model: after the checks)
+
     tracing.configure("worker")
     app = tracing.server_middleware(create_app(settings), "worker")
     serve_app(app, host=settings.host, port=settings.port)

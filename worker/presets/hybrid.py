@@ -20,7 +20,9 @@ from transformers import Qwen3NextConfig
 
 from worker.presets.spec import Preset
 
-LINEAR_HEAD_DIM = 32
+# vLLM's CPU chunked delta rule (`chunk_gated_delta_rule_cpu`) takes Qwen3-Next's 128 only
+# ("Unexpected head dim size, 32")
+LINEAR_HEAD_DIM = 128
 LINEAR_KEY_HEADS = 2
 LINEAR_VALUE_HEADS = 4
 

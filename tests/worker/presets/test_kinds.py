@@ -101,6 +101,7 @@ def test_tiny_mla_is_deepseek_v3_latent_attention(build_preset: Build) -> None:
     assert preset_of(model) == ("tiny-mla", "mla")
 
 
+@pytest.mark.slow  # vLLM imported in a child process (~15 s of CPU); sliding's stays
 def test_vllm_builds_one_latent_kv_group_on_16_token_blocks(build_preset: Build) -> None:
     found = vllm_kv_groups(build_preset("tiny-mla"))
     assert found["architecture"] == "DeepseekV3ForCausalLM" and found["backends"] == ["CPU_MLA"]
@@ -127,6 +128,7 @@ def test_tiny_hybrid_alternates_gated_delta_net_and_full_attention(build_preset:
     assert (weights["model.layers.0.linear_attn.norm.weight"] == 1).all()
 
 
+@pytest.mark.slow  # vLLM imported in a child process (~15 s of CPU); sliding's stays
 def test_vllm_builds_a_mamba_and_a_full_group_and_needs_the_hybrid_manager(
     build_preset: Build,
 ) -> None:
@@ -148,7 +150,11 @@ def test_tiny_gemma3_has_five_windowed_layers_to_one_global(build_preset: Build)
     assert preset_of(model) == ("tiny-gemma3", "sliding")
     weights = load_file(model / "model.safetensors")
     assert not weights["model.layers.0.pre_feedforward_layernorm.weight"].any()  # 1 + w
-    found = vllm_kv_groups(model)
+
+
+@pytest.mark.slow  # vLLM imported in a child process (~15 s of CPU); sliding's stays
+def test_vllm_builds_a_group_per_windowed_layer_of_gemma3(build_preset: Build) -> None:
+    found = vllm_kv_groups(build_preset("tiny-gemma3"))
     specs = [(g["spec"]["type"], g["spec"]["sliding_window"]) for g in found["groups"]["hma_on"]]
     # vLLM groups layers in equal numbers: one group per windowed layer beside the global one
     assert (
