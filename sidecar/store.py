@@ -209,7 +209,10 @@ class BlockStore:
             return self._unpacked(e, data, "memory", into)
         assert self.disk is not None
         try:
-            data = self.disk.read(e.meta, path, packed=e.packed)
+            if e.packed:
+                data = self.disk.read(e.meta, path, packed=True)
+            else:
+                data = self.disk.read(e.meta, path)
         except CorruptBlock as exc:
             with self._lock:
                 e.readers -= 1

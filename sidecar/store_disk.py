@@ -132,7 +132,11 @@ class DiskWriter:
         """Write a block whose room is reserved; True when its disk copy is indexed."""
         assert self._disk is not None
         try:
-            path: Path | None = self._disk.write(e.meta, data, packed=e.packed)
+            path: Path | None = (
+                self._disk.write(e.meta, data, packed=True)
+                if e.packed
+                else self._disk.write(e.meta, data)
+            )
         except OSError as exc:
             log.error("disk write of %s failed: %s", e.meta.key, exc)
             path = None

@@ -383,10 +383,10 @@ def test_lru_policy_never_drops_a_block_being_read_from_disk(tmp_path: Path) -> 
     during_read: list[Callable[[], object]] = []
 
     class ReadWithPressure(DiskTier):
-        def read(self, m: BlockMeta, path: Path, *, packed: bool = False) -> bytearray | bytes:
+        def read(self, m: BlockMeta, path: Path) -> bytearray | bytes:
             while during_read:
                 during_read.pop()()
-            return super().read(m, path, packed=packed)
+            return super().read(m, path)
 
     disk = ReadWithPressure(tmp_path)
     store = BlockStore(memory_bytes=10 * KB, disk=disk, disk_bytes=20 * KB)
