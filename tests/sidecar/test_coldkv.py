@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
@@ -27,6 +28,7 @@ from sidecar.protocol import (
 from sidecar.service import Sidecar
 from sidecar.settings import SidecarSettings
 from sidecar.store import BlockStore
+from tests.sidecar.helpers import SidecarFactory
 from tests.utils import local_dir_fixture  # noqa: F401 (the local_dir fixture)
 
 DTYPES = {
@@ -271,3 +273,32 @@ def test_over_lm_the_client_gets_its_header_and_dtype_back() -> None:
         assert sc.store.session_info("sess")["bytes"] < meta.length * 0.55
     finally:
         sc.stop()
+
+
+def test_a_sidecar_process_restarted_without_the_setting_serves_its_packed_blocks(
+    sidecar_process: SidecarFactory, tmp_path: Path
+) -> None:
+    """`ctxcache sidecar --cold-kv fp8` with a disk tier, stopped (its memory flushed) and
+    started again without the flag: the blocks come back, in their dtype, from the packed
+    files; the session's bytes are the packed ones across the restart."""
+    args = ("--data-dir", str(tmp_path / "data"), "--disk-bytes", str(64 << 20))
+    sc = sidecar_process(*args, "--cold-kv", "fp8")
+    blocks = {i: kv_block(i) for i in range(4)}
+    with KVClient("127.0.0.1", sc.data_port) as c:
+        for m, _x, data in blocks.values():
+            c.put(m.key, data, fmt=m.fmt, dtype=m.dtype, shape=m.shape)
+        assert c.exists(blocks[3][0].key)
+    httpx.put(f"{sc.url}/sessions/sess", json={"expires_at": time.time() + 600}).raise_for_status()
+    packed = httpx.get(f"{sc.url}/sessions/sess").json()["bytes"]
+    assert packed < 0.52 * sum(m.length for m, _x, _d in blocks.values())
+    sc.stop()  # SIGTERM: memory-only blocks are flushed to disk
+
+    sc = sidecar_process(*args, data_port=sc.data_port, control_port=sc.port)
+    assert httpx.get(f"{sc.url}/stats").json()["cold_kv"] == "off"
+    with KVClient("127.0.0.1", sc.data_port) as c:
+        for m, x, _data in blocks.values():
+            block = c.get(m.key)
+            assert block is not None
+            assert (block.fmt, block.dtype, block.shape) == (m.fmt, m.dtype, m.shape)
+            assert_within_fp8(as_tensor(block.data, m.dtype, SHAPE), x)
+    assert httpx.get(f"{sc.url}/sessions/sess").json()["bytes"] == packed
