@@ -12,10 +12,14 @@ is read from there on every GET). Then, per sidecar:
 - **load time**: the client's GETs of every chunk and their conversion to the worker's KV
   tensor (an fp8 sidecar unpacks inside its GET), median over `--reps`, beside a plain copy
   of the same bytes;
-- **the next turn answered from that KV**: greedy tokens (`--answer` of them) from the loaded
-  KV, compared with those from the plain sidecar's KV (which is the exact KV: checked against
-  a recompute), and, teacher-forced on the plain run's tokens, the log-probabilities over the
-  whole vocabulary: max and mean |Δ logprob|, KL(plain ‖ fp8), top-1 agreement.
+- **the next turn answered from that KV**, against the answer from the exact KV (the plain
+  sidecars' KV is checked to be that, bit for bit): the model is fed the exact answer's
+  `--answer` greedy tokens after the loaded KV, and at each step its log-probabilities over
+  the whole vocabulary are compared: max and mean |Δ logprob|, KL(exact ‖ loaded), top-1
+  agreement. Its own greedy answer is the exact one up to the first step whose top-1 differs
+  (the inputs are the same until then): "tokens until the first difference", and whether the
+  whole answer is the same. A case whose loaded KV equals one already run (a disk tier's and
+  its memory tier's) shares that run's answer.
 The same comparison is made for per-chunk scales (one per layer, K/V and chunk, packed here
 with `sidecar.coldkv.pack(granularity="chunk")`, not by a sidecar) to weigh the two choices.
 """
