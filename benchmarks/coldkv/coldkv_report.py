@@ -12,6 +12,7 @@ LABELS = {
     "plain-disk": "plain, disk",
     "fp8-disk": "fp8, disk",
     "fp8-chunk": "fp8, per-chunk scales (not a sidecar)",
+    "bf16-rounded": "reference: the fp32 KV rounded to bf16 (not a sidecar)",
 }
 
 
@@ -23,7 +24,14 @@ def markdown(meta: dict[str, Any], results: list[dict[str, Any]]) -> str:
         "mean. Divergence: against the plain sidecar's KV (identical to a recompute: "
         + ", ".join(f"{r['dtype']} {r['plain_equals_recompute']}" for r in results)
         + "); |Δ logprob| and KL over the whole vocabulary, teacher-forced on the plain "
-        "answer's tokens; max: the largest over every step of every conversation.",
+        "answer's tokens; max: the largest over every step of every conversation. How sure "
+        "the model is of its greedy tokens (logprob of the top-1 less the top-2's, exact KV): "
+        + ", ".join(
+            f"{r['dtype']} median {r['top1_margin_median']:.3f} nats, "
+            f"{r['top1_margin_below_0_5'] * 100:.0f}% of steps under 0.5"
+            for r in results
+        )
+        + ".",
         "",
         "| KV dtype | sidecar | bytes / session | sessions / GB | load | KV rel. error | "
         "greedy answers equal | tokens until first difference | max \\|Δ logprob\\| | "

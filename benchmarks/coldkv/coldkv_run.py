@@ -148,7 +148,9 @@ def run_dtype(args: argparse.Namespace, dtype: str, sidecars: Sidecars) -> dict[
     def ids(n: int) -> list[int]:
         return allowed[torch.randint(0, len(allowed), (n,), generator=gen)].tolist()
 
-    per_case: dict[str, dict[str, list[float]]] = {c: {} for c in (*CASES, "fp8-chunk")}
+    extra = ["fp8-chunk", *(["bf16-rounded"] if shape.dtype == torch.float32 else [])]
+    per_case: dict[str, dict[str, list[float]]] = {c: {} for c in (*CASES, *extra)}
+    margins: list[float] = []
     sanity_exact = True
     bar = tqdm(total=args.conversations, desc=f"cold-kv {dtype}", unit="conversation")
     try:
@@ -200,12 +202,17 @@ def run_dtype(args: argparse.Namespace, dtype: str, sidecars: Sidecars) -> dict[
                 copy_times.append(time.perf_counter() - start)
             per_case["plain-memory"].setdefault("copy_s", []).append(statistics.median(copy_times))
             loaded["fp8-chunk"] = _repacked(kv, shape, args.chunk_size, "chunk")
+            # a reference for how much this model's answers move under any rounding of its
+            # KV: fp32 KV rounded to bf16 (relative error <= 2^-9, 16x finer than fp8's)
+            loaded["bf16-rounded"] = kv.to(torch.bfloat16).to(kv.dtype)
             sanity_exact &= bool(torch.equal(loaded["plain-memory"], kv))
             prompt = [*history, *turn]
             with torch.inference_mode():
                 base_tokens, base_lp = _logprobs(runner, kv, prompt, args.answer, None)
                 done: list[tuple[torch.Tensor, dict[str, float]]] = []
-                for case in (*CASES, "fp8-chunk"):
+                top2 = base_lp.topk(2, dim=-1).values
+                margins += (top2[:, 0] - top2[:, 1]).tolist()
+                for case in (*CASES, *extra):
                     got = loaded[case]
                     # the same KV as a case already run (the disk tiers' are the memory
                     # tiers' bytes): the same answer, the model is not run again
@@ -227,6 +234,9 @@ def run_dtype(args: argparse.Namespace, dtype: str, sidecars: Sidecars) -> dict[
         "dtype": dtype,
         "kv_bytes_per_token": shape.bytes_per_token(),
         "plain_equals_recompute": sanity_exact,
+        # how sure the model is of its greedy tokens: logprob of the top-1 less the top-2's
+        "top1_margin_median": statistics.median(margins),
+        "top1_margin_below_0_5": sum(m < 0.5 for m in margins) / len(margins),
         "cases": {case: _summary(stats) for case, stats in per_case.items()},
     }
 
