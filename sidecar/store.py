@@ -25,6 +25,10 @@ Policy (docs/sidecar.md has the long form):
   live only in memory get a disk copy too, oldest first, in free disk room only (nothing is
   evicted for it), so a session's KV survives a crash of the process.
 
+With `cold_kv="fp8"` (`CTX_SIDECAR_COLD_KV`) a block of bf16/fp16/fp32 KV is kept packed
+(`sidecar.coldkv`) in both tiers and counts its packed bytes; a GET or lease unpacks it, and
+one that does not unpack is dropped and a miss (docs/sidecar.md, "Compressed tiers").
+
 One lock guards the index; payload bytes move outside it (socket I/O, disk writes and
 reads), so concurrent connections only serialize on dictionary updates.
 
