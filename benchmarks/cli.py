@@ -17,6 +17,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "KV load/store through the connector, tcp vs shm vs a copy",
     ),
     "worker": ("benchmarks.worker.worker", "TTFT with cached history vs full recompute"),
+    "cold-kv": (
+        "benchmarks.coldkv.coldkv",
+        "the sidecar's fp8 cold tiers vs plain: bytes, load time, answers' divergence",
+    ),
     "gateway": ("benchmarks.gateway.gateway", "gateway overhead vs calling the worker directly"),
     "gateway-ab": ("benchmarks.gateway.gateway_ab", "streaming TTFT of two checkouts' gateways"),
     "gateway-calls": (

@@ -56,6 +56,7 @@ class Entry:
     spilling: bool = False
     readers: int = 0  # disk reads in progress: such a block is never dropped meanwhile
     footprint: int = 0  # what it takes against the budgets, if not its length (region slots)
+    packed: bool = False  # `data` and the disk copy are `sidecar.coldkv`'s fp8 form
 
     @property
     def size(self) -> int:

@@ -26,6 +26,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "copy KV through it instead of the socket (env CTX_SIDECAR_LOCAL_DIR)",
     )
     a("--local-bytes", type=int, help="size of the shared region (default memory bytes x 1.125)")
+    a(
+        "--cold-kv",
+        choices=("off", "fp8"),
+        help="fp8: keep bf16/fp16/fp32 KV as fp8 with per-row scales in memory and on disk "
+        "(about half the bytes; lossy; off by default; env CTX_SIDECAR_COLD_KV)",
+    )
     a("--token", help="bearer token the control API requires (env CTX_SIDECAR_TOKEN)")
     a(
         "--encryption-key",
@@ -55,6 +61,7 @@ def main(args: argparse.Namespace) -> int:
         local_bytes="local_bytes",
         token="token",
         encryption_key="encryption_key",
+        cold_kv="cold_kv",
         log_level="log_level",
     )
     setup_logging("sidecar", settings.log_level)

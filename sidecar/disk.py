@@ -28,7 +28,11 @@ from sidecar.blocks import BlockMeta
 log = logging.getLogger(__name__)
 
 MAGIC = b"CTXKV\x00\x00\x01"
+# A packed block's file (flag below) has a magic of its own: a sidecar from before
+# compression takes it for an unreadable file and removes it, never serves its bytes.
+MAGIC_PACKED = b"CTXKV\x00\x00\x02"
 FLAG_ENCRYPTED = 1
+FLAG_PACKED = 2  # the payload is `sidecar.coldkv`'s fp8 form of a `length`-byte block
 # magic, flags, fmt, dtype, shape0..3, length, stored_length, key_length, nonce
 _PREFIX = struct.Struct("<8sIii4iqqI12s")
 _CRC = struct.Struct("<I")
@@ -46,6 +50,8 @@ class DiskEntry:
     meta: BlockMeta
     path: Path
     mtime: float
+    packed: bool = False
+    payload_length: int = 0  # of the (decrypted) payload: `meta.length` unless packed
 
 
 class DiskTier:
@@ -58,16 +64,27 @@ class DiskTier:
         """A fresh file name per write: a late delete of an older copy never hits a newer one."""
         return self.root / f"{_key_hash(key)}-{uuid.uuid4().hex[:12]}{SUFFIX}"
 
-    def write(self, meta: BlockMeta, data: bytes | bytearray | memoryview) -> Path:
-        """Write a block atomically (tmp + fsync + rename); returns its path."""
+    def write(
+        self, meta: BlockMeta, data: bytes | bytearray | memoryview, *, packed: bool = False
+    ) -> Path:
+        """Write a block atomically (tmp + fsync + rename); returns its path. `packed`:
+        `data` is the block's fp8 form (`sidecar.coldkv`), flagged in the header."""
         key = meta.key.encode()
-        flags, nonce = 0, b"\x00" * 12
+        flags, nonce = FLAG_PACKED if packed else 0, b"\x00" * 12
         payload: bytes | bytearray | memoryview = data
-        stored = meta.length
+        stored = len(memoryview(data).cast("B")) if packed else meta.length
         if self._aead is not None:
-            flags, nonce, stored = FLAG_ENCRYPTED, os.urandom(12), meta.length + _TAG
+            flags, nonce, stored = flags | FLAG_ENCRYPTED, os.urandom(12), stored + _TAG
         prefix = _PREFIX.pack(
-            MAGIC, flags, meta.fmt, meta.dtype, *meta.shape, meta.length, stored, len(key), nonce
+            MAGIC_PACKED if packed else MAGIC,
+            flags,
+            meta.fmt,
+            meta.dtype,
+            *meta.shape,
+            meta.length,
+            stored,
+            len(key),
+            nonce,
         )
         if self._aead is not None:
             payload = self._aead.encrypt(nonce, data, prefix + key)
@@ -87,8 +104,9 @@ class DiskTier:
             raise
         return path
 
-    def read(self, meta: BlockMeta, path: Path) -> bytearray | bytes:
-        """The payload of a block; raises CorruptBlock if anything does not check out."""
+    def read(self, meta: BlockMeta, path: Path, *, packed: bool = False) -> bytearray | bytes:
+        """The payload of a block (its packed form where `packed`, as the index found it);
+        raises CorruptBlock if anything does not check out."""
         try:
             with open(path, "rb", buffering=0) as f:
                 head = _read_exact(f, HEADER_SIZE)
@@ -96,7 +114,11 @@ class DiskTier:
                 fields = _PREFIX.unpack(prefix)
                 stored, key_len = fields[9], fields[10]
                 key = _read_exact(f, key_len)
-                if bytes(key) != meta.key.encode() or stored < 0:
+                if (
+                    bytes(key) != meta.key.encode()
+                    or stored < 0
+                    or bool(fields[1] & FLAG_PACKED) != packed
+                ):
                     raise CorruptBlock(f"{path.name}: header does not match the index")
                 payload = bytearray(stored)
                 if _fill(f, memoryview(payload)) != stored or f.read(1):
@@ -140,10 +162,12 @@ class DiskTier:
         st = path.stat()
         with open(path, "rb", buffering=0) as f:
             head = _read_exact(f, HEADER_SIZE)
-            magic, _flags, fmt, dtype, s0, s1, s2, s3, length, stored, key_len, _nonce = (
+            magic, flags, fmt, dtype, s0, s1, s2, s3, length, stored, key_len, _nonce = (
                 _PREFIX.unpack(head[: _PREFIX.size])
             )
-            if magic != MAGIC:
+            if magic not in (MAGIC, MAGIC_PACKED) or (magic == MAGIC_PACKED) != bool(
+                flags & FLAG_PACKED
+            ):
                 raise CorruptBlock("bad magic")
             if st.st_size != HEADER_SIZE + key_len + stored:
                 raise CorruptBlock("size does not match the header")
@@ -151,7 +175,8 @@ class DiskTier:
         if not path.name.startswith(_key_hash(key) + "-"):
             raise CorruptBlock("file name does not match the key")
         meta = BlockMeta(key, length, fmt, dtype, (s0, s1, s2, s3))
-        return DiskEntry(meta, path, st.st_mtime)
+        payload = stored - _TAG if flags & FLAG_ENCRYPTED else stored
+        return DiskEntry(meta, path, st.st_mtime, bool(flags & FLAG_PACKED), payload)
 
 
 def _key_hash(key: str) -> str:

@@ -11,6 +11,7 @@ import logging
 import os
 import threading
 
+from sidecar import coldkv
 from sidecar.arena import Arena
 from sidecar.arena_clients import live_clients
 from sidecar.disk import DiskTier
@@ -62,7 +63,13 @@ class Sidecar:
             pins=PinTable(pins_path),
             metrics=self.metrics,
             arena=self.arena,
+            cold_kv=settings.cold_kv,
         )
+        if settings.cold_kv != "off":
+            coldkv.require()
+            log.info(
+                "cold KV: %s (bf16/fp16/fp32 KV packed in memory and on disk)", settings.cold_kv
+            )
         self.server: DataServer | None = None
         self.local: LocalServer | None = None
         self._stop = threading.Event()

@@ -53,6 +53,12 @@ class SidecarSettings(BaseSettings):
         description="seconds between write-behind passes: pinned blocks only in memory get a "
         "disk copy in free disk room, so sessions' KV survives a kill -9 (0: off)",
     )
+    cold_kv: Literal["off", "fp8"] = Field(
+        "off",
+        description="fp8: keep bf16/fp16/fp32 KV as fp8 (e4m3) with a scale per token row in "
+        "memory and on disk, about half the bytes, unpacked on every load; never on an fp8 "
+        "KV cache (docs/sidecar.md, 'Compressed tiers')",
+    )
     log_level: str | None = None
 
     @field_validator("encryption_key")

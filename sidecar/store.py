@@ -25,6 +25,10 @@ Policy (docs/sidecar.md has the long form):
   live only in memory get a disk copy too, oldest first, in free disk room only (nothing is
   evicted for it), so a session's KV survives a crash of the process.
 
+With `cold_kv="fp8"` (`CTX_SIDECAR_COLD_KV`) a block of bf16/fp16/fp32 KV is kept packed
+(`sidecar.coldkv`) in both tiers and counts its packed bytes; a GET or lease unpacks it, and
+one that does not unpack is dropped and a miss (docs/sidecar.md, "Compressed tiers").
+
 One lock guards the index; payload bytes move outside it (socket I/O, disk writes and
 reads), so concurrent connections only serialize on dictionary updates.
 
@@ -49,8 +53,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
+from sidecar import coldkv
 from sidecar.arena import Arena
 from sidecar.blocks import BlockMeta, Buffer, Entry, Work
 from sidecar.disk import CorruptBlock, DiskTier
@@ -74,8 +80,10 @@ class BlockStore:
         pins: PinTable | None = None,
         metrics: SidecarMetrics | None = None,
         arena: Arena | None = None,
+        cold_kv: coldkv.ColdKV = "off",
     ) -> None:
         self.arena = arena
+        self.cold_kv: coldkv.ColdKV = cold_kv
         self.disk = disk if disk_bytes > 0 else None
         disk_bytes = disk_bytes if self.disk else 0
         self.pin_budget = memory_bytes + disk_bytes
@@ -140,11 +148,17 @@ class BlockStore:
 
     # ---- data path ------------------------------------------------------------------
     def put(self, meta: BlockMeta, data: Buffer) -> bool:
-        """Store a block; False when it is refused (see the module docstring)."""
+        """Store a block; False when it is refused (see the module docstring). With
+        `cold_kv` the block is kept packed where `sidecar.coldkv` packs it."""
         work = Work()
         index = self._index
+        packed = self._pack(meta, data) if self.cold_kv != "off" else None
+        if packed is not None:
+            data = packed
         with self._lock:
-            e = Entry(meta, meta.session, footprint=index.footprint(meta))
+            packed_len = None if packed is None else len(packed)
+            e = Entry(meta, meta.session, footprint=index.footprint(meta, packed_len))
+            e.packed = packed is not None
             e.pinned = self.pins.is_pinned(e.session)
             old = index.blocks.get(meta.key)
             old_pinned = old.size if old is not None and old.pinned else 0
@@ -172,7 +186,11 @@ class BlockStore:
         self._writer.finish(work)
         return stored or self._refuse(meta, "disk_full")
 
-    def get(self, key: str) -> tuple[BlockMeta, Buffer] | None:
+    def get(
+        self, key: str, into: Callable[[int], Buffer | None] | None = None
+    ) -> tuple[BlockMeta, Buffer] | None:
+        """A block's meta and payload, or None on a miss. A packed block is unpacked into
+        `into(length)` where that gives a buffer (a lease: a slot of the region)."""
         index = self._index
         with self._lock:
             e = index.blocks.get(key)
@@ -182,21 +200,29 @@ class BlockStore:
             if e.data is not None:
                 if e.in_mem:
                     index.touch_mem(e)
-                self._memory_hits.inc()
-                return e.meta, e.data
-            path = e.disk_path
-            assert path is not None and self.disk is not None
-            index.touch_disk(e)
-            e.readers += 1  # not dropped while we read it
+                if not e.packed:
+                    self._memory_hits.inc()
+                    return e.meta, e.data
+                data, path = e.data, None
+            else:
+                path = e.disk_path
+                assert path is not None and self.disk is not None
+                index.touch_disk(e)
+                e.readers += 1  # not dropped while we read it
+        if path is None:  # a packed block in memory
+            return self._unpacked(e, data, "memory", into)
+        assert self.disk is not None
         try:
-            data = self.disk.read(e.meta, path)
+            if e.packed:
+                data = self.disk.read(e.meta, path, packed=True)
+            else:
+                data = self.disk.read(e.meta, path)
         except CorruptBlock as exc:
             with self._lock:
                 e.readers -= 1
             self._writer.drop_corrupt(e, path, exc)
             self.metrics.misses.inc()
             return None
-        self.metrics.hits.labels("disk").inc()
         work = Work()
         with self._lock:  # promote: the block is hot again
             e.readers -= 1
@@ -205,6 +231,9 @@ class BlockStore:
                 index.mem_add(e)
                 index.evict_memory(work, protect=e.session)
         self._writer.finish(work)
+        if e.packed:
+            return self._unpacked(e, data, "disk", into)
+        self.metrics.hits.labels("disk").inc()
         return e.meta, data
 
     def exists(self, key: str) -> bool:
@@ -314,12 +343,46 @@ class BlockStore:
                 "pinned_sessions": len(self.pins),
                 "sessions": len(index.by_session),
                 "pin_policy": index.pin_policy,
+                "cold_kv": self.cold_kv,
                 **(
                     {"region_bytes": self.arena.size, "region_used_bytes": self.arena.used}
                     if self.arena is not None
                     else {}
                 ),
             }
+
+    # ---- packed blocks (sidecar.coldkv; outside the lock) ----------------------------
+    def _pack(self, meta: BlockMeta, data: Buffer) -> Buffer | None:
+        """A block's packed form, where it packs: in a free slot of the shared region (no
+        block is evicted for it) when there is one, else the heap."""
+        packed = coldkv.pack(meta, data)
+        if packed is None or self.arena is None:
+            return packed
+        slot = self.arena.alloc(len(packed))
+        if slot is None:
+            return packed
+        slot[:] = memoryview(packed)
+        return slot  # type: ignore[no-any-return]
+
+    def _unpacked(
+        self, e: Entry, data: Buffer, tier: str, into: Callable[[int], Buffer | None] | None
+    ) -> tuple[BlockMeta, Buffer] | None:
+        """A packed block's payload in its own dtype; a payload that does not unpack is
+        dropped and is a miss (counted as corrupt), never KV."""
+        try:
+            raw = coldkv.unpack(e.meta, data, into(e.meta.length) if into else None)
+        except coldkv.BadPacked as exc:
+            work = Work()
+            with self._lock:
+                if self._index.blocks.get(e.meta.key) is e:
+                    self._index.unlink(e, work)
+            self._writer.finish(work)
+            self.metrics.corrupt.inc()
+            self.metrics.misses.inc()
+            log.warning("packed block %s dropped: %s", e.meta.key, exc)
+            return None
+        self.metrics.hits.labels(tier).inc()
+        return e.meta, raw
 
     # ---- internals (call with the lock held) ----------------------------------------
     def _refuse(self, meta: BlockMeta, reason: str) -> bool:

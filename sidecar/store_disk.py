@@ -51,8 +51,10 @@ class DiskWriter:
                 old = self._index.blocks.get(found.meta.key)
                 if old is not None:  # an older copy of the same key: keep the newest
                     self._index.unlink(old, work)
-                footprint = self._index.footprint(found.meta)
+                stored = found.payload_length if found.packed else None
+                footprint = self._index.footprint(found.meta, stored)
                 e = Entry(found.meta, found.meta.session, footprint=footprint)
+                e.packed = found.packed
                 e.pinned = self._pins.is_pinned(e.session)
                 self._index.index_found(e, found.path)
             self._index.fit_disk(work)
@@ -130,7 +132,11 @@ class DiskWriter:
         """Write a block whose room is reserved; True when its disk copy is indexed."""
         assert self._disk is not None
         try:
-            path: Path | None = self._disk.write(e.meta, data)
+            path: Path | None = (
+                self._disk.write(e.meta, data, packed=True)
+                if e.packed
+                else self._disk.write(e.meta, data)
+            )
         except OSError as exc:
             log.error("disk write of %s failed: %s", e.meta.key, exc)
             path = None

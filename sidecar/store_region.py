@@ -4,7 +4,8 @@
 block about to be received goes (`new_buffer`, `alloc_slot`: a slot of the region, the
 memory tier letting blocks go to make one), and a block's place in the region for an
 engine's lease (`lease`, `lease_many`: a block still in the heap is copied into a slot on
-its first lease).
+its first lease; a packed block, `sidecar.coldkv`, is unpacked into a slot of its
+lease's own at every lease).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ class RegionSlots:
         writer: DiskWriter,
         arena: Arena | None,
         metrics: SidecarMetrics,
-        get: Callable[[str], tuple[BlockMeta, Buffer] | None],
+        get: Callable[..., tuple[BlockMeta, Buffer] | None],
     ) -> None:
         self._index = index
         self._lock = lock
@@ -81,7 +82,7 @@ class RegionSlots:
         miss; False when the block exists but no slot could be had for it (the engine
         reads it over TCP instead)."""
         assert self._arena is not None
-        found = self._get(key)
+        found = self._get(key, self._arena.alloc)  # (a packed block: unpacked into a slot)
         if found is None:
             return None
         meta, data = found
@@ -110,7 +111,7 @@ class RegionSlots:
                 if e is None:
                     misses += 1
                     found.append(None)
-                elif e.in_mem and (at := arena.place(e.data)) is not None:
+                elif e.in_mem and not e.packed and (at := arena.place(e.data)) is not None:
                     index.touch_mem(e)
                     hits += 1
                     found.append((e.meta, e.data, at))  # type: ignore[arg-type]

@@ -66,10 +66,14 @@ class TierIndex:
         self.pinned_used = 0
 
     # ---- the index (call with the lock held) ----------------------------------------
-    def footprint(self, meta: BlockMeta) -> int:
-        """With a shared region every block in memory takes whole 4 KiB slots: that is what
-        counts against the budgets (a 100-byte block takes 4 KiB of the region)."""
-        return round_up(meta.length, ALIGN) if self.arena is not None else 0
+    def footprint(self, meta: BlockMeta, stored: int | None = None) -> int:
+        """What a block counts against the budgets when not its length: the `stored` bytes
+        of a packed block (`sidecar.coldkv`); with a shared region, whole 4 KiB slots (a
+        100-byte block takes 4 KiB of the region)."""
+        n = meta.length if stored is None else stored
+        if self.arena is not None:
+            return round_up(n, ALIGN)
+        return 0 if stored is None else stored
 
     def link(self, e: Entry) -> None:
         self.blocks[e.meta.key] = e
