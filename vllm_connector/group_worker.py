@@ -60,11 +60,7 @@ class GroupWorker:
             if self.off is not None:
                 self.turn_off(self.off)  # one group off: every load would fail
                 return
-        log.info(
-            "ctxcache connector: %d KV cache groups (%s)",
-            len(self.groups),
-            "; ".join(f"group {g.index}: {g.kind}" for g in self.groups),
-        )
+        # (the groups served were named at start-up, `CtxcacheConnector.__init__`)
 
     # -- loads ----------------------------------------------------------------------------
     def load(self, plan: StepPlan) -> None:
