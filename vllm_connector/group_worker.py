@@ -13,7 +13,6 @@ across groups, so a load that failed in any group fails the whole request
 
 from __future__ import annotations
 
-import logging
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -25,8 +24,6 @@ from vllm_connector.group_plan import Group
 from vllm_connector.scheduler import StepPlan
 from vllm_connector.stats import Counters
 from vllm_connector.worker import WorkerSide
-
-log = logging.getLogger("vllm_connector.worker")
 
 
 class GroupWorker:
