@@ -8,7 +8,9 @@ Load it with
 (`SchedulerSide`: lookups and plans) and one in each worker process (`WorkerSide`: the
 copies); this class only routes vLLM's hooks to them (docs/vllm.md).
 
-What it cannot serve (`unsupported`: MLA, a quantised KV cache, hybrid models) it refuses
+An MLA model's latent cache goes through `vllm_connector.mla` (its layout, its keys, stored
+once for all tensor-parallel ranks). What it cannot serve (`unsupported`: a quantised KV
+cache, hybrid models, sparse or quantised MLA) it refuses
 at start-up on both sides with one log line, and vLLM runs without it: no lookups, loads or
 stores (`"required": true` makes that a start-up error instead). A worker that turns
 itself off later (its cache layout cannot be read) says so in its step output
@@ -38,6 +40,7 @@ from vllm.v1.kv_cache_interface import (
 )
 
 from ctxcache import tracing
+from vllm_connector import mla
 from vllm_connector.config import ConnectorConfig
 from vllm_connector.metrics import CtxcachePromMetrics, CtxcacheStats
 from vllm_connector.plan import Planner
@@ -129,7 +132,8 @@ class CtxcacheConnector(KVConnectorBase_V1):
         else:
             from vllm.distributed import get_tensor_model_parallel_rank
 
-            self.worker = WorkerSide(self.config, block_size, get_tensor_model_parallel_rank())
+            rank = get_tensor_model_parallel_rank()
+            self.worker = WorkerSide(self.config, block_size, rank, latent=mla.is_mla(vllm_config))
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -141,6 +145,9 @@ class CtxcacheConnector(KVConnectorBase_V1):
             return  # refused at start-up
         layers = self._vllm_config.compilation_config.static_forward_context
         try:
+            if self.worker.latent:
+                self.worker.register(kv_caches, mla.writers(layers, list(kv_caches)))
+                return
             writers = {
                 name: (
                     cache_writer(layers[name]),
@@ -281,6 +288,8 @@ def _key_maker(vllm_config: VllmConfig, config: ConnectorConfig) -> KeyMaker:
         name = name[0]
     dtype = TORCH_TO_KEY_NAME.get(model.dtype, str(model.dtype))  # (a KV cache in another
     # dtype than the model's is refused: `unsupported`)
+    if mla.is_mla(vllm_config):  # one latent for every rank (vllm_connector.mla)
+        return mla.key_maker(str(name), dtype)
     # The scheduler names rank 0's blocks; each tensor-parallel worker stores and loads its
     # own shard under its own rank (WorkerSide.key).
     return KeyMaker(str(name), dtype, 0, vllm_config.parallel_config.tensor_parallel_size)
@@ -288,13 +297,12 @@ def _key_maker(vllm_config: VllmConfig, config: ConnectorConfig) -> KeyMaker:
 
 def unsupported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> str | None:
     """What of this engine the connector cannot serve, in words, or None. It moves full
-    attention's K and V in the model's dtype, one KV cache group (the blocks of
-    `get_block_ids()[0]`): not MLA's latent cache, not a quantised cache (fp8: the keys
-    and the payload carry the model's dtype), not Mamba/linear-attention state or a
-    second group's blocks (hybrid models)."""
-    model = vllm_config.model_config
-    if model is not None and getattr(model, "use_mla", False):
-        return "an MLA model (its latent KV cache)"
+    attention's K and V, or an MLA model's latent (`mla.unsupported`), in the model's dtype,
+    one KV cache group (the blocks of `get_block_ids()[0]`): not a quantised cache (fp8:
+    the keys and the payload carry the model's dtype), not Mamba/linear-attention state or
+    a second group's blocks (hybrid models)."""
+    if mla.is_mla(vllm_config):
+        return mla.unsupported(vllm_config, kv_cache_config)
     cache_dtype = vllm_config.cache_config.cache_dtype
     if cache_dtype not in ("auto", None):
         return f"a {cache_dtype} KV cache (--kv-cache-dtype {cache_dtype}; only 'auto')"
