@@ -178,12 +178,16 @@ class WorkerSide:
         self.tcp = TcpPath(kv, sidecar, self.runner, self.counters)
         local, path = self.socket.open()
         self._use_local(local)
+        what = (
+            f"an MLA latent of {first.head_dim} channels ({'stored' if self.stores else 'loaded'}"
+            " here; rank 0 stores it for every rank)"
+            if self.latent
+            else f"{first.heads} kv heads x {first.head_dim}"
+        )
         log.info(
-            "ctxcache connector: %d layers, %d kv heads x %d, %s, %d-token kernel blocks; "
-            "KV path %s",
+            "ctxcache connector: %d layers, %s, %s, %d-token kernel blocks; KV path %s",
             len(caches),
-            first.heads,
-            first.head_dim,
+            what,
             caches[0].dtype,
             first.tokens,
             path,

@@ -44,6 +44,33 @@ def test_kvpath_times_both_paths_against_a_plain_copy(tmp_path: Path) -> None:
     assert "gpu_seconds" not in rows[0] and "On the GPU" not in table
 
 
+@pytest.mark.timeout(300)
+def test_kvpath_moves_an_mla_latent_beside_full_attention_of_its_size(tmp_path: Path) -> None:
+    """DeepSeek-V2-Lite's latent (27 layers x 576, vLLM's CPU MLA layout and write, its
+    16-token blocks) beside Qwen2.5-14B's K and V (48 x 2 x 8 x 128), both paths."""
+    data = run_bench(
+        "kvpath",
+        tmp_path / "kvpath",
+        *("--shapes", "deepseek-v2-lite,qwen2.5-14b", "--rounds", "1", "--tokens", "300"),
+    )
+    rows = data["results"]
+    latent = [r for r in rows if r["latent"]]
+    full = [r for r in rows if not r["latent"]]
+    assert {(r["path"], r["op"]) for r in latent} == {(r["path"], r["op"]) for r in full}
+    assert {(r["bytes_per_token"], r["block_tokens"]) for r in latent} == {(27 * 576 * 2, 16)}
+    assert {(r["bytes_per_token"], r["block_tokens"]) for r in full} == {
+        (48 * 2 * 8 * 128 * 2, 128)
+    }
+    for r in rows:
+        assert r["vs_copy"] > 0 and r["gbps"] > 0, r
+        if r["path"] == "shm":
+            assert r["counters"]["load_bytes_shm"] > 0, r
+    require_vllm()  # (where vLLM is installed, its own MLA write made the cache)
+    assert {r["layout"] for r in latent} == {"vLLM CPU MLA latent"}
+    table = (tmp_path / "kvpath" / "kvpath.md").read_text()
+    assert "KB / token" in table and "16,128-token kernel blocks" in table
+
+
 def test_the_default_kernel_block_sizes_follow_the_device() -> None:
     """CPU: vLLM's CPU backend's 128; CUDA: the GPU default 16 beside 128."""
     import torch
