@@ -222,6 +222,13 @@ def _run(args: argparse.Namespace, sup: Supervisor, data: Path, local: Path | No
     command = {"builtin": "worker", "vllm": "vllm"}[engine]
     if engine == "vllm" and not vllm_available():
         raise RuntimeError("--engine vllm: vLLM is not installed (pip install 'ctxcache[vllm]')")
+    if engine == "builtin":
+        from worker.model_kind import UnsupportedModelKind, check_builtin
+
+        try:  # before the worker starts: one clear error, not a dead child
+            check_builtin(model)
+        except UnsupportedModelKind as exc:
+            raise RuntimeError(str(exc)) from None
     log.info(
         "engine: %s",
         "vLLM with the ctxcache KV connector" if engine == "vllm" else "the built-in worker",

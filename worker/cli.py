@@ -65,6 +65,7 @@ def main(args: argparse.Namespace) -> int:
     from ctxcache.logs import setup_logging
     from ctxcache.settings import from_args, serve_app
     from worker.app import create_app
+    from worker.model_kind import UnsupportedModelKind, check_builtin
     from worker.settings import WorkerSettings
 
     setup_logging("worker")
@@ -72,6 +73,11 @@ def main(args: argparse.Namespace) -> int:
         settings = from_args(WorkerSettings, args, **FLAGS)
     except ValidationError as exc:
         sys.stderr.write(f"ctxcache worker: invalid settings\n{exc}\n")
+        return 2
+    try:
+        check_builtin(settings.model)
+    except UnsupportedModelKind as exc:
+        sys.stderr.write(f"ctxcache worker: {exc}\n")
         return 2
     tracing.configure("worker")
     app = tracing.server_middleware(create_app(settings), "worker")

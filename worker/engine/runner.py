@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from worker.kv.layout import KVShape
+from worker.model_kind import check_builtin
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ class ModelRunner:
         if threads:
             torch.set_num_threads(threads)
         self.dtype = DTYPES[dtype]
+        check_builtin(model)
         self.tokenizer: Any = AutoTokenizer.from_pretrained(model)
         self.model: Any = AutoModelForCausalLM.from_pretrained(model, dtype=self.dtype).eval()
         cfg = self.model.config.get_text_config(decoder=True)

@@ -1,8 +1,9 @@
-"""`ctxcache model create --preset tiny|small DIR`: deterministic random-weight models.
+"""`ctxcache model create --preset NAME DIR`: deterministic random-weight models.
 
-A Qwen2 architecture (grouped-query attention, RoPE, RMSNorm, SwiGLU) with seeded random
-weights and a real byte-level BPE tokenizer, saved as a Hugging Face directory that
-`AutoModelForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained` load offline.
+Seeded random weights and a real byte-level BPE tokenizer, saved as a Hugging Face
+directory that vLLM (and, for the `dense` kind, `AutoModelForCausalLM.from_pretrained`)
+loads offline. The presets and their kinds are in `spec.py`; each kind's config in the
+module of its name (`dense.py`: Qwen2, `sliding.py`: Llama with windowed layers, ...).
 """
 
 from __future__ import annotations

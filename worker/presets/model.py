@@ -1,83 +1,51 @@
-"""Preset sizes and the builder that writes config, weights and tokenizer to a directory."""
+"""The builder that writes a preset's config, weights and tokenizer to a directory."""
 
 from __future__ import annotations
 
 import json
 import logging
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict
+from functools import lru_cache
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from transformers import Qwen2Config
+from transformers import PretrainedConfig, PreTrainedTokenizerFast
 
+from worker.model_kind import KIND_FILE
+from worker.presets import dense, mla, sliding
+from worker.presets.spec import PRESETS, Preset
 from worker.presets.tokenizer import BOS, EOS, PAD, self_retokenizing_ids, train_tokenizer
 
 log = logging.getLogger(__name__)
 
+__all__ = ["PRESETS", "Preset", "create_model"]
 
-@dataclass(frozen=True)
-class Preset:
-    vocab_size: int
-    corpus_chars: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    intermediate_size: int
-    max_model_len: int
-    seed: int
-
-
-PRESETS: dict[str, Preset] = {
-    # loads in well under a second; for tests
-    "tiny": Preset(
-        vocab_size=4096,
-        corpus_chars=3_000_000,
-        hidden_size=128,
-        num_layers=4,
-        num_heads=4,
-        num_kv_heads=2,
-        intermediate_size=256,
-        max_model_len=4096,
-        seed=1234,
-    ),
-    # ~88M parameters: a 1,000-token prefill takes about a second on 2 CPU cores
-    "small": Preset(
-        vocab_size=8192,
-        corpus_chars=6_000_000,
-        hidden_size=768,
-        num_layers=12,
-        num_heads=12,
-        num_kv_heads=4,
-        intermediate_size=2048,
-        max_model_len=8192,
-        seed=5678,
-    ),
+ConfigFn = Callable[[Preset, int, int, int, int], PretrainedConfig]
+CONFIGS: dict[str, ConfigFn] = {
+    "dense": dense.config,
+    "sliding": sliding.config,
+    "mla": mla.config,
 }
 
 
-def _config(p: Preset, vocab_size: int, bos: int, eos: int, pad: int) -> Qwen2Config:
-    return Qwen2Config(
-        vocab_size=vocab_size,
-        hidden_size=p.hidden_size,
-        intermediate_size=p.intermediate_size,
-        num_hidden_layers=p.num_layers,
-        num_attention_heads=p.num_heads,
-        num_key_value_heads=p.num_kv_heads,
-        max_position_embeddings=p.max_model_len,
-        rope_theta=1_000_000.0,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,  # lm_head rows are zeroed, the embeddings are not
-        use_sliding_window=False,
-        bos_token_id=bos,
-        eos_token_id=eos,
-        pad_token_id=pad,
-        torch_dtype="float32",
-    )
+@lru_cache(maxsize=4)
+def _tokenizer(vocab_size: int, corpus_chars: int) -> tuple[PreTrainedTokenizerFast, list[int]]:
+    """Trained once per process for each size (presets of one size share it)."""
+    tokenizer = train_tokenizer(vocab_size, corpus_chars)
+    return tokenizer, self_retokenizing_ids(tokenizer)
 
 
-def _weights(config: Qwen2Config, seed: int, allowed: list[int]) -> dict[str, torch.Tensor]:
+def _init(name: str, shape: torch.Size, gen: torch.Generator) -> torch.Tensor:
+    if name.endswith("norm.weight"):
+        return torch.ones(shape)
+    if name.endswith(".bias"):
+        return torch.randn(shape, generator=gen) * 0.02
+    return torch.randn(shape, generator=gen) * 0.05
+
+
+def _weights(config: PretrainedConfig, seed: int, allowed: list[int]) -> dict[str, torch.Tensor]:
     """Seeded normal weights, in sorted-name order, so the same preset gives the same bytes."""
     from transformers import AutoModelForCausalLM
 
@@ -86,16 +54,7 @@ def _weights(config: Qwen2Config, seed: int, allowed: list[int]) -> dict[str, to
             n: p.shape for n, p in AutoModelForCausalLM.from_config(config).named_parameters()
         }
     gen = torch.Generator().manual_seed(seed)
-    out: dict[str, torch.Tensor] = {}
-    for name in sorted(shapes):
-        shape = shapes[name]
-        if name.endswith("norm.weight"):
-            t = torch.ones(shape)
-        elif name.endswith(".bias"):
-            t = torch.randn(shape, generator=gen) * 0.02
-        else:
-            t = torch.randn(shape, generator=gen) * 0.05
-        out[name] = t.contiguous()
+    out = {name: _init(name, shapes[name], gen).contiguous() for name in sorted(shapes)}
     # The output layer only produces ids whose text re-tokenizes to themselves (SPEC.md).
     mask = torch.zeros(config.vocab_size, dtype=torch.bool)
     mask[allowed] = True
@@ -108,10 +67,9 @@ def create_model(preset: str, out_dir: Path) -> Path:
     p = PRESETS[preset]
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = train_tokenizer(p.vocab_size, p.corpus_chars)
-    allowed = self_retokenizing_ids(tokenizer)
+    tokenizer, allowed = _tokenizer(p.vocab_size, p.corpus_chars)
     ids = [int(tokenizer.convert_tokens_to_ids(t)) for t in (BOS, EOS, PAD)]
-    config = _config(p, len(tokenizer), *ids)
+    config = CONFIGS[p.kind](p, len(tokenizer), *ids)
     save_file(
         _weights(config, p.seed, allowed),
         str(out_dir / "model.safetensors"),
@@ -125,13 +83,13 @@ def create_model(preset: str, out_dir: Path) -> Path:
         )
         + "\n"
     )
-    (out_dir / "ctxcache_preset.json").write_text(
-        json.dumps({"preset": preset, **asdict(p), "output_token_ids": len(allowed)}, indent=2)
-        + "\n"
-    )
+    row = {"preset": preset, **asdict(p), "output_token_ids": len(allowed)}
+    (out_dir / KIND_FILE).write_text(json.dumps(row, indent=2) + "\n")
     log.info(
-        "model preset %s written to %s (%d output tokens allowed of %d)",
+        "model preset %s (%s, %s) written to %s (%d output tokens allowed of %d)",
         preset,
+        p.kind,
+        config.architectures[0] if config.architectures else config.model_type,
         out_dir,
         len(allowed),
         len(tokenizer),
