@@ -109,13 +109,15 @@ def latent_writer(layer: Any) -> LatentWriter:
 def probe_latent_layout(
     cache: torch.Tensor, write: LatentWriter, heads: int, latent: int
 ) -> BlockLayout:
-    """Learn an MLA cache's block layout (`cache`: `[blocks, N, latent]`, any dense block)
+    """Learn an MLA cache's block layout (`cache`: `[blocks, N, latent]`, or vLLM's per-layer
+    view `[blocks, 1, N, latent]` as the CPU model runner registers it; any dense block)
     from its own write: `offsets` `[1, N, 1, latent]`.
 
     It runs `layout.probe_layout` on the cache seen as `[blocks, 1, N, latent]`, whose K and
-    V are the latent's two halves (the probe's writes become one latent write each), then
-    joins the halves back into one plane."""
-    if heads != 1 or cache.dim() != 3 or cache.shape[2] != latent or latent % 2:
+    V are the latent's two halves (the probe's writes become one latent write each, into a
+    scratch block shaped as the cache is), then joins the halves back into one plane."""
+    four = cache.unsqueeze(1) if cache.dim() == 3 else cache
+    if heads != 1 or four.dim() != 4 or four.shape[1] != 1 or four.shape[3] != latent or latent % 2:
         raise LayoutError(
             f"expected an MLA cache [blocks, tokens, {latent}] of one even latent, "
             f"got {tuple(cache.shape)} with {heads} heads"
@@ -123,9 +125,10 @@ def probe_latent_layout(
     half = latent // 2
 
     def halves(k: torch.Tensor, v: torch.Tensor, scratch: torch.Tensor, s: torch.Tensor) -> None:
-        write(torch.cat([k, v], dim=-1).squeeze(1), scratch.squeeze(1), s)
+        block = scratch.squeeze(1) if cache.dim() == 3 else scratch
+        write(torch.cat([k, v], dim=-1).squeeze(1), block, s)
 
-    two = probe_layout(cache.unsqueeze(1), halves, 1, half)  # offsets [2, N, 1, latent / 2]
+    two = probe_layout(four, halves, 1, half)  # offsets [2, N, 1, latent / 2]
     offsets = two.offsets.permute(1, 2, 0, 3).reshape(1, two.tokens, 1, latent)
     return BlockLayout(
         tokens=two.tokens,

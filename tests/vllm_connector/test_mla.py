@@ -69,20 +69,26 @@ def layer() -> Any:
     return SimpleNamespace(impl=impl, kv_lora_rank=RANK, kv_cache_dtype="auto", head_size=LATENT)
 
 
-def caches(dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> dict[str, torch.Tensor]:
+def caches(
+    dtype: torch.dtype = torch.bfloat16, seed: int = 0, view: bool = True
+) -> dict[str, torch.Tensor]:
+    """`view`: as vLLM's CPU model runner registers them, `[blocks, 1, N, latent]`."""
     gen = torch.Generator().manual_seed(seed)
+    shape = (BLOCKS, 1, N, LATENT) if view else (BLOCKS, N, LATENT)
     return {
-        f"model.layers.{i}.self_attn.attn": torch.randn(BLOCKS, N, LATENT, generator=gen).to(dtype)
+        f"model.layers.{i}.self_attn.attn": torch.randn(shape, generator=gen).to(dtype)
         for i in range(LAYERS)
     }
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(
+    ("dtype", "view"), [(torch.bfloat16, True), (torch.float32, True), (torch.bfloat16, False)]
+)
 def test_the_latent_layout_is_learned_from_the_backends_own_write(
-    layer: Any, dtype: torch.dtype
+    layer: Any, dtype: torch.dtype, view: bool
 ) -> None:
     write = mla.latent_writer(layer)
-    cs = list(caches(dtype).values())
+    cs = list(caches(dtype, view=view).values())
     layout = mla.probe_latent_layout(cs[0], write, 1, LATENT)
     assert layout.planes == 1 and layout.tokens == N and layout.elems == N * LATENT
     layouts = [layout] * LAYERS
@@ -96,7 +102,7 @@ def test_the_latent_layout_is_learned_from_the_backends_own_write(
     assert got.shape == (1, LAYERS, 1, TOKENS, LATENT)
     assert torch.equal(got[0, :, 0], torch.stack(latents))
 
-    ours, theirs = caches(dtype, seed=5), caches(dtype, seed=5)
+    ours, theirs = caches(dtype, seed=5, view=view), caches(dtype, seed=5, view=view)
     dst = token_slots(DST, N, N, 0, TOKENS)
     scatter(list(ours.values()), layouts, dst, got)
     for cache, lat in zip(theirs.values(), latents, strict=True):
@@ -106,7 +112,7 @@ def test_the_latent_layout_is_learned_from_the_backends_own_write(
 
 def test_a_cache_that_is_not_one_latent_is_refused(layer: Any) -> None:
     with pytest.raises(LayoutError):
-        mla.probe_latent_layout(torch.zeros(4, 2, N, 64), mla.latent_writer(layer), 2, 64)
+        mla.probe_latent_layout(torch.zeros(4, 2, N, 64), mla.latent_writer(layer), 1, 64)
 
 
 def test_the_wire_payload_is_lmcaches_mla_format() -> None:

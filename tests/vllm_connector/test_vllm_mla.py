@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -57,18 +58,21 @@ def test_the_connector_serves_the_latent_cache(mla_stack: VllmStack) -> None:
 
 
 def test_turns_reuse_the_latent_from_the_sidecar_and_answer_like_the_full_history(
-    mla_stack: VllmStack,
+    mla_stack: VllmStack, record_property: Any
 ) -> None:
     chat = Chat(mla_stack, seed=21)
     chat.turn("what is the cat doing?")
     loaded = vllm_counter(mla_stack, "loaded_tokens")
-    reused = 0
+    reused, turns = 0, []
     for question in ("and the dogs?", "will it rain?", "what of the hills?"):
         mla_stack.reset_prefix_cache()  # (a no-op here: vLLM's CPU MLA has none)
         context = chat.context_tokens()
         _, usage = chat.turn(question)  # also checks the text against the full history
         assert context - BLOCK <= cached(usage) <= context
         reused += cached(usage)
+        turns.append((context, cached(usage)))
+    record_property("context_and_cached_tokens", turns)
+    record_property("session_held", mla_stack.held(chat.sid))
     wait_for(lambda: vllm_counter(mla_stack, "loaded_tokens") >= loaded + reused)
     assert vllm_counter(mla_stack, "load_bytes_shm") > 0  # the local sidecar's shared memory
     # the session's blocks: rankless keys with the latent format's version
@@ -80,12 +84,16 @@ def test_turns_reuse_the_latent_from_the_sidecar_and_answer_like_the_full_histor
 
 
 def test_after_a_sidecar_restart_the_latent_comes_back_from_the_disk_tier(
-    mla_stack: VllmStack,
+    mla_stack: VllmStack, record_property: Any
 ) -> None:
     chat = Chat(mla_stack, seed=22)
     chat.turn("what is the cat doing?")
     wait_for(lambda: mla_stack.held(chat.sid)["blocks"] > 0)
     mla_stack.restart_sidecar()  # a clean stop writes memory to disk; the start reads it
+    counters = {n: vllm_counter(mla_stack, n) for n in ("load_bytes_shm", "load_bytes_tcp")}
     context = chat.context_tokens()
     _, usage = chat.turn("and the dogs?")
     assert context - BLOCK <= cached(usage) <= context
+    moved = {n: vllm_counter(mla_stack, n) - v for n, v in counters.items()}
+    record_property("context_and_cached_tokens", (context, cached(usage)))
+    record_property("loaded_bytes_after_restart", moved)
