@@ -97,8 +97,10 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             line.insert(1, r.get("block_tokens", ""))
     layouts = sorted({r["layout"] for r in rows})
     block_tokens = meta["block_tokens"]
-    if isinstance(block_tokens, list) or len(sizes) > 1:  # (MLA shapes: 16 on CPU)
-        block_tokens = ",".join(map(str, sizes or block_tokens))
+    if sizes:  # what the rows ran (MLA shapes: 16 on CPU by default)
+        block_tokens = ",".join(map(str, sizes))
+    elif isinstance(block_tokens, list):
+        block_tokens = ",".join(map(str, block_tokens))
     return (
         markdown_table(head, body)
         + f"\n\nCache layout: {', '.join(layouts)}; {block_tokens}-token kernel blocks, "
