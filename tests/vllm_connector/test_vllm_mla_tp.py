@@ -22,8 +22,12 @@ from ctxcache.lmcache_keys import parse_key, session_key
 from ctxcache.redis_server import RedisServer
 from sidecar.client import KVClient
 from tests.vllm_connector.conftest import VLLM_TIMEOUT, VllmStack, started_stack
-from tests.vllm_connector.test_vllm_e2e import Chat, cached, vllm_counter, wait_for
-from tests.vllm_connector.test_vllm_mla import BLOCK, mla_model  # noqa: F401 (fixture)
+from tests.vllm_connector.test_vllm_e2e import cached, vllm_counter, wait_for
+from tests.vllm_connector.test_vllm_mla import (  # noqa: F401 (mla_model: a fixture)
+    BLOCK,
+    DirectChat,
+    mla_model,
+)
 
 pytestmark = [
     pytest.mark.slow,  # an engine start of its own: two ranks, a process each
@@ -67,21 +71,22 @@ def test_both_ranks_serve_the_latent_rank_0_stores_it(tp_stack: VllmStack) -> No
 def test_the_latent_is_stored_once_and_both_ranks_load_it(
     tp_stack: VllmStack, record_property: Any
 ) -> None:
-    chat = Chat(tp_stack, seed=31)
-    chat.turn("what is the cat doing?")
-    loaded = vllm_counter(tp_stack, "loaded_tokens")
+    loaded = vllm_counter(tp_stack, "loaded_tokens")  # (no request before this test)
     left = vllm_counter(tp_stack, "stores_left_to_rank0")
+    chat = DirectChat(tp_stack, seed=31)
     reused, turns = 0, []
-    for question in ("and the dogs?", "will it rain?"):
+    for question in ("what is the cat doing?", "and the dogs?", "will it rain?"):
         tp_stack.reset_prefix_cache()
         context = chat.context_tokens()
-        _, usage = chat.turn(question)  # also checks the text against the full history
+        _, usage = chat.turn(question)  # also checks the text against vLLM's own answer
         assert context - BLOCK <= cached(usage) <= context
         reused += cached(usage)
         turns.append((context, cached(usage)))
     record_property("context_and_cached_tokens", turns)
-    # every rank wrote what was reused into its own cache (vLLM sums its workers' counters)
+    # each of the two ranks wrote what was reused into its own cache, once (vLLM sums its
+    # workers' counters, and they arrive with its stats, a few seconds late)
     wait_for(lambda: vllm_counter(tp_stack, "loaded_tokens") >= loaded + 2 * reused)
+    assert vllm_counter(tp_stack, "loaded_tokens") == loaded + 2 * reused
     assert vllm_counter(tp_stack, "stores_left_to_rank0") > left  # rank 1 stored nothing
     tag = f"s%{session_key(chat.sid)}"
     with KVClient.from_url(tp_stack.sidecar_lm) as kv:
