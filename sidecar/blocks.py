@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ctxcache.lmcache_keys import parse_key
-from sidecar.protocol import FMT_ENGINE_BLOCKS, FMT_KV_2LTD, Shape
+from sidecar.protocol import FMT_ENGINE_BLOCKS, FMT_KV_2LTD, FMT_KV_MLA, Shape
 from sidecar.wire import Buffer
 
 
@@ -24,9 +24,9 @@ class BlockMeta:
 
     @property
     def tokens(self) -> int:
-        """Tokens of KV in the block: the T of a `KV_2LTD` `[2, L, T, D]` payload or of an
-        engine-blocks one `(L, T, elems, tag)`, else 0."""
-        if self.fmt == FMT_KV_2LTD:
+        """Tokens of KV in the block: the T of a `KV_2LTD` `[2, L, T, D]` or `KV_MLA_FMT`
+        `[1, L, T, D]` payload or of an engine-blocks one `(L, T, elems, tag)`, else 0."""
+        if self.fmt in (FMT_KV_2LTD, FMT_KV_MLA):
             return self.shape[2]
         return self.shape[1] if self.fmt == FMT_ENGINE_BLOCKS else 0
 

@@ -11,10 +11,12 @@ copies); this class only routes vLLM's hooks to them (docs/vllm.md).
 It is `SupportsHMA`, so vLLM keeps its hybrid KV cache manager on: a model of several KV
 cache groups (sliding-window layers beside full attention) is served group by group
 (`vllm_connector.groups`, `group_plan`, `group_worker`; docs/vllm.md, "Hybrid models").
-What it cannot serve (`unsupported`: MLA, a quantised KV cache, Mamba / linear-attention
-state) it refuses at start-up on both sides with one log line, and vLLM runs without it: no
-lookups, loads or stores (`"required": true` makes that a start-up error instead). A worker
-that turns itself off later (its cache layout cannot be read) says so in its step output
+An MLA model's latent cache goes through `vllm_connector.mla` (its layout, its keys, stored
+once for all tensor-parallel ranks). What it cannot serve (`unsupported`: a quantised KV
+cache, Mamba / linear-attention state, sparse or quantised MLA) it refuses at start-up on
+both sides with one log line, and vLLM runs without it: no lookups, loads or stores
+(`"required": true` makes that a start-up error instead). A worker that turns itself off
+later (its cache layout cannot be read) says so in its step output
 (`CtxcacheWorkerMeta`), and the scheduler half then plans nothing more.
 """
 
@@ -42,6 +44,7 @@ from vllm.v1.kv_cache_interface import (
 )
 
 from ctxcache import tracing
+from vllm_connector import mla
 from vllm_connector.config import ConnectorConfig
 from vllm_connector.group_plan import Group, GroupPlanner
 from vllm_connector.group_worker import GroupWorker
@@ -118,7 +121,8 @@ class CtxcacheConnector(KVConnectorBase_V1, SupportsHMA):
                 INSTEAD,
             )
             return
-        groups = _hybrid_groups(kv_cache_config)
+        # (an MLA model's one latent group goes the one-group way, `vllm_connector.mla`)
+        groups = None if mla.is_mla(vllm_config) else _hybrid_groups(kv_cache_config)
         if groups is not None:
             block_size = groups[0].block_size
             if not self.config.async_loads and len(kv_cache_config.kv_cache_groups) > 1:
@@ -154,7 +158,7 @@ class CtxcacheConnector(KVConnectorBase_V1, SupportsHMA):
 
             rank = get_tensor_model_parallel_rank()
             self.worker = (
-                WorkerSide(self.config, block_size, rank)
+                WorkerSide(self.config, block_size, rank, latent=mla.is_mla(vllm_config))
                 if groups is None
                 else GroupWorker(self.config, groups, rank)
             )
@@ -169,6 +173,9 @@ class CtxcacheConnector(KVConnectorBase_V1, SupportsHMA):
             return  # refused at start-up
         layers = self._vllm_config.compilation_config.static_forward_context
         try:
+            if self.worker.latent:
+                self.worker.register(kv_caches, mla.writers(layers, list(kv_caches)))
+                return
             writers = {
                 name: (
                     cache_writer(layers[name]),
@@ -326,6 +333,8 @@ def _key_maker(vllm_config: VllmConfig, config: ConnectorConfig) -> KeyMaker:
         name = name[0]
     dtype = TORCH_TO_KEY_NAME.get(model.dtype, str(model.dtype))  # (a KV cache in another
     # dtype than the model's is refused: `unsupported`)
+    if mla.is_mla(vllm_config):  # one latent for every rank (vllm_connector.mla)
+        return mla.key_maker(str(name), dtype)
     # The scheduler names rank 0's blocks; each tensor-parallel worker stores and loads its
     # own shard under its own rank (WorkerSide.key).
     return KeyMaker(str(name), dtype, 0, vllm_config.parallel_config.tensor_parallel_size)
@@ -333,12 +342,11 @@ def _key_maker(vllm_config: VllmConfig, config: ConnectorConfig) -> KeyMaker:
 
 def unsupported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> str | None:
     """What of this engine the connector cannot serve, in words, or None. It moves full
-    attention's and sliding windows' K and V in the model's dtype, group by group
-    (`served_groups`): not MLA's latent cache, not a quantised cache (fp8: the keys and
-    the payload carry the model's dtype), not Mamba/linear-attention state."""
-    model = vllm_config.model_config
-    if model is not None and getattr(model, "use_mla", False):
-        return "an MLA model (its latent KV cache)"
+    attention's and sliding windows' K and V, or an MLA model's latent (`mla.unsupported`),
+    in the model's dtype, group by group (`served_groups`): not a quantised cache (fp8: the
+    keys and the payload carry the model's dtype), not Mamba/linear-attention state."""
+    if mla.is_mla(vllm_config):
+        return mla.unsupported(vllm_config, kv_cache_config)
     cache_dtype = vllm_config.cache_config.cache_dtype
     if cache_dtype not in ("auto", None):
         return f"a {cache_dtype} KV cache (--kv-cache-dtype {cache_dtype}; only 'auto')"

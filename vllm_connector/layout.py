@@ -21,7 +21,9 @@ ids are scattered go through one staging copy of their rows; a layout that is no
 falls back to one small per-block index.
 
 The connector's tensors are the built-in worker's `[2, L, H, T, D]` (K and V of every layer);
-`worker.kv.layout.KVShape` turns them into LMCache's `KV_2LTD` payload on the wire.
+`worker.kv.layout.KVShape` turns them into LMCache's `KV_2LTD` payload on the wire. An MLA
+cache has one latent plane instead of two (`[1, L, 1, T, latent]`, LMCache's `KV_MLA_FMT` on
+the wire); its layout is learned with its own write (`vllm_connector.mla`) and moves the same.
 """
 
 from __future__ import annotations
@@ -50,8 +52,9 @@ class BlockLayout:
     """Where each element of one kernel block lives in that block's storage.
 
     `offsets[kv, n, h, d]` is the element offset, inside a block, of K (`kv=0`) or V (`kv=1`)
-    of the block's `n`-th token, head `h`, channel `d`. A block's elements are the `elems`
-    contiguous elements starting at `block * block_stride` from the cache's first element.
+    of the block's `n`-th token, head `h`, channel `d` (an MLA cache: one plane, its latent).
+    A block's elements are the `elems` contiguous elements starting at `block * block_stride`
+    from the cache's first element.
     """
 
     tokens: int  # tokens per kernel block (N)
@@ -59,7 +62,12 @@ class BlockLayout:
     head_dim: int
     elems: int
     block_stride: int
-    offsets: torch.Tensor  # int64 [2, N, H, D], on the cache's device
+    offsets: torch.Tensor  # int64 [2, N, H, D] ([1, N, 1, D]: MLA), on the cache's device
+
+    @property
+    def planes(self) -> int:
+        """2 (K and V), or 1 (an MLA cache's latent)."""
+        return int(self.offsets.shape[0])
 
     def blocks_view(self, cache: torch.Tensor) -> torch.Tensor:
         """`cache` as `[num_blocks, elems]`: row b is block b's storage, physical order."""
@@ -72,7 +80,7 @@ class BlockLayout:
         """The block as strided views: one over K and V together (`[2, N, H, D]`) where there
         is one, else one for K and one for V (`[N, H, D]`, None where that is not affine)."""
         both = affine_view(self.offsets)
-        if both is not None:
+        if both is not None or self.planes == 1:
             return (both,)
         return affine_view(self.offsets[0]), affine_view(self.offsets[1])
 
@@ -371,14 +379,16 @@ def _move_blocks(
 
 def to_blocks(layouts: Sequence[BlockLayout], wire: torch.Tensor, out: torch.Tensor) -> bool:
     """LMCache's `KV_2LTD` payload `wire` (`[2, L, T, H, D]`, contiguous, T a whole number
-    of kernel blocks) in the engine's block layout, into `out` (`[L, T / N, elems]`, the
+    of kernel blocks; `[1, ...]`: `KV_MLA_FMT`) in the engine's block layout, into `out`
+    (`[L, T / N, elems]`, the
     cache dtype): row `[l, i]` is what kernel block `i` of the piece holds in layer `l`.
     Layers that share a layout (all of them, as a rule) move together, so a piece costs a
     copy or two, not one per layer and block. False, `out` unwritten, where a layout is not
     affine (the caller scatters instead)."""
     layers, blocks = out.shape[0], out.shape[1]
     n, heads, dim = layouts[0].tokens, layouts[0].heads, layouts[0].head_dim
-    if tuple(wire.shape) != (2, layers, blocks * n, heads, dim) or not wire.is_contiguous():
+    planes = layouts[0].planes
+    if tuple(wire.shape) != (planes, layers, blocks * n, heads, dim) or not wire.is_contiguous():
         raise ValueError(f"a KV_2LTD piece of {blocks} blocks, got {tuple(wire.shape)}")
     if any(None in lay.affine for lay in layouts):
         return False
@@ -389,7 +399,7 @@ def to_blocks(layouts: Sequence[BlockLayout], wire: torch.Tensor, out: torch.Ten
             end += 1
         rows = (end - first) * blocks
         # [2, l, T, H, D] -> [l * nb, 2, N, H, D]: one logical block per row of `store`
-        logical = wire[:, first:end].reshape(2, rows, n, heads, dim).transpose(0, 1)
+        logical = wire[:, first:end].reshape(planes, rows, n, heads, dim).transpose(0, 1)
         store = out[first:end].reshape(rows, -1)
         parts = layouts[first].affine
         pieces = [logical] if len(parts) == 1 else [logical[:, 0], logical[:, 1]]
@@ -403,9 +413,10 @@ def to_blocks(layouts: Sequence[BlockLayout], wire: torch.Tensor, out: torch.Ten
 def gather(
     caches: list[torch.Tensor], layouts: list[BlockLayout], slots: TokenSlots
 ) -> torch.Tensor:
-    """K and V of `slots` from every layer as `[2, L, H, T, D]` (on the caches' device)."""
+    """K and V of `slots` from every layer as `[2, L, H, T, D]` (on the caches' device; MLA:
+    `[1, L, 1, T, latent]`)."""
     first, shape = caches[0], layouts[0]
-    out = first.new_empty((2, len(caches), shape.heads, slots.count, shape.head_dim))
+    out = first.new_empty((shape.planes, len(caches), shape.heads, slots.count, shape.head_dim))
     _move(caches, layouts, slots, out, to_cache=False)
     return out
 

@@ -50,7 +50,9 @@ class PagedKV:
         self.copier = copier
         self.block_size = block_size  # the scheduler's block, in tokens
         self.rank = rank
-        self.shape = KVShape(len(caches), first.heads, first.head_dim, caches[0].dtype)
+        self.shape = KVShape(
+            len(caches), first.heads, first.head_dim, caches[0].dtype, first.planes
+        )
 
     def key(self, key: str) -> str:
         """The scheduler's (rank 0) key for this worker's tensor-parallel rank."""

@@ -24,7 +24,7 @@ import torch
 
 from ctxcache import tracing
 from sidecar.local_client import TCP, LocalClient, LocalError, Slot
-from sidecar.protocol import FMT_ENGINE_BLOCKS, FMT_KV_2LTD
+from sidecar.protocol import FMT_ENGINE_BLOCKS
 from vllm_connector.loads import Job, LoadRunner, pieces_in
 from vllm_connector.ordering import settle
 from vllm_connector.paged import PagedKV
@@ -339,13 +339,13 @@ class ShmLoader:
             ids += [-1] * (math.ceil(piece.length / copier.tokens) - len(ids))
             batch.append((ids, src, lo - piece.begin, hi - piece.begin))
             return True
-        if block.fmt == FMT_KV_2LTD:
+        if block.fmt == shape.fmt:  # KV_2LTD (KV_MLA_FMT: an MLA model's one plane)
             if tuple(block.shape) != shape.wire_shape(piece.length):
                 return False
             if block.length != piece.length * shape.bytes_per_token():
                 return False
             payload = src.view(shape.dtype).view(
-                2, shape.num_layers, piece.length, shape.num_kv_heads, shape.head_dim
+                shape.planes, shape.num_layers, piece.length, shape.num_kv_heads, shape.head_dim
             )
             kv.write_2ltd(spec, piece, payload.permute(0, 1, 3, 2, 4), lo, hi)
             return True

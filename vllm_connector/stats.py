@@ -26,6 +26,8 @@ COUNTERS: dict[str, str] = {
     "stored_blocks": "blocks handed to the background storer",
     "stored_tokens": "tokens of KV handed to the background storer",
     "store_drops": "finished requests whose KV was not stored (sidecar down, queue full)",
+    "stores_left_to_rank0": "finished requests a tensor-parallel rank > 0 did not store: "
+    "an MLA model's latent, which rank 0 stores for every rank",
     "sidecar_errors": "sidecar calls that failed or timed out",
     # per data path: shm (the local sidecar's shared region) or tcp (lm://)
     "load_bytes_shm": "bytes of KV loaded through the local sidecar's shared memory",

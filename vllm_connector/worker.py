@@ -48,6 +48,7 @@ from vllm_connector.blockcopy import BlockCopier
 from vllm_connector.config import ConnectorConfig
 from vllm_connector.layout import BlockLayout, CacheWriter, probe_layout
 from vllm_connector.loads import Job, LoadRunner
+from vllm_connector.mla import probe_latent_layout
 from vllm_connector.ordering import CopyHandle
 from vllm_connector.paged import PagedKV, rank_key
 from vllm_connector.paths import KVPath
@@ -79,10 +80,16 @@ class WorkerSide:
         block_size: int,
         rank: int = 0,
         counters: Counters | None = None,
+        *,
+        latent: bool = False,
     ) -> None:
         self.config = config
         self.block_size = block_size
-        self.rank = rank
+        # An MLA model's latent (`latent`, vllm_connector.mla) is the same on every rank:
+        # one set of keys, stored by rank 0 only; every rank loads it.
+        self.latent = latent
+        self.rank = 0 if latent else rank  # the rank its keys name
+        self.stores = rank == 0 or not latent
         self.counters = counters if counters is not None else Counters()
         self.regions = Regions()  # the local sidecars' regions, mapped and (CUDA) pinned
         self.socket = LocalSocket(config, self.regions)
@@ -132,10 +139,11 @@ class WorkerSide:
         """Learn every layer's block layout; on failure the connector stays off (loads
         are then reported failed and recomputed, nothing is stored)."""
         caches, layouts = [], []
+        probe = probe_latent_layout if self.latent else probe_layout
         try:
             for name, cache in kv_caches.items():
                 write, heads, head_dim = writers[name]
-                layouts.append(probe_layout(cache, write, heads, head_dim))
+                layouts.append(probe(cache, write, heads, head_dim))
                 caches.append(cache)
         except Exception as exc:
             log.exception("cannot read this KV cache layout")
@@ -176,12 +184,16 @@ class WorkerSide:
         self.tcp = TcpPath(kv, sidecar, self.runner, self.counters)
         local, path = self.socket.open()
         self._use_local(local)
+        what = (
+            f"an MLA latent of {first.head_dim} channels ({'stored' if self.stores else 'loaded'}"
+            " here; rank 0 stores it for every rank)"
+            if self.latent
+            else f"{first.heads} kv heads x {first.head_dim}"
+        )
         log.info(
-            "ctxcache connector: %d layers, %d kv heads x %d, %s, %d-token kernel blocks; "
-            "KV path %s",
+            "ctxcache connector: %d layers, %s, %s, %d-token kernel blocks; KV path %s",
             len(caches),
-            first.heads,
-            first.head_dim,
+            what,
             caches[0].dtype,
             first.tokens,
             path,
@@ -321,6 +333,10 @@ class WorkerSide:
         raises: a store that fails is dropped, counted and logged."""
         self._find_local()
         if not plan.stores:
+            return
+        if not self.stores:  # (MLA, rank > 0) rank 0 stores the latent all ranks hold
+            self._sent.update(spec.req_id for spec in plan.stores)
+            self.counters.add("stores_left_to_rank0", len(plan.stores))
             return
         path = self._path()
         after = None

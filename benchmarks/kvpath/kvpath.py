@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from benchmarks.kvpath.kvpath_cuda import CudaProbe
+from benchmarks.kvpath.kvpath_mla import latent_cache_and_writer
 from benchmarks.kvpath.kvpath_report import cuda_markdown as cuda_markdown  # (re-exported)
 from benchmarks.kvpath.kvpath_report import markdown, plot, rows_of
 
@@ -57,13 +58,22 @@ class Shape:
     kv_heads: int
     head_dim: int
     tokens: int
+    latent: bool = False  # an MLA model's cache: one latent of `head_dim` channels, no V
+
+    def bytes_per_token(self, itemsize: int) -> int:
+        return (1 if self.latent else 2) * self.layers * self.kv_heads * self.head_dim * itemsize
 
 
 SHAPES = {
     "small": Shape("small preset", 12, 4, 64, 4096),
     "llama3-8b": Shape("Llama-3-8B", 32, 8, 128, 2048),
     "llama3-70b-tp8": Shape("Llama-3-70B per GPU (TP 8)", 80, 1, 128, 2048),
+    # MLA (kv_lora_rank 512 + rope 64) beside full attention of about the same size
+    "deepseek-v2-lite": Shape("DeepSeek-V2-Lite (MLA)", 27, 1, 576, 2048, latent=True),
+    "qwen2.5-14b": Shape("Qwen2.5-14B (full attention)", 48, 8, 128, 2048),
+    "deepseek-v3": Shape("DeepSeek-V3 / Kimi K2 (MLA)", 61, 1, 576, 2048, latent=True),
 }
+DEFAULT_SHAPES = ("small", "llama3-8b", "llama3-70b-tp8")
 PATHS = ("tcp", "shm")
 CHUNK = 256
 
@@ -73,7 +83,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     add_output_arguments(parser, "kvpath")
     a = parser.add_argument
-    a("--shapes", default=",".join(SHAPES), help=f"comma list of {', '.join(SHAPES)}")
+    a(
+        "--shapes",
+        default=",".join(DEFAULT_SHAPES),
+        help=f"comma list of {', '.join(SHAPES)} (MLA: deepseek-*)",
+    )
     a("--paths", default=",".join(PATHS), help="comma list of tcp, shm")
     a("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     a("--device", default="cpu", help="where the KV cache lives: cpu or cuda")
@@ -83,7 +97,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--block-tokens",
         default=None,
         help="tokens per kernel block, a comma list: each is a case (default: 128 on cpu as "
-        "vLLM's CPU backend; 16,128 on cuda)",
+        "vLLM's CPU backend, 16 for its MLA shapes as vLLM's CPU MLA; 16,128 on cuda)",
     )
     a(
         "--engine",
@@ -131,7 +145,8 @@ def main(args: argparse.Namespace) -> int:
         bar = tqdm(total=total, desc="kvpath", unit="round")
         for shape in shapes:
             tokens = args.tokens or shape.tokens
-            for n in sizes:
+            mla_cpu = shape.latent and device.type == "cpu" and args.block_tokens is None
+            for n in [16] if mla_cpu else sizes:  # (vLLM's CPU MLA runs 16-token blocks only)
                 for path in paths:
                     rows += run_case(
                         shape, tokens, path, dtype, device, n, args.rounds, url, local, bar
@@ -154,8 +169,7 @@ def block_sizes(arg: str | None, device: torch.device) -> list[int]:
 
 
 def _case_bytes(shape: Shape, tokens: int | None, dtype: torch.dtype) -> int:
-    n = tokens or shape.tokens
-    return 2 * shape.layers * shape.kv_heads * shape.head_dim * dtype.itemsize * n
+    return shape.bytes_per_token(dtype.itemsize) * (tokens or shape.tokens)
 
 
 def shm_tempdir() -> tempfile.TemporaryDirectory[str]:
@@ -275,7 +289,9 @@ def run_case(
     blocks = 2 * per_req + 1
     caches, writers = {}, {}
     for layer in range(shape.layers):
-        if device.type == "cuda":
+        if shape.latent:
+            cache, write, layout = latent_cache_and_writer(blocks, n, shape.head_dim, dtype, device)
+        elif device.type == "cuda":
             cache, write, layout = (
                 flash_cache(blocks, n, shape, dtype, device),
                 flash_writer(n, shape.head_dim),
@@ -289,12 +305,12 @@ def run_case(
     config = ConnectorConfig(
         sidecar_url=url, local_dir=local if path == "shm" else None, chunk_size=CHUNK
     )
-    side = WorkerSide(config, n)
+    side = WorkerSide(config, n, latent=shape.latent)
     side.register(caches, writers)
     assert side.enabled, "the connector did not start"
     perm = torch.randperm(blocks - 1).tolist()  # blocks in random order, as a paged cache has
     src_ids, dst_ids = perm[:per_req], perm[per_req : 2 * per_req]
-    nbytes = 2 * shape.layers * shape.kv_heads * shape.head_dim * dtype.itemsize * tokens
+    nbytes = shape.bytes_per_token(dtype.itemsize) * tokens
     copy_load, copy_store = plain_copies(nbytes, device)
     samples: dict[str, list[float]] = {
         k: [] for k in ("copy_load", "copy_store", "store", "load", "get")

@@ -36,6 +36,8 @@ def rows_of(
             "head_dim": shape.head_dim,
             "tokens": tokens,
             "bytes": nbytes,
+            "bytes_per_token": nbytes // tokens,
+            "latent": shape.latent,
             "layout": layout,
             "path": path,
             "op": op,
@@ -62,6 +64,7 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     head = [
         "KV shape",
         "tokens",
+        "KB / token",
         "MB",
         "path",
         "op",
@@ -75,6 +78,7 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         [
             r["shape"],
             r["tokens"],
+            r["bytes_per_token"] / 1e3,
             r["bytes"] / 1e6,
             r["path"],
             r["op"] if r["op"] != "get" else "GET alone",
@@ -86,13 +90,16 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         ]
         for r in rows
     ]
-    if isinstance(meta["block_tokens"], list):  # several kernel block sizes: a column
+    sizes = sorted({r["block_tokens"] for r in rows if "block_tokens" in r})
+    if isinstance(meta["block_tokens"], list) or len(sizes) > 1:  # several: a column
         head.insert(1, "N")
         for line, r in zip(body, rows, strict=True):
             line.insert(1, r.get("block_tokens", ""))
     layouts = sorted({r["layout"] for r in rows})
     block_tokens = meta["block_tokens"]
-    if isinstance(block_tokens, list):
+    if sizes:  # what the rows ran (MLA shapes: 16 on CPU by default)
+        block_tokens = ",".join(map(str, sizes))
+    elif isinstance(block_tokens, list):
         block_tokens = ",".join(map(str, block_tokens))
     return (
         markdown_table(head, body)

@@ -19,21 +19,29 @@ from tests.utils import check_png, require_vllm
 @pytest.mark.timeout(300)
 def test_kvpath_times_both_paths_against_a_plain_copy(tmp_path: Path) -> None:
     """Both paths, and `--block-tokens 64,128`: every row once per kernel block size, named
-    in a column (one run: a bench run costs seconds)."""
+    in a column; an MLA model's latent beside full attention (DeepSeek-V2-Lite: 27 layers
+    of one 576-channel latent, vLLM's CPU MLA write; one run: a bench run costs seconds)."""
     data = run_bench(
         "kvpath",
         tmp_path / "kvpath",
-        *("--shapes", "small", "--rounds", "1", "--tokens", "300", "--paths", "tcp,shm"),
-        *("--block-tokens", "64,128"),
+        *("--shapes", "small,deepseek-v2-lite", "--rounds", "1", "--tokens", "300"),
+        *("--paths", "tcp,shm", "--block-tokens", "64,128"),
     )
     rows = data["results"]
     assert data["meta"]["block_tokens"] == [64, 128]
     cases = {(p, op) for p in ("tcp", "shm") for op in ("load", "store")} | {("tcp", "get")}
-    for n in (64, 128):  # tcp also times its GETs alone
-        assert {(r["path"], r["op"]) for r in rows if r["block_tokens"] == n} == cases
+    for n, latent in ((64, False), (128, False), (64, True), (128, True)):
+        ran = {
+            (r["path"], r["op"]) for r in rows if (r["block_tokens"], r["latent"]) == (n, latent)
+        }
+        assert ran == cases  # tcp also times its GETs alone
     for r in rows:
         assert r["tokens"] == 300 and r["bytes"] > 0
         assert r["vs_copy"] > 0 and r["gbps"] > 0, r
+        per_token = 27 * 576 * 2 if r["latent"] else 2 * 12 * 4 * 64 * 2  # bf16
+        assert r["bytes_per_token"] == per_token, r
+    layouts = {r["layout"] for r in rows if r["latent"]}
+    assert layouts == {"vLLM CPU MLA latent"} or layouts == {"MLA latent (torch write)"}
     for r in rows:
         if r["path"] == "shm":  # the shm rows went through shared memory
             assert r["counters"]["load_bytes_shm"] > 0, r

@@ -96,8 +96,8 @@ def started_stack(
     reaches Redis through a manager service (which pins the sessions' KV), else through
     the manager in its own process. `tiny_model` may be any preset, served as
     `served_name`; `dtype`: vLLM's --dtype (default: as `ctxcache serve` picks it for this
-    CPU); `vllm_args`: more of vLLM's arguments. Every process inherits this one's
-    environment."""
+    CPU); `vllm_args`: vLLM's own flags besides (`--dtype` among them wins over `dtype`).
+    Every process inherits this one's environment."""
     require_vllm()
     root = tmp_path_factory.mktemp("vllm-stack")
     local_dir = shm_dir(root) if local else None

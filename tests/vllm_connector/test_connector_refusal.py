@@ -1,4 +1,4 @@
-"""What the connector cannot serve — MLA, a quantised (fp8) KV cache, Mamba state — it
+"""What the connector cannot serve — a quantised (fp8) KV cache or MLA latent, Mamba state — it
 refuses at start-up on both sides, with one log line, and vLLM runs without it: no lookup,
 no load, no store planned. A worker that turns itself off later makes the scheduler half
 plan nothing more.
@@ -121,7 +121,14 @@ def turn(connector: CtxcacheConnector, rid: str) -> tuple[int | None, CtxcacheMe
 
 
 UNSUPPORTED = {
-    "mla-model": (dict(mla=True), kv_cache_config(full()), "MLA"),
+    "mla-fp8": (
+        dict(mla=True, cache_dtype="fp8"),
+        kv_cache_config(
+            MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+        ),
+        "MLA model with a fp8 latent",
+    ),
+    "mla-not-mla-layers": (dict(mla=True), kv_cache_config(full()), "not plain MLA"),
     "mla-spec": (
         {},
         kv_cache_config(
@@ -163,6 +170,23 @@ def test_a_plain_attention_model_gets_loads_and_stores(sidecar: EverythingSideca
     connector.shutdown()
 
 
+def test_an_mla_model_gets_loads_and_stores_under_rankless_versioned_keys(
+    sidecar: EverythingSidecar,
+) -> None:
+    """Its latent (vllm_connector/mla.py): the same keys for every tensor-parallel rank."""
+    config = vllm_config(mla=True)
+    config.parallel_config.tensor_parallel_size = 2
+    latent = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+    connector = CtxcacheConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config(latent))
+    assert connector.refused is None
+    matched, plan, keep = turn(connector, "r1")
+    assert matched and matched > 0 and sidecar.calls == 1
+    assert keep and [store.req_id for store in plan.stores] == ["r1"]
+    key = plan.stores[0].pieces[0].key
+    assert key.startswith("tiny@1@0@") and "@mla%1" in key
+    connector.shutdown()
+
+
 @pytest.mark.parametrize("case", list(UNSUPPORTED))
 def test_the_scheduler_refuses_what_it_cannot_serve_and_plans_nothing(
     sidecar: EverythingSidecar, caplog: pytest.LogCaptureFixture, case: str
@@ -181,7 +205,7 @@ def test_the_scheduler_refuses_what_it_cannot_serve_and_plans_nothing(
     connector.shutdown()
 
 
-@pytest.mark.parametrize("case", ["mla-model", "fp8", "hybrid-mamba"])
+@pytest.mark.parametrize("case", ["mla-fp8", "fp8", "hybrid-mamba"])
 def test_the_worker_refuses_alike_and_does_nothing(
     sidecar: EverythingSidecar, caplog: pytest.LogCaptureFixture, case: str
 ) -> None:

@@ -53,11 +53,19 @@ def chunk_hashes(
 class KeyMaker:
     """LMCache `CacheEngineKey` strings for this worker's model, dtype and a request's tags."""
 
-    def __init__(self, model: str, dtype: str, worker_id: int, world_size: int = 1) -> None:
+    def __init__(
+        self,
+        model: str,
+        dtype: str,
+        worker_id: int,
+        world_size: int = 1,
+        tags: tuple[tuple[str, str], ...] = (),
+    ) -> None:
         self.model = model.replace("@", "_")
         self.dtype = dtype
         self.worker_id = worker_id
         self.world_size = world_size
+        self.tags = tags  # every key's own, before a request's (a payload format's version)
 
     def fits(self, tags: tuple[tuple[str, str], ...]) -> bool:
         """Whether keys with these tags fit LMCache's key field (150 bytes of UTF-8, as the
@@ -65,7 +73,9 @@ class KeyMaker:
         return key_fits(self._string((1 << 128) - 1, tags))
 
     def _string(self, chunk_hash: int, tags: tuple[tuple[str, str], ...]) -> str:
-        key = CacheKey(self.model, self.world_size, self.worker_id, chunk_hash, self.dtype, tags)
+        key = CacheKey(
+            self.model, self.world_size, self.worker_id, chunk_hash, self.dtype, self.tags + tags
+        )
         return key.to_string()
 
     def key(self, chunk_hash: int, tags: tuple[tuple[str, str], ...]) -> str:

@@ -19,7 +19,7 @@ from typing import Protocol
 
 import torch
 
-from worker.kv.layout import FMT_KV_2LTD, KVShape
+from worker.kv.layout import KVShape
 
 log = logging.getLogger(__name__)
 
@@ -287,7 +287,7 @@ class SidecarKV:
             client.put(
                 key,
                 self.shape.to_wire(kv),
-                fmt=FMT_KV_2LTD,
+                fmt=self.shape.fmt,
                 dtype=self.shape.dtype_code,
                 shape=self.shape.wire_shape(int(kv.shape[3])),
             )
