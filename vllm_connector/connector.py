@@ -8,7 +8,8 @@ Load it with
 (`SchedulerSide`: lookups and plans) and one in each worker process (`WorkerSide`: the
 copies); this class only routes vLLM's hooks to them (docs/vllm.md).
 
-What it cannot serve (`unsupported`: MLA, a quantised KV cache, hybrid models) it refuses
+What it cannot serve (`unsupported`: MLA, a quantised KV cache other than per-tensor fp8,
+hybrid models) it refuses
 at start-up on both sides with one log line, and vLLM runs without it: no lookups, loads or
 stores (`"required": true` makes that a start-up error instead). A worker that turns
 itself off later (its cache layout cannot be read) says so in its step output
@@ -38,6 +39,7 @@ from vllm.v1.kv_cache_interface import (
 )
 
 from ctxcache import tracing
+from vllm_connector import kvdtype
 from vllm_connector.config import ConnectorConfig
 from vllm_connector.metrics import CtxcachePromMetrics, CtxcacheStats
 from vllm_connector.plan import Planner
@@ -140,10 +142,13 @@ class CtxcacheConnector(KVConnectorBase_V1):
         if self.worker is None:
             return  # refused at start-up
         layers = self._vllm_config.compilation_config.static_forward_context
+        dtype = kvdtype.kv_dtype(self._vllm_config)  # (fp8: its bytes as float8, scaled writes)
+        wrap = kvdtype.wrap_writer(dtype, self._vllm_config.model_config.dtype)
         try:
+            kv_caches = kvdtype.cache_views(kv_caches, dtype)
             writers = {
                 name: (
-                    cache_writer(layers[name]),
+                    wrap(cache_writer(layers[name]), layers[name]),
                     layers[name].num_kv_heads,
                     layers[name].head_size,
                 )
@@ -153,6 +158,9 @@ class CtxcacheConnector(KVConnectorBase_V1):
             self.worker.turn_off(f"its attention layers have no cache write we can use ({exc})")
             return
         self.worker.register(kv_caches, writers)
+        if dtype.itemsize == 1 and self.worker.enabled:
+            scales = kvdtype.describe_scales([layers[name] for name in kv_caches])
+            log.info("ctxcache connector: a %s KV cache, stored as it is (%s)", dtype, scales)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         if self.worker is None:
@@ -279,8 +287,8 @@ def _key_maker(vllm_config: VllmConfig, config: ConnectorConfig) -> KeyMaker:
     name = config.model_name or model.served_model_name or model.model
     if isinstance(name, list):
         name = name[0]
-    dtype = TORCH_TO_KEY_NAME.get(model.dtype, str(model.dtype))  # (a KV cache in another
-    # dtype than the model's is refused: `unsupported`)
+    kv = kvdtype.kv_dtype(vllm_config)  # the KV cache's dtype (fp8), not the model's
+    dtype = TORCH_TO_KEY_NAME.get(kv, str(kv))
     # The scheduler names rank 0's blocks; each tensor-parallel worker stores and loads its
     # own shard under its own rank (WorkerSide.key).
     return KeyMaker(str(name), dtype, 0, vllm_config.parallel_config.tensor_parallel_size)
@@ -288,16 +296,16 @@ def _key_maker(vllm_config: VllmConfig, config: ConnectorConfig) -> KeyMaker:
 
 def unsupported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> str | None:
     """What of this engine the connector cannot serve, in words, or None. It moves full
-    attention's K and V in the model's dtype, one KV cache group (the blocks of
-    `get_block_ids()[0]`): not MLA's latent cache, not a quantised cache (fp8: the keys
-    and the payload carry the model's dtype), not Mamba/linear-attention state or a
-    second group's blocks (hybrid models)."""
+    attention's K and V in the model's dtype or a per-tensor fp8 cache's (`kvdtype`), one
+    KV cache group (the blocks of `get_block_ids()[0]`): not MLA's latent cache, not a
+    cache quantised with scales inside it, not Mamba/linear-attention state or a second
+    group's blocks (hybrid models)."""
     model = vllm_config.model_config
     if model is not None and getattr(model, "use_mla", False):
         return "an MLA model (its latent KV cache)"
-    cache_dtype = vllm_config.cache_config.cache_dtype
-    if cache_dtype not in ("auto", None):
-        return f"a {cache_dtype} KV cache (--kv-cache-dtype {cache_dtype}; only 'auto')"
+    refused = kvdtype.unsupported_cache_dtype(vllm_config)
+    if refused is not None:
+        return refused
     if kv_cache_config is None:
         return None
     groups = kv_cache_config.kv_cache_groups
@@ -310,7 +318,7 @@ def unsupported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) 
                 return "an MLA model (its latent KV cache)"
             if type(spec) is not FullAttentionSpec:  # (its subclasses evict or add blocks)
                 return f"a model with {type(spec).__name__} layers (not plain full attention)"
-            if spec.kv_quant_mode != KVQuantMode.NONE:
+            if spec.kv_quant_mode not in (KVQuantMode.NONE, KVQuantMode.FP8_PER_TENSOR):
                 return f"a quantised KV cache ({spec.kv_quant_mode.name})"
     return None
 
