@@ -61,7 +61,9 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     where = "pinned host↔device" if meta["device"] == "cuda" else "torch host"
     head = [
         "KV shape",
+        "KV dtype",
         "tokens",
+        "B / token",
         "MB",
         "path",
         "op",
@@ -74,7 +76,9 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     body = [
         [
             r["shape"],
+            r.get("dtype", meta["dtype"]),
             r["tokens"],
+            r.get("bytes_per_token", r["bytes"] // r["tokens"]),
             r["bytes"] / 1e6,
             r["path"],
             r["op"] if r["op"] != "get" else "GET alone",

@@ -44,6 +44,29 @@ def test_kvpath_times_both_paths_against_a_plain_copy(tmp_path: Path) -> None:
     assert "gpu_seconds" not in rows[0] and "On the GPU" not in table
 
 
+@pytest.mark.timeout(300)
+def test_kvpath_puts_an_fp8_cache_beside_bf16_at_half_the_bytes_per_token(tmp_path: Path) -> None:
+    """`--dtype bfloat16,fp8`: vLLM's own fp8 cache write, each row beside a plain copy of
+    its own bytes, and a column of bytes per token."""
+    require_vllm()
+    data = run_bench(
+        "kvpath",
+        tmp_path / "kvpath",
+        *("--shapes", "small", "--rounds", "1", "--tokens", "300", "--paths", "tcp,shm"),
+        *("--dtype", "bfloat16,fp8"),
+    )
+    rows = data["results"]
+    per_token = {r["dtype"]: r["bytes_per_token"] for r in rows}
+    assert per_token == {"bfloat16": 2 * 2 * 12 * 4 * 64, "fp8": 2 * 12 * 4 * 64}
+    fp8 = [r for r in rows if r["dtype"] == "fp8"]
+    assert {(r["path"], r["op"]) for r in fp8} >= {("tcp", "load"), ("shm", "load")}
+    for r in fp8:
+        assert r["bytes"] == 300 * per_token["fp8"] and r["vs_copy"] > 0, r
+        assert "fp8" in r["layout"]
+    table = (tmp_path / "kvpath" / "kvpath.md").read_text()
+    assert "| B / token |" in table and "| 6144 |" in table and "| 12288 |" in table
+
+
 def test_the_default_kernel_block_sizes_follow_the_device() -> None:
     """CPU: vLLM's CPU backend's 128; CUDA: the GPU default 16 beside 128."""
     import torch

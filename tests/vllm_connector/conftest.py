@@ -86,12 +86,14 @@ def started_stack(
     *,
     local: bool = True,
     manager: bool = False,
+    vllm_args: tuple[str, ...] = (),
 ) -> Iterator[VllmStack]:
     """vLLM with the connector (`connector_config`: its extra settings), a sidecar and a
     gateway, stopped when the block ends. `local`: KV moves through the sidecar's shared
     memory (as `ctxcache serve` sets it up), else over lm:// only. `manager`: the gateway
     reaches Redis through a manager service (which pins the sessions' KV), else through
-    the manager in its own process. Every process inherits this one's environment."""
+    the manager in its own process. `vllm_args`: more of vLLM's flags (`--kv-cache-dtype
+    fp8`). Every process inherits this one's environment."""
     require_vllm()
     root = tmp_path_factory.mktemp("vllm-stack")
     local_dir = shm_dir(root) if local else None
@@ -117,6 +119,7 @@ def started_stack(
                 # as `ctxcache serve` picks for this CPU: bfloat16 with AMX or avx512_bf16,
                 # else float32; full and session answers come from this one engine, in one dtype
                 dtype=vllm_dtype().dtype,
+                extra_args=list(vllm_args),
             )
             vllm = Engine("vllm", "vllm", env=launch.env(), startup_timeout=600)
             builder.add_engine(replace(vllm, command=tuple(launch.argv()), port=launch.port))
