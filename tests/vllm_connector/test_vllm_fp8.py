@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from ctxcache.redis_server import RedisServer
-from tests.vllm_connector.conftest import VLLM_TIMEOUT, VllmStack, started_stack
+from tests.vllm_connector.conftest import VLLM_TIMEOUT, VllmStack, document, started_stack
 from tests.vllm_connector.test_vllm_e2e import BLOCK, Chat, cached, vllm_counter, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(VLLM_TIMEOUT)]
@@ -41,21 +41,20 @@ def fp8_stack(
         yield stack
 
 
-def recomputed(stack: VllmStack, messages: list[dict[str, str]]) -> str:
-    """vLLM's greedy answer to the whole conversation with nothing reused: a `cache_salt`
-    of its own misses vLLM's prefix cache and the sidecar alike (its keys chain on it)."""
-    body: dict[str, Any] = {
-        "model": "tiny",
-        "messages": messages,
-        "max_tokens": 24,
-        "temperature": 0,
-        "cache_salt": f"recompute-{len(messages)}",
-    }
-    r = httpx.post(f"{stack.vllm.url}/v1/chat/completions", json=body, timeout=300)
+def complete(stack: VllmStack, prompt: list[int], **extra: Any) -> dict[str, Any]:
+    """vLLM's greedy completion of the token ids `prompt` (24 tokens, their logprobs)."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 24, "temperature": 0}
+    r = httpx.post(
+        f"{stack.vllm.url}/v1/completions", json=body | {"logprobs": 1} | extra, timeout=300
+    )
     assert r.status_code == 200, r.text
-    usage = r.json()["usage"]
-    assert cached(usage) == 0, "a salted request reused KV"
-    return str(r.json()["choices"][0]["message"]["content"])
+    return dict(r.json())
+
+
+def tokens(stack: VllmStack, text: str) -> list[int]:
+    r = httpx.post(f"{stack.vllm.url}/tokenize", json={"model": "tiny", "prompt": text})
+    assert r.status_code == 200, r.text
+    return list(r.json()["tokens"])
 
 
 def test_an_fp8_session_comes_back_from_the_sidecar_at_half_bf16s_bytes(
@@ -81,16 +80,26 @@ def test_an_fp8_session_comes_back_from_the_sidecar_at_half_bf16s_bytes(
 
 
 def test_greedy_answers_on_reused_fp8_kv_equal_a_full_recompute(fp8_stack: VllmStack) -> None:
-    """A recomputed prefill writes the same fp8 bytes the sidecar returns (vLLM's CPU
-    attention reads even the prompt's own K and V back from the fp8 cache), so the answers
-    agree token for token."""
-    chat = Chat(fp8_stack, seed=32)
-    for question in ("what is the cat doing?", "and the dogs?", "will it rain?"):
+    """On the same token ids, a prompt whose history was loaded from the sidecar answers
+    like one recomputed from nothing (a `cache_salt` of its own misses vLLM's prefix cache
+    and the sidecar alike): vLLM's CPU attention reads even a prefill's own K and V back
+    from the fp8 cache, so a recompute writes the same fp8 bytes the sidecar returns."""
+    for seed in (41, 42, 43):
+        history = tokens(fp8_stack, document(seed))
+        prompt = history + tokens(fp8_stack, " Question: what is the cat doing? Answer:")
+        key = f"fp8-recompute-{seed}"
+        session = {"kv_transfer_params": {"lmcache.tag.s": key}}
+        complete(fp8_stack, history, **session, max_tokens=1)  # stored to the sidecar
+        held = f"{fp8_stack.sidecar.url}/sessions/{key}"
+        wait_for(lambda: httpx.get(held).json()["tokens"] >= len(history) - BLOCK)  # noqa: B023
         fp8_stack.reset_prefix_cache()
-        context = chat.context_tokens()
-        text, usage = chat.turn(question)
-        assert cached(usage) >= context - BLOCK
-        assert text == recomputed(fp8_stack, chat.messages[:-1])
+        reused = complete(fp8_stack, prompt, **session)
+        full = complete(fp8_stack, prompt, cache_salt=f"recompute-{seed}")
+        assert cached(reused["usage"]) >= len(history) - BLOCK
+        assert cached(full["usage"]) == 0
+        a, b = reused["choices"][0], full["choices"][0]
+        assert a["text"] == b["text"]
+        assert a["logprobs"]["token_logprobs"] == b["logprobs"]["token_logprobs"]
 
 
 def test_an_engine_restarted_with_another_kv_dtype_misses_and_answers(
