@@ -29,6 +29,8 @@ DTYPE_NAMES = (
     "bool",
     "fp8_e4m3fn",
     "fp8_e4m3fnuz",
+    "fp8_e5m2",
+    "fp8_e5m2fnuz",
 )
 
 

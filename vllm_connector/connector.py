@@ -12,11 +12,12 @@ It is `SupportsHMA`, so vLLM keeps its hybrid KV cache manager on: a model of se
 cache groups (sliding-window layers beside full attention) is served group by group
 (`vllm_connector.groups`, `group_plan`, `group_worker`; docs/vllm.md, "Hybrid models").
 An MLA model's latent cache goes through `vllm_connector.mla` (its layout, its keys, stored
-once for all tensor-parallel ranks). What it cannot serve (`unsupported`: a quantised KV
-cache, Mamba / linear-attention state, sparse or quantised MLA) it refuses at start-up on
-both sides with one log line, and vLLM runs without it: no lookups, loads or stores
-(`"required": true` makes that a start-up error instead). A worker that turns itself off
-later (its cache layout cannot be read) says so in its step output
+once for all tensor-parallel ranks); a per-tensor fp8 KV cache is stored as it is
+(`vllm_connector.kvdtype`). What it cannot serve (`unsupported`: a cache quantised with
+scales inside it, Mamba / linear-attention state, sparse or quantised MLA) it refuses at
+start-up on both sides with one log line, and vLLM runs without it: no lookups, loads or
+stores (`"required": true` makes that a start-up error instead). A worker that turns itself
+off later (its cache layout cannot be read) says so in its step output
 (`CtxcacheWorkerMeta`), and the scheduler half then plans nothing more.
 """
 
@@ -44,7 +45,7 @@ from vllm.v1.kv_cache_interface import (
 )
 
 from ctxcache import tracing
-from vllm_connector import mla
+from vllm_connector import kvdtype, mla
 from vllm_connector.config import ConnectorConfig
 from vllm_connector.group_plan import Group, GroupPlanner
 from vllm_connector.group_worker import GroupWorker
@@ -172,13 +173,16 @@ class CtxcacheConnector(KVConnectorBase_V1, SupportsHMA):
         if self.worker is None:
             return  # refused at start-up
         layers = self._vllm_config.compilation_config.static_forward_context
+        dtype = kvdtype.kv_dtype(self._vllm_config)  # (fp8: its bytes as float8, scaled writes)
+        wrap = kvdtype.wrap_writer(dtype, self._vllm_config.model_config.dtype)
         try:
-            if self.worker.latent:
+            if isinstance(self.worker, WorkerSide) and self.worker.latent:
                 self.worker.register(kv_caches, mla.writers(layers, list(kv_caches)))
                 return
+            kv_caches = kvdtype.cache_views(kv_caches, dtype)
             writers = {
                 name: (
-                    cache_writer(layers[name]),
+                    wrap(cache_writer(layers[name]), layers[name]),
                     layers[name].num_kv_heads,
                     layers[name].head_size,
                 )
@@ -188,6 +192,9 @@ class CtxcacheConnector(KVConnectorBase_V1, SupportsHMA):
             self.worker.turn_off(f"its attention layers have no cache write we can use ({exc})")
             return
         self.worker.register(kv_caches, writers)
+        if dtype.itemsize == 1 and self.worker.off is None:
+            scales = kvdtype.describe_scales([layers[name] for name in kv_caches])
+            log.info("ctxcache connector: a %s KV cache, stored as it is (%s)", dtype, scales)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         if self.worker is None:
@@ -331,8 +338,8 @@ def _key_maker(vllm_config: VllmConfig, config: ConnectorConfig) -> KeyMaker:
     name = config.model_name or model.served_model_name or model.model
     if isinstance(name, list):
         name = name[0]
-    dtype = TORCH_TO_KEY_NAME.get(model.dtype, str(model.dtype))  # (a KV cache in another
-    # dtype than the model's is refused: `unsupported`)
+    kv = kvdtype.kv_dtype(vllm_config)  # the KV cache's dtype (fp8), not the model's
+    dtype = TORCH_TO_KEY_NAME.get(kv, str(kv))
     if mla.is_mla(vllm_config):  # one latent for every rank (vllm_connector.mla)
         return mla.key_maker(str(name), dtype)
     # The scheduler names rank 0's blocks; each tensor-parallel worker stores and loads its
@@ -342,14 +349,15 @@ def _key_maker(vllm_config: VllmConfig, config: ConnectorConfig) -> KeyMaker:
 
 def unsupported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> str | None:
     """What of this engine the connector cannot serve, in words, or None. It moves full
-    attention's and sliding windows' K and V, or an MLA model's latent (`mla.unsupported`),
-    in the model's dtype, group by group (`served_groups`): not a quantised cache (fp8: the
-    keys and the payload carry the model's dtype), not Mamba/linear-attention state."""
+    attention's and sliding windows' K and V in the model's dtype or a per-tensor fp8
+    cache's (`kvdtype`), or an MLA model's latent (`mla.unsupported`), group by group
+    (`served_groups`): not a cache quantised with scales inside it, not Mamba /
+    linear-attention state."""
     if mla.is_mla(vllm_config):
         return mla.unsupported(vllm_config, kv_cache_config)
-    cache_dtype = vllm_config.cache_config.cache_dtype
-    if cache_dtype not in ("auto", None):
-        return f"a {cache_dtype} KV cache (--kv-cache-dtype {cache_dtype}; only 'auto')"
+    refused = kvdtype.unsupported_cache_dtype(vllm_config)
+    if refused is not None:
+        return refused
     if kv_cache_config is None:
         return None
     for group in kv_cache_config.kv_cache_groups:
@@ -357,7 +365,7 @@ def unsupported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) 
             if isinstance(spec, MLAAttentionSpec):
                 return "an MLA model (its latent KV cache)"
             quant = getattr(spec, "kv_quant_mode", KVQuantMode.NONE)
-            if quant != KVQuantMode.NONE:
+            if quant not in (KVQuantMode.NONE, KVQuantMode.FP8_PER_TENSOR):
                 return f"a quantised KV cache ({quant.name})"
     served = served_groups(kv_cache_config)  # (full attention and sliding windows)
     return served if isinstance(served, str) else None

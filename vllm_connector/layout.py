@@ -36,8 +36,16 @@ from typing import NamedTuple
 
 import torch
 
-# Values written by the probe must be exact in the cache dtype (bf16 holds integers to 256).
+# Values written by the probe must be exact in the cache dtype: bf16 holds integers to 256,
+# fp8 e4m3 to 16, e5m2 to 8 (so an fp8 cache takes a smaller base and more passes).
 _DIGIT_BASE = 128
+_FP8_DIGIT_BASE = {torch.float8_e4m3fn: 16, torch.float8_e4m3fnuz: 16, torch.float8_e5m2: 8}
+
+
+def _digit_base(dtype: torch.dtype) -> int:
+    """The probe's digit base in `dtype` (its digits are 1..base)."""
+    return _FP8_DIGIT_BASE.get(dtype, _DIGIT_BASE)
+
 
 CacheWriter = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 """`(key [T, H, D], value [T, H, D], kv_cache, slot_mapping [T])`: the backend's cache write."""
@@ -155,10 +163,11 @@ def probe_layout(cache: torch.Tensor, write: CacheWriter, heads: int, head_dim: 
     slots = torch.arange(tokens, device=cache.device, dtype=torch.long)
     found = torch.zeros(elems, dtype=torch.long, device=cache.device)
     written = torch.zeros(elems, dtype=torch.bool, device=cache.device)
-    passes = max(1, math.ceil(math.log(n_logical, _DIGIT_BASE)))
+    base = _digit_base(cache.dtype)
+    passes = max(1, math.ceil(math.log(n_logical, base)))
     scale = 1
     for _ in range(passes):
-        digits = (logical // scale) % _DIGIT_BASE + 1  # 1.._DIGIT_BASE: 0 means "not written"
+        digits = (logical // scale) % base + 1  # 1..base: 0 means "not written"
         scratch_flat.zero_()
         key = digits[0].to(cache.dtype)
         value = digits[1].to(cache.dtype)
@@ -166,7 +175,7 @@ def probe_layout(cache: torch.Tensor, write: CacheWriter, heads: int, head_dim: 
         got = scratch_flat.to(torch.float32).round().to(torch.long)
         written |= got > 0
         found += (got - 1).clamp(min=0) * scale
-        scale *= _DIGIT_BASE
+        scale *= base
     places = written.nonzero().flatten()
     if places.numel() != n_logical:
         raise LayoutError(

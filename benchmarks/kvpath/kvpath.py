@@ -8,7 +8,9 @@ plain-torch cache write), for each KV shape and each data path:
   block layout, block copies.
 Each round times, back to back: a plain copy of the same bytes (on CUDA: a pinned
 host-to-device copy for loads, device-to-host for stores), the store, the load, and for
-tcp the GETs alone. Ratios are paired per round (the same round's copy), medians over the
+tcp the GETs alone (`--dtype bfloat16,fp8`: each KV dtype a case of its own; an fp8 cache
+is vLLM's uint8 bytes written by its fp8 cache write, `vllm_connector.kvdtype`, half of
+bf16's bytes per token). Ratios are paired per round (the same round's copy), medians over the
 rounds. The sidecar runs in its own process, as it does beside an engine. Every load is
 checked once against the blocks it was stored from.
 
@@ -75,6 +77,7 @@ SHAPES = {
 }
 DEFAULT_SHAPES = ("small", "llama3-8b", "llama3-70b-tp8")
 PATHS = ("tcp", "shm")
+KV_DTYPES = ("bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2")
 CHUNK = 256
 
 
@@ -89,7 +92,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"comma list of {', '.join(SHAPES)} (MLA: deepseek-*)",
     )
     a("--paths", default=",".join(PATHS), help="comma list of tcp, shm")
-    a("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    a(
+        "--dtype",
+        default="bfloat16",
+        help=f"KV dtypes, a comma list of {', '.join(KV_DTYPES)} (fp8: vLLM's "
+        "--kv-cache-dtype names; its K/V written from bfloat16)",
+    )
     a("--device", default="cpu", help="where the KV cache lives: cpu or cuda")
     a("--rounds", type=int, default=5, help="timed rounds (the median is reported)")
     a("--tokens", type=int, default=None, help="tokens per case (default: per shape)")
@@ -125,7 +133,9 @@ def main(args: argparse.Namespace) -> int:
     setup_logging("bench", "WARNING")
     shapes = [SHAPES[s] for s in args.shapes.split(",") if s]
     paths = [p for p in args.paths.split(",") if p]
-    dtype = getattr(torch, args.dtype)
+    dtypes = [d for d in args.dtype.split(",") if d]
+    if not dtypes or any(d not in KV_DTYPES for d in dtypes):
+        raise SystemExit(f"--dtype {args.dtype!r}: a comma list of {', '.join(KV_DTYPES)}")
     device = torch.device(args.device)
     sizes = block_sizes(args.block_tokens, device)
     meta = run_meta(
@@ -140,17 +150,21 @@ def main(args: argparse.Namespace) -> int:
         chunk_tokens=CHUNK,
     )
     rows: list[dict[str, Any]] = []
-    with start_sidecar(max(_case_bytes(s, args.tokens, dtype) for s in shapes)) as (url, local):
-        total = len(shapes) * len(sizes) * len(paths) * args.rounds
-        bar = tqdm(total=total, desc="kvpath", unit="round")
+    widest = max(torch_dtype(d).itemsize for d in dtypes)
+    with start_sidecar(max(_case_bytes(s, args.tokens, widest) for s in shapes)) as (url, local):
+        cases = []
         for shape in shapes:
-            tokens = args.tokens or shape.tokens
             mla_cpu = shape.latent and device.type == "cpu" and args.block_tokens is None
-            for n in [16] if mla_cpu else sizes:  # (vLLM's CPU MLA runs 16-token blocks only)
-                for path in paths:
-                    rows += run_case(
-                        shape, tokens, path, dtype, device, n, args.rounds, url, local, bar
-                    )
+            # (vLLM's CPU MLA runs 16-token blocks only, and only an unquantised latent)
+            kinds = [d for d in dtypes if torch_dtype(d).itemsize > 1] if shape.latent else dtypes
+            cases += [(shape, n, d) for n in ([16] if mla_cpu else sizes) for d in kinds]
+        bar = tqdm(total=len(cases) * len(paths) * args.rounds, desc="kvpath", unit="round")
+        for shape, n, kv_dtype in cases:
+            tokens = args.tokens or shape.tokens
+            for path in paths:
+                rows += run_case(
+                    shape, tokens, path, kv_dtype, device, n, args.rounds, url, local, bar
+                )
         bar.close()
     data = {"meta": meta, "results": rows}
     write_outputs(Path(args.out), "kvpath", data, markdown(rows, meta))
@@ -168,8 +182,17 @@ def block_sizes(arg: str | None, device: torch.device) -> list[int]:
     return sizes
 
 
-def _case_bytes(shape: Shape, tokens: int | None, dtype: torch.dtype) -> int:
-    return shape.bytes_per_token(dtype.itemsize) * (tokens or shape.tokens)
+def torch_dtype(kv_dtype: str) -> torch.dtype:
+    """A `--dtype` name as the torch dtype the connector moves (fp8: its float8 view)."""
+    import torch
+
+    from vllm_connector.kvdtype import FP8_CACHE_DTYPES
+
+    return FP8_CACHE_DTYPES.get(kv_dtype) or getattr(torch, kv_dtype)
+
+
+def _case_bytes(shape: Shape, tokens: int | None, itemsize: int) -> int:
+    return shape.bytes_per_token(itemsize) * (tokens or shape.tokens)
 
 
 def shm_tempdir() -> tempfile.TemporaryDirectory[str]:
@@ -241,11 +264,14 @@ def flash_writer(n: int, head_dim: int) -> Callable[..., None]:
 
 
 def cpu_cache_and_writer(
-    blocks: int, n: int, shape: Shape, dtype: torch.dtype
+    blocks: int, n: int, shape: Shape, dtype: torch.dtype, kv_dtype: str = "auto"
 ) -> tuple[Any, Callable[..., None], str]:
-    """vLLM's CPU cache and its real cache write where vLLM is installed, else FlashAttention's."""
+    """vLLM's CPU cache and its real cache write where vLLM is installed, else FlashAttention's
+    (`kv_dtype` fp8: vLLM's fp8 cache as the connector sees it, which needs vLLM)."""
     import torch
 
+    if kv_dtype in ("fp8", "fp8_e4m3", "fp8_e5m2"):
+        return fp8_cache_and_writer(blocks, n, shape, kv_dtype)
     try:
         from vllm import _custom_ops as ops
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa  # type: ignore[attr-defined]
@@ -266,11 +292,36 @@ def cpu_cache_and_writer(
     return cache, write, f"vLLM CPU ({isa})"
 
 
+def fp8_cache_and_writer(
+    blocks: int, n: int, shape: Shape, kv_dtype: str
+) -> tuple[Any, Callable[..., None], str]:
+    """vLLM's CPU fp8 cache (uint8, seen as float8) and its fp8 cache write (scales 1.0,
+    K/V from bfloat16), as the connector registers them."""
+    import torch
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa  # type: ignore[attr-defined]
+
+    from vllm_connector.kvdtype import FP8_CACHE_DTYPES, cache_views, probe_writer
+
+    isa = _get_attn_isa(torch.bfloat16, n, shape.head_dim, kv_dtype)
+
+    def write(k: Any, v: Any, cache: Any, slots: Any) -> None:
+        b, h, t, _ = cache.shape
+        key_cache, value_cache = cache.view(b, h, t * 2, -1).chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(
+            k, v, key_cache, value_cache, slots, isa, kv_cache_dtype=kv_dtype
+        )
+
+    raw = torch.empty(blocks, shape.kv_heads, n, 2 * shape.head_dim, dtype=torch.uint8)
+    cache = cache_views({"c": raw}, FP8_CACHE_DTYPES[kv_dtype])["c"]
+    return cache, probe_writer(write, torch.bfloat16), f"vLLM CPU {kv_dtype} ({isa})"
+
+
 def run_case(
     shape: Shape,
     tokens: int,
     path: str,
-    dtype: torch.dtype,
+    kv_dtype: str,
     device: torch.device,
     n: int,
     rounds: int,
@@ -285,6 +336,9 @@ def run_case(
     from vllm_connector.scheduler import StepPlan
     from vllm_connector.worker import WorkerSide
 
+    dtype = torch_dtype(kv_dtype)
+    if dtype.itemsize == 1 and device.type != "cpu":
+        raise SystemExit("--dtype fp8: vLLM's CPU fp8 cache write, on --device cpu only")
     per_req = math.ceil(tokens / n)
     blocks = 2 * per_req + 1
     caches, writers = {}, {}
@@ -298,7 +352,7 @@ def run_case(
                 "flash",
             )
         else:
-            cache, write, layout = cpu_cache_and_writer(blocks, n, shape, dtype)
+            cache, write, layout = cpu_cache_and_writer(blocks, n, shape, dtype, kv_dtype)
         cache.copy_(torch.randn(cache.shape, device=device).to(dtype))
         caches[f"layer.{layer}"] = cache
         writers[f"layer.{layer}"] = (write, shape.kv_heads, shape.head_dim)
@@ -320,7 +374,7 @@ def run_case(
     try:
         for r in range(rounds):
             pieces = [
-                Piece(f"bench@1@0@{path}{r}x{i:x}@{dtype}", i, min(CHUNK, tokens - i))
+                Piece(f"bench@1@0@{path}{r}x{i:x}@{kv_dtype}", i, min(CHUNK, tokens - i))
                 for i in range(0, tokens, CHUNK)
             ]
             samples["copy_store"].append(timed(copy_store, device))
@@ -353,6 +407,8 @@ def run_case(
     rows = rows_of(shape, tokens, path, layout, nbytes, samples, counters)
     for row in rows:
         row["block_tokens"] = n
+        row["dtype"] = kv_dtype
+        row["bytes_per_token"] = nbytes // tokens
         if probe is not None and row["op"] in probe.samples:
             row.update(probe.summary(row["op"]))
     return rows
@@ -400,9 +456,11 @@ def timed(fn: Callable[[], object], device: torch.device) -> float:
 
 def check_equal(side: WorkerSide, src: list[int], dst: list[int], tokens: int, n: int) -> None:
     """The loaded blocks hold exactly the stored ones' KV (a partial last block: its tokens)."""
+    import torch
+
     from vllm_connector.layout import gather, token_slots
 
     a = gather(side.caches, side.layouts, token_slots(src, n, n, 0, tokens))
     b = gather(side.caches, side.layouts, token_slots(dst, n, n, 0, tokens))
-    if not bool((a == b).all()):
+    if not torch.equal(a.view(torch.uint8), b.view(torch.uint8)):  # (bytes: fp8 too)
         raise AssertionError("the loaded KV differs from the stored KV")

@@ -63,8 +63,9 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     where = "pinned host↔device" if meta["device"] == "cuda" else "torch host"
     head = [
         "KV shape",
+        "KV dtype",
         "tokens",
-        "KB / token",
+        "B / token",
         "MB",
         "path",
         "op",
@@ -77,8 +78,9 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     body = [
         [
             r["shape"],
+            r.get("dtype", meta["dtype"]),
             r["tokens"],
-            r["bytes_per_token"] / 1e3,
+            r.get("bytes_per_token", r["bytes"] // r["tokens"]),
             r["bytes"] / 1e6,
             r["path"],
             r["op"] if r["op"] != "get" else "GET alone",
@@ -161,11 +163,16 @@ def plot(rows: list[dict[str, Any]], path: Path, meta: dict[str, Any]) -> None:
     from benchmarks.lib.util import bar_plot
 
     cases = [r for r in rows if r["op"] in ("load", "store")]
-    labels = sorted({f"{r['shape']} {r['op']}" for r in cases})
+    several = len({r.get("dtype") for r in cases}) > 1  # (--dtype a list: one bar each)
+
+    def label(r: dict[str, Any]) -> str:
+        return f"{r['shape']} {r['dtype']} {r['op']}" if several else f"{r['shape']} {r['op']}"
+
+    labels = sorted({label(r) for r in cases})
     series: dict[str, list[float]] = {}
     for p in sorted({r["path"] for r in cases}):
-        by = {f"{r['shape']} {r['op']}": r["vs_copy"] for r in cases if r["path"] == p}
-        series[p] = [by.get(label, 0.0) for label in labels]
+        by = {label(r): r["vs_copy"] for r in cases if r["path"] == p}
+        series[p] = [by.get(name, 0.0) for name in labels]
     bar_plot(
         path,
         f"KV load/store through the connector ÷ a plain copy of the same bytes ({meta['device']})",

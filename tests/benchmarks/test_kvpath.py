@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shlex
 import signal
@@ -20,14 +21,24 @@ from tests.utils import check_png, require_vllm
 def test_kvpath_times_both_paths_against_a_plain_copy(tmp_path: Path) -> None:
     """Both paths, and `--block-tokens 64,128`: every row once per kernel block size, named
     in a column; an MLA model's latent beside full attention (DeepSeek-V2-Lite: 27 layers
-    of one 576-channel latent, vLLM's CPU MLA write; one run: a bench run costs seconds)."""
+    of one 576-channel latent, vLLM's CPU MLA write); where vLLM is installed an fp8 cache
+    too (`--dtype bfloat16,fp8`: vLLM's own fp8 cache write, AVX-512; full attention only),
+    each row beside a plain copy of its own bytes, with its bytes per token (one run: a
+    bench run costs seconds)."""
+    import torch
+
+    # (vLLM's CPU fp8 cache write needs AVX-512 or AMX)
+    fp8 = importlib.util.find_spec("vllm") is not None and torch.cpu._is_avx512_supported()
     data = run_bench(
         "kvpath",
         tmp_path / "kvpath",
         *("--shapes", "small,deepseek-v2-lite", "--rounds", "1", "--tokens", "300"),
         *("--paths", "tcp,shm", "--block-tokens", "64,128"),
+        *("--dtype", "bfloat16,fp8" if fp8 else "bfloat16"),
     )
     rows = data["results"]
+    if fp8:
+        check_fp8_rows(rows, (tmp_path / "kvpath" / "kvpath.md").read_text())
     assert data["meta"]["block_tokens"] == [64, 128]
     cases = {(p, op) for p in ("tcp", "shm") for op in ("load", "store")} | {("tcp", "get")}
     for n, latent in ((64, False), (128, False), (64, True), (128, True)):
@@ -38,7 +49,8 @@ def test_kvpath_times_both_paths_against_a_plain_copy(tmp_path: Path) -> None:
     for r in rows:
         assert r["tokens"] == 300 and r["bytes"] > 0
         assert r["vs_copy"] > 0 and r["gbps"] > 0, r
-        per_token = 27 * 576 * 2 if r["latent"] else 2 * 12 * 4 * 64 * 2  # bf16
+        itemsize = 1 if r["dtype"] == "fp8" else 2  # (else bf16)
+        per_token = 27 * 576 * itemsize if r["latent"] else 2 * 12 * 4 * 64 * itemsize
         assert r["bytes_per_token"] == per_token, r
     layouts = {r["layout"] for r in rows if r["latent"]}
     assert layouts == {"vLLM CPU MLA latent"} or layouts == {"MLA latent (torch write)"}
@@ -50,6 +62,20 @@ def test_kvpath_times_both_paths_against_a_plain_copy(tmp_path: Path) -> None:
         "| N |" in table.replace("KV shape | N", "| N |") and "64,128-token kernel blocks" in table
     )
     assert "gpu_seconds" not in rows[0] and "On the GPU" not in table
+
+
+def check_fp8_rows(rows: list[dict[str, object]], table: str) -> None:
+    """fp8 rows at half of bf16's bytes per token (the small preset: 12 layers x 4 x 64)."""
+    rows = [r for r in rows if not r["latent"]]  # (an MLA latent runs in bf16 only here)
+    per_token = {r["dtype"]: r["bytes_per_token"] for r in rows}
+    assert per_token == {"bfloat16": 2 * 2 * 12 * 4 * 64, "fp8": 2 * 12 * 4 * 64}
+    fp8 = [r for r in rows if r["dtype"] == "fp8"]
+    assert {(r["path"], r["op"]) for r in fp8} == {
+        (p, op) for p in ("tcp", "shm") for op in ("load", "store")
+    } | {("tcp", "get")}
+    for r in fp8:
+        assert r["bytes"] == 300 * 2 * 12 * 4 * 64 and "fp8" in str(r["layout"]), r
+    assert "| B / token |" in table and "| 6144 |" in table and "| 12288 |" in table
 
 
 def test_the_default_kernel_block_sizes_follow_the_device() -> None:

@@ -1,4 +1,5 @@
-"""What the connector cannot serve — a quantised (fp8) KV cache or MLA latent, Mamba state — it
+"""What the connector cannot serve — an MLA latent in fp8, a KV cache quantised with scales
+inside it (per-token-head int8/fp8) or of mixed dtypes, Mamba state — it
 refuses at start-up on both sides, with one log line, and vLLM runs without it: no lookup,
 no load, no store planned. A worker that turns itself off later makes the scheduler half
 plan nothing more.
@@ -61,9 +62,17 @@ def kv_cache_config(*specs: KVCacheSpec) -> KVCacheConfig:
     return KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=groups)
 
 
-def vllm_config(*, cache_dtype: str = "auto", mla: bool = False, **extra: Any) -> VllmConfig:
+def vllm_config(
+    *,
+    cache_dtype: str = "auto",
+    mla: bool = False,
+    skip_layers: list[str] | None = None,
+    **extra: Any,
+) -> VllmConfig:
+    cache = CacheConfig(block_size=BLOCK, cache_dtype=cache_dtype)  # type: ignore[arg-type]
+    cache.kv_cache_dtype_skip_layers = list(skip_layers or [])
     config = VllmConfig(
-        cache_config=CacheConfig(block_size=BLOCK, cache_dtype=cache_dtype),  # type: ignore[arg-type]
+        cache_config=cache,
         kv_transfer_config=KVTransferConfig(
             kv_connector="CtxcacheConnector",
             kv_connector_module_path="vllm_connector.connector",
@@ -136,11 +145,20 @@ UNSUPPORTED = {
         ),
         "MLA",
     ),
-    "fp8": (dict(cache_dtype="fp8"), kv_cache_config(full()), "fp8 KV cache"),
-    "fp8-spec": (
+    "int8-per-token-head": (
+        dict(cache_dtype="int8_per_token_head"),
+        kv_cache_config(full()),
+        "int8_per_token_head KV cache",
+    ),
+    "fp8-per-token-head-spec": (
         {},
-        kv_cache_config(full(kv_quant_mode=KVQuantMode.FP8_PER_TENSOR)),
+        kv_cache_config(full(kv_quant_mode=KVQuantMode.FP8_PER_TOKEN_HEAD)),
         "quantised KV cache",
+    ),
+    "fp8-skip-layers": (
+        dict(cache_dtype="fp8", skip_layers=["0"]),
+        kv_cache_config(full(kv_quant_mode=KVQuantMode.FP8_PER_TENSOR)),
+        "mixed dtypes",
     ),
     "hybrid-mamba": (
         {},
@@ -205,7 +223,7 @@ def test_the_scheduler_refuses_what_it_cannot_serve_and_plans_nothing(
     connector.shutdown()
 
 
-@pytest.mark.parametrize("case", ["mla-fp8", "fp8", "hybrid-mamba"])
+@pytest.mark.parametrize("case", ["mla-fp8", "int8-per-token-head", "hybrid-mamba"])
 def test_the_worker_refuses_alike_and_does_nothing(
     sidecar: EverythingSidecar, caplog: pytest.LogCaptureFixture, case: str
 ) -> None:
@@ -225,9 +243,9 @@ def test_the_worker_refuses_alike_and_does_nothing(
 
 
 def test_required_makes_a_refusal_a_start_up_error(sidecar: EverythingSidecar) -> None:
-    with pytest.raises(ValueError, match=r"fp8 KV cache.*LMCacheConnectorV1"):
+    with pytest.raises(ValueError, match=r"int8_per_token_head KV cache.*LMCacheConnectorV1"):
         CtxcacheConnector(
-            vllm_config(cache_dtype="fp8", required=True),
+            vllm_config(cache_dtype="int8_per_token_head", required=True),
             KVConnectorRole.SCHEDULER,
             kv_cache_config(full()),
         )

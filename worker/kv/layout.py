@@ -18,6 +18,8 @@ import torch
 # LMCache's `lmcache.v1.protocol` integers, as the sidecar protocol carries them.
 from sidecar.protocol import (
     DTYPE_BFLOAT16,
+    DTYPE_FLOAT8_E4M3FN,
+    DTYPE_FLOAT8_E5M2,
     DTYPE_FLOAT16,
     DTYPE_FLOAT32,
     FMT_KV_2LTD,
@@ -28,12 +30,17 @@ TORCH_TO_CODE: dict[torch.dtype, int] = {
     torch.float32: DTYPE_FLOAT32,
     torch.bfloat16: DTYPE_BFLOAT16,
     torch.float16: DTYPE_FLOAT16,  # what LMCache writes for half
+    # an fp8 KV cache's bytes as they are (vllm_connector.kvdtype)
+    torch.float8_e4m3fn: DTYPE_FLOAT8_E4M3FN,
+    torch.float8_e5m2: DTYPE_FLOAT8_E5M2,
 }
 # names LMCache writes in a key's dtype field (lmcache.utils.TORCH_DTYPE_TO_STR_DTYPE)
 TORCH_TO_KEY_NAME: dict[torch.dtype, str] = {
     torch.float32: "float",
     torch.bfloat16: "bfloat16",
     torch.float16: "half",
+    torch.float8_e4m3fn: "fp8_e4m3fn",
+    torch.float8_e5m2: "fp8_e5m2",
 }
 
 
