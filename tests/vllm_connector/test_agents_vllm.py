@@ -204,7 +204,9 @@ def turn_and_whole(
         {"role": "assistant", "content": r1.choices[0].message.content},
         *ask,
     ]
-    return turn, client.chat.completions.create(model="tiny", messages=whole, **kwargs)
+    explicit = {"prompt_cache_options": {"mode": "explicit"}}  # (passed through to vLLM)
+    body = {**kwargs, "extra_body": {**kwargs.get("extra_body", {}), **explicit}}
+    return turn, client.chat.completions.create(model="tiny", messages=whole, **body)
 
 
 def test_structured_output_and_logprobs_in_a_session(

@@ -29,10 +29,11 @@ def test_three_turn_chain_equals_the_full_conversation(vllm_stack: VllmStack) ->
                 input=question, instructions=instructions, previous_response_id=previous, **GREEDY
             )
             history.append({"role": "user", "content": question})
-            want = client.responses.create(
+            want = client.responses.create(  # (passed through: not an implicit session's)
                 input=history,  # type: ignore[arg-type]
                 instructions=instructions,
                 store=False,
+                extra_body={"prompt_cache_options": {"mode": "explicit"}},
                 **GREEDY,
             )
             assert got.output_text == want.output_text, f"turn {turn} differs"

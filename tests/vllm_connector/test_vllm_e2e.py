@@ -65,7 +65,10 @@ class Chat:
         return text, usage
 
     def full_text(self) -> str:
+        """The whole conversation passed through to vLLM (never an implicit session's turn,
+        which would reuse the sidecar's KV as the session does: docs/implicit.md)."""
         body = {"model": "tiny", "messages": self.messages, "max_tokens": 24, "temperature": 0}
+        body["prompt_cache_options"] = {"mode": "explicit"}
         r = self.client.post("/v1/chat/completions", json=body)
         assert r.status_code == 200, r.text
         return str(r.json()["choices"][0]["message"]["content"])

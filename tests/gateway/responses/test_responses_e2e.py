@@ -27,11 +27,13 @@ def session_of(response_id: str) -> str:
 
 
 def full_text(client: openai.OpenAI, messages: list[dict[str, str]]) -> Response:
-    """The same conversation sent whole, stored nowhere: the reference."""
+    """The same conversation sent whole, stored nowhere and continuing nothing (not an
+    implicit session's turn: docs/implicit.md): the reference."""
     return client.responses.create(
         input=messages,  # type: ignore[arg-type]
         instructions=INSTRUCTIONS,
         store=False,
+        extra_body={"prompt_cache_options": {"mode": "explicit"}},
         **GREEDY,
     )
 
