@@ -27,8 +27,9 @@ from tests.vllm_connector.conftest import VLLM_TIMEOUT, VllmStack, started_stack
 # says why).
 # preset: (a word the connector's start-up line has for its kind, vLLM's dtype, marks)
 KINDS = {
-    # cheapest of the three, and the kind most deployments serve (gpt-oss, Gemma, Mistral)
-    "tiny-sliding": (r"sliding", None, ()),
+    # the kind most deployments serve (gpt-oss, Gemma, Mistral); slow as the others: an
+    # engine start of its own (the groups' hooks on vLLM's objects: test_groups.py)
+    "tiny-sliding": (r"sliding", None, (pytest.mark.slow,)),
     # its own engine start (CPU MLA: 16-token blocks, no prefix caching without AMX)
     "tiny-mla": (r"MLA", None, (pytest.mark.slow,)),
     # vLLM's CPU gated-delta-net kernels compute in bfloat16 only
