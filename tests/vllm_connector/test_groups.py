@@ -291,10 +291,12 @@ def test_the_worker_half_reports_a_request_once_every_group_is_done() -> None:
         [FULL, SLIDING, Group(2, ("model.layers.2.self_attn.attn",), BS, 256)],
         # windows only (Mistral-7B-v0.1's kind: no full-attention group at all)
         [SLIDING],
+        # a window that is no multiple of the block: the edge ends are most hits
+        [FULL, Group(1, ("model.layers.0.self_attn.attn",), BS, 300)],
     ],
-    ids=["two-windows", "windows-only"],
+    ids=["two-windows", "windows-only", "window-300"],
 )
-@pytest.mark.parametrize("tokens", [1000, 1023, 1151, 1280])
+@pytest.mark.parametrize("tokens", [1000, 1023, 1100, 1151, 1280])
 def test_every_group_finds_what_the_last_turn_stored(groups: list[Group], tokens: int) -> None:
     """Whatever the length, the next turn reuses all but less than a block of the history,
     and each group loads exactly the blocks vLLM allocates for that hit."""
