@@ -172,8 +172,9 @@ class SchedulerSide:
         specs = self.planner.load_specs(
             request.request_id, cached[1], num_external, blocks, _trace(request)
         )
-        if not specs:
-            return
+        if not specs:  # (never expected) vLLM counts on a load: one that fails, recomputed
+            end = cached[1].tokens
+            specs = [LoadSpec(request.request_id, end - num_external, end, [], list(blocks[0]))]
         self._loads[request.request_id] = specs
         if self.config.async_loads:
             held = {b for spec in specs for b in spec.block_ids}

@@ -5,6 +5,7 @@ engine is tests/vllm_connector/test_vllm_sliding.py."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import warnings
 from types import SimpleNamespace
@@ -281,3 +282,45 @@ def test_the_worker_half_reports_a_request_once_every_group_is_done() -> None:
         assert worker.take_failed() == set()
     finally:
         worker.close()
+
+
+@pytest.mark.parametrize(
+    "groups",
+    [
+        # two windows beside full attention (vLLM makes a group per window)
+        [FULL, SLIDING, Group(2, ("model.layers.2.self_attn.attn",), BS, 256)],
+        # windows only (Mistral-7B-v0.1's kind: no full-attention group at all)
+        [SLIDING],
+        # a window that is no multiple of the block: the edge ends are most hits
+        [FULL, Group(1, ("model.layers.0.self_attn.attn",), BS, 300)],
+    ],
+    ids=["two-windows", "windows-only", "window-300"],
+)
+@pytest.mark.parametrize("tokens", [1000, 1023, 1100, 1151, 1280])
+def test_every_group_finds_what_the_last_turn_stored(groups: list[Group], tokens: int) -> None:
+    """Whatever the length, the next turn reuses all but less than a block of the history,
+    and each group loads exactly the blocks vLLM allocates for that hit."""
+    plan = GroupPlanner(groups, KEYS, 256, BS)
+    seq = ids(tokens, seed=tokens)
+    blocks = [held(g, tokens, 1 + 100 * g.index) for g in groups]
+    blocks += [[]] * (3 - len(blocks))  # (indexed by vLLM's group id)
+    if len(groups) == 1:
+        blocks = [[], blocks[0], []]
+    stored = stored_keys(plan.store_specs("r", "sess", seq, TAGS, 0, set(), blocks))
+    turn = [*seq, *ids(40, seed=9)]
+    lookup = plan.lookup(turn, len(turn) - 1, TAGS, 0, lambda keys: [k in stored for k in keys])
+    assert tokens - BS < lookup.tokens <= tokens
+    new = [held(g, lookup.tokens, 1000 + 100 * g.index) for g in groups]
+    new += [[]] * (3 - len(new))
+    if len(groups) == 1:
+        new = [[], new[0], []]
+    for spec in plan.load_specs("r2", lookup, lookup.tokens, new):
+        group = next(g for g in groups if g.index == spec.group)
+        assert spec.start == group.first_kept(lookup.tokens)
+        assert spec.end == lookup.tokens
+        covered = sorted((p.begin, p.end) for p in spec.pieces)
+        assert covered[0][0] <= spec.start and covered[-1][1] >= spec.end
+        assert all(a[1] >= b[0] for a, b in itertools.pairwise(covered))
+        # every block the load writes is one vLLM allocated (none of its null block)
+        first, last = spec.start // BS, (spec.end - 1) // BS
+        assert NULL_BLOCK not in spec.block_ids[first : last + 1]

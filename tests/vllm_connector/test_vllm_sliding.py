@@ -14,7 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from ctxcache.lmcache_keys import session_key
 from ctxcache.redis_server import RedisServer
+from sidecar.client import KVClient
+from sidecar.protocol import DTYPE_FLOAT32, FMT_KV_2LTD
 from tests.vllm_connector.conftest import VLLM_TIMEOUT, VllmStack, started_stack
 from tests.vllm_connector.test_vllm_e2e import BLOCK, Chat, cached, vllm_counter, wait_for
 
@@ -80,6 +83,33 @@ def test_after_a_prefix_cache_reset_the_sidecar_serves_both_groups(
     wait_for(lambda: vllm_counter(sliding_stack, "loaded_tokens") > loaded_before)
     held = chat.info()
     assert held["kv_bytes"] > 0
+
+
+def test_a_corrupt_window_fails_the_whole_load_and_is_recomputed(
+    sliding_stack: VllmStack, sliding_model: Path
+) -> None:
+    """Only the windowed group's blocks are wrong: the full group's load goes through, the
+    request's load is reported failed (vLLM's `failed_recving`: block ids repeat across
+    groups, so no block can be named) and vLLM recomputes it — the same answer as the
+    whole conversation, never a failed step. (`tiny-sliding`: its group 0 is the window.)"""
+    if sliding_model.name != "tiny-sliding":
+        pytest.skip("its windowed group's keys are named for tiny-sliding's groups")
+    assert "group 0: sliding window 256" in vllm_log(sliding_stack)  # its keys: `tiny#g0@...`
+    chat = Chat(sliding_stack, seed=13)
+    chat.turn("what is the cat doing?")
+    tag = f"s%{session_key(chat.sid)}"
+    with KVClient.from_url(sliding_stack.sidecar_lm) as kv:
+        wait_for(lambda: any(k.endswith(tag) and "#g0@" in k for k in kv.list_keys()))
+        windowed = [k for k in kv.list_keys() if k.endswith(tag) and "#g0@" in k]
+        for key in windowed:  # same keys, wrong blocks: EXIST says yes, the load refuses them
+            garbage = bytes(range(256)) * 64
+            kv.put(key, garbage, fmt=FMT_KV_2LTD, dtype=DTYPE_FLOAT32, shape=(2, 2, 32, 64))
+        kv.health()  # a round trip after the PUTs: the sidecar has them
+    failures = vllm_counter(sliding_stack, "load_failures")
+    sliding_stack.reset_prefix_cache()
+    chat.turn("and the dogs?")  # answered exactly like the full history
+    wait_for(lambda: vllm_counter(sliding_stack, "load_failures") > failures)
+    assert "Traceback" not in vllm_log(sliding_stack)
 
 
 def conversation(stack: VllmStack) -> dict[str, int]:
