@@ -1,7 +1,8 @@
-"""The real vLLM (CPU build) with the ctxcache connector on each kind of preset
-(`ctxcache model create --preset tiny-sliding|tiny-gemma3|tiny-mla|tiny-hybrid`): it
-starts, it answers a chat and a completion, and the connector says in one start-up line
-what kind of model it was given. One engine start per preset, shared by its tests.
+"""The real vLLM (CPU build) with the ctxcache connector on a preset the connector does not
+serve (`ctxcache model create --preset tiny-hybrid`): it starts, it answers a chat and a
+completion, and the connector says in one start-up line what kind of model it was given.
+One engine start per preset, shared by its tests (the served kinds' stacks: their own
+modules).
 
 What the connector then does with each kind (serve a group, refuse it, store a window) is
 its own tests' business; these hold only what must stay true whatever it does: vLLM is never
@@ -27,15 +28,10 @@ from tests.vllm_connector.conftest import VLLM_TIMEOUT, VllmStack, started_stack
 # says why).
 # preset: (a word the connector's start-up line has for its kind, vLLM's dtype, marks)
 KINDS = {
-    # the kind most deployments serve (gpt-oss, Gemma, Mistral); slow as the others: an
-    # engine start of its own (the groups' hooks on vLLM's objects: test_groups.py)
-    "tiny-sliding": (r"sliding", None, (pytest.mark.slow,)),
-    # its own engine start (CPU MLA: 16-token blocks, no prefix caching without AMX)
-    "tiny-mla": (r"MLA", None, (pytest.mark.slow,)),
-    # vLLM's CPU gated-delta-net kernels compute in bfloat16 only
+    # vLLM's CPU gated-delta-net kernels compute in bfloat16 only. (The other kinds' stacks
+    # are their own modules': test_vllm_sliding.py runs tiny-sliding and tiny-gemma3,
+    # test_vllm_mla.py tiny-mla, each checking its start-up line; one engine start each.)
     "tiny-hybrid": (r"hybrid|Mamba|linear", "bfloat16", (pytest.mark.slow,)),
-    # sliding again, Gemma 3's 5:1: six KV cache groups with the hybrid manager
-    "tiny-gemma3": (r"sliding", None, (pytest.mark.slow,)),
 }
 LINE = re.compile(r"ctxcache connector[^\n]*")
 
