@@ -23,21 +23,24 @@ def latent_cache_and_writer(
     from vllm_connector.mla import latent_writer
 
     cache = torch.empty(blocks, n, latent, dtype=dtype, device=device)
-    impl, name = _vllm_cpu_impl(latent) if device.type == "cpu" else (None, "")
+    impl = vllm_cpu_mla_impl(latent) if device.type == "cpu" else None
+    name = "vLLM CPU MLA latent"
     if impl is None:
         impl, name = SimpleNamespace(do_kv_cache_update=_torch_write), "MLA latent (torch write)"
     layer = SimpleNamespace(impl=impl, kv_lora_rank=KV_LORA_RANK, kv_cache_dtype="auto")
     return cache, latent_writer(layer), name
 
 
-def _vllm_cpu_impl(latent: int) -> tuple[Any, str]:
+def vllm_cpu_mla_impl(latent: int) -> Any:
+    """vLLM's CPU MLA impl for a latent of `latent` channels (its real cache write), or None
+    where vLLM is not installed."""
     try:
         with warnings.catch_warnings():  # vLLM's imports warn (torch.jit deprecations)
             warnings.simplefilter("ignore", DeprecationWarning)
             from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl
     except Exception:
-        return None, ""
-    impl = CPUMLAImpl(
+        return None
+    return CPUMLAImpl(
         num_heads=1,
         head_size=latent,
         scale=1.0,
@@ -56,7 +59,6 @@ def _vllm_cpu_impl(latent: int) -> tuple[Any, str]:
         v_head_dim=128,
         kv_b_proj=None,
     )
-    return impl, "vLLM CPU MLA latent"
 
 
 def _torch_write(

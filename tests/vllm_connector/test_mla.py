@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 
+from benchmarks.kvpath.kvpath_mla import vllm_cpu_mla_impl
 from ctxcache.lmcache_keys import parse_key
 from sidecar.protocol import FMT_KV_MLA
 from sidecar.service import Sidecar
@@ -43,29 +44,8 @@ DST = [30, 17, 25, 14, 39, 20, 33, 15, 22, 36, 18, 27, 31]  # a paged cache's ra
 def layer() -> Any:
     """An MLA layer as the connector sees it: vLLM's CPU MLA impl (its real cache write)."""
     require_vllm()
-    with warnings.catch_warnings():  # vLLM's imports warn (torch.jit deprecations)
-        warnings.simplefilter("ignore", DeprecationWarning)
-        from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl
-
-    impl = CPUMLAImpl(
-        num_heads=1,
-        head_size=LATENT,
-        scale=1.0,
-        num_kv_heads=1,
-        alibi_slopes=None,
-        sliding_window=None,
-        kv_cache_dtype="auto",
-        logits_soft_cap=None,
-        attn_type="decoder",
-        kv_sharing_target_layer_name=None,
-        q_lora_rank=None,
-        kv_lora_rank=RANK,
-        qk_nope_head_dim=128,
-        qk_rope_head_dim=ROPE,
-        qk_head_dim=128 + ROPE,
-        v_head_dim=128,
-        kv_b_proj=None,
-    )
+    impl = vllm_cpu_mla_impl(LATENT)
+    assert impl is not None
     return SimpleNamespace(impl=impl, kv_lora_rank=RANK, kv_cache_dtype="auto", head_size=LATENT)
 
 
