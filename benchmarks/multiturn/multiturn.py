@@ -69,6 +69,9 @@ _WORD_TEXT = (
     "python function class return string error write read start stop first last next"
 )
 WORDS = _WORD_TEXT.split()
+# vLLM's shm_broadcast readers busy-loop for busy_loop_s = 1 s after each read before they
+# park on a socket; another engine asked within that second shares the CPUs with the spin
+VLLM_SWITCH_GAP_S = 1.2
 DEFAULT_MODEL = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ctxcache"
 
 
@@ -125,6 +128,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=0.0,
         help="seconds between one answer and the next request (a user reading)",
     )
+    p.add_argument(
+        "--switch-gap",
+        type=float,
+        default=None,
+        help="seconds an engine idles before the next mode's engine is asked (default "
+        f"{VLLM_SWITCH_GAP_S} with --engine vllm, else 0): vLLM's workers spin on their "
+        "shared-memory queue for 1 s after each message, and on few CPUs that spin slows "
+        "the next engine",
+    )
     p.add_argument("--kv-blocks", type=int, default=48, help="vLLM's KV cache in blocks")
     p.add_argument("--roomy-gib", type=int, default=2, help="the roomy vLLM's KV cache, GiB")
     p.add_argument(
@@ -152,6 +164,8 @@ def main(args: argparse.Namespace) -> int:
     setup_logging("bench", "WARNING")
     if args.quick:
         args.conversations, args.turns, args.answer_tokens = 2, 3, 8
+    if args.switch_gap is None:
+        args.switch_gap = VLLM_SWITCH_GAP_S if args.engine == "vllm" and not args.url else 0.0
     known = VLLM_MODES if args.engine == "vllm" and not args.url else BUILTIN_MODES
     default = ",".join(VLLM_DEFAULT_MODES) if known is VLLM_MODES else "session,full"
     modes = [m.strip() for m in (args.modes or default).split(",") if m.strip()]
@@ -199,6 +213,7 @@ def main(args: argparse.Namespace) -> int:
         reference=replay.reference,
         interleave=args.interleave,
         think_time_s=args.think_time,
+        switch_gap_s=args.switch_gap,
         kv_blocks=args.kv_blocks if args.engine == "vllm" else None,
         idle_cpu_percent=idle,
         threads=args.threads,

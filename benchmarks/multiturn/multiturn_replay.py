@@ -58,6 +58,7 @@ class Replay:
             ]
             self.conversations.append(Conversation(c, users))
         self.log: list[dict[str, Any]] = []  # one row per request
+        self.last: tuple[str, float] | None = None  # the last request's mode and end
         self.run_id = uuid.uuid4().hex[:12]
 
     def _first_model(self, mode: str) -> str:
@@ -90,6 +91,7 @@ class Replay:
                 answers: dict[str, str] = {}
                 for mode in order:
                     time.sleep(args.think_time)
+                    self._let_last_engine_idle(mode.name)
                     answers[mode.name] = self._turn(conv, turn, mode)
                     bar.update(1)
                 if self.floor is not None:
@@ -98,6 +100,12 @@ class Replay:
             for conv in self.conversations:
                 for name, sid in conv.sessions.items():
                     self.http[name].delete(f"/v1/context/{sid}")
+
+    def _let_last_engine_idle(self, mode: str) -> None:
+        """Wait until the engine asked last has idled `--switch-gap` seconds, when this
+        request goes to another mode's engine (see `VLLM_SWITCH_GAP_S`)."""
+        if self.last is not None and self.last[0] != mode:
+            time.sleep(max(0.0, self.last[1] + self.args.switch_gap - time.monotonic()))
 
     def _create(self, mode: Mode) -> str:
         body = {
@@ -133,6 +141,7 @@ class Replay:
             body["cache_salt"] = f"multiturn-{salt}"
         data = _dumps(body)
         text, ttft, total, usage = self._stream(mode.name, data)
+        self.last = (mode.name, time.monotonic())
         history += [user, {"role": "assistant", "content": text}]
         self.log.append(
             {

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +44,9 @@ class FakeServers:
     def __call__(self, request: httpx.Request) -> httpx.Response:
         body = orjson.loads(request.content) if request.content else {}
         auth = request.headers.get("authorization")
-        self.sent.append({"host": request.url.host, "auth": auth, "body": body})
+        self.sent.append(
+            {"host": request.url.host, "auth": auth, "body": body, "at": time.monotonic()}
+        )
         if request.url.path == "/v1/context":
             return httpx.Response(200, json={"session_id": f"ctx_{len(self.sent)}"})
         if request.method == "DELETE":
@@ -62,7 +66,7 @@ class FakeServers:
         return httpx.Response(200, content=sse + b"data: [DONE]\n\n")
 
 
-def _replay(fake: FakeServers) -> Replay:
+def _replay(fake: FakeServers, switch_gap: float = 0.0) -> Replay:
     args = argparse.Namespace(
         api_key=None,
         model_name="m",
@@ -72,6 +76,7 @@ def _replay(fake: FakeServers) -> Replay:
         seed=0,
         interleave=True,
         think_time=0.0,
+        switch_gap=switch_gap,
     )
     modes = [
         Mode("vllm-full", "http://vllm", session=False),
@@ -119,6 +124,20 @@ def test_stateless_gateway_sends_the_whole_history_without_a_session_as_its_tena
     table = report.table(rows, names, replay.reference)
     assert "stateless-gateway TTFT p50 / p90 ms" in table and "stateless-gateway / session" in table
     assert "stateless-gateway 2" in table  # same answer as vllm-full, both conversations
+
+
+def test_a_request_to_another_engine_waits_until_the_last_engine_idled_the_gap() -> None:
+    """vLLM's workers spin for 1 s after each message: the next mode's engine is asked only
+    once the last one has idled `--switch-gap` seconds; the same engine is asked at once."""
+    gap = 0.2
+    fake = FakeServers()
+    _replay(fake, switch_gap=gap)
+    chats = [s for s in fake.sent if "stream" in s["body"]]
+    switches = [(a, b) for a, b in itertools.pairwise(chats) if a["host"] != b["host"]]
+    stays = [(a, b) for a, b in itertools.pairwise(chats) if a["host"] == b["host"]]
+    assert switches and stays  # the alternating order of the modes gives both
+    assert all(b["at"] - a["at"] >= gap for a, b in switches)
+    assert all(b["at"] - a["at"] < gap for a, b in stays)
 
 
 def test_a_stateless_gateway_answer_unlike_vllm_full_is_a_difference() -> None:
