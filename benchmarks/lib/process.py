@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Self
 
+from ctxcache.reaper import die_with_parent
+
 if TYPE_CHECKING:
     from ctxcache.supervisor import Child
 
@@ -175,6 +177,7 @@ class Process:
                 stderr=subprocess.STDOUT,
                 env=self.env,
                 start_new_session=True,
+                preexec_fn=die_with_parent(),  # SIGKILLed if the benchmark or test dies
             )
         return self
 

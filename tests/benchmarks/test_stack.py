@@ -4,7 +4,9 @@ nothing left running once it is stopped."""
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -111,3 +113,43 @@ def test_vllm_is_stopped_with_its_children_as_a_process_group(tmp_path: Path) ->
     while stat.exists() and stat.read_text().split(") ")[-1][0] != "Z":
         assert time.monotonic() < deadline, "the child outlived its group's stop"
         time.sleep(0.05)
+
+
+def test_a_process_dies_with_the_benchmark_that_started_it(tmp_path: Path) -> None:
+    """A benchmark killed (SIGKILL: no cleanup runs) leaves no sidecar or engine behind:
+    each `Process` asks the kernel for SIGKILL when its parent dies."""
+    pid_file = tmp_path / "child.pid"
+    parent = (
+        "import sys, time\n"
+        "from benchmarks.lib.process import Process\n"
+        "p = Process(('sleep', '300'), port=0).spawn()\n"
+        f"open({str(pid_file)!r}, 'w').write(str(p.proc.pid))\n"
+        "time.sleep(300)\n"
+    )
+    bench = subprocess.Popen([sys.executable, "-c", parent], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not pid_file.exists() or not pid_file.read_text():
+            assert time.monotonic() < deadline, "the parent did not start its child"
+            time.sleep(0.05)
+        child = int(pid_file.read_text())
+        bench.kill()
+        bench.wait(10)
+        deadline = time.monotonic() + 10
+        while _alive(child):
+            assert time.monotonic() < deadline, "the child outlived its SIGKILLed parent"
+            time.sleep(0.05)
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+        if pid_file.exists() and pid_file.read_text() and _alive(int(pid_file.read_text())):
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)  # (ours: the test failed)
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie of init's is gone for our purpose)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state != "Z"
