@@ -45,7 +45,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.lib.util import add_output_arguments, plot_path, run_meta, write_outputs
+from benchmarks.lib.util import (
+    add_output_arguments,
+    ensure_preset,
+    plot_path,
+    run_meta,
+    write_outputs,
+)
 from benchmarks.multiturn.multiturn import DEFAULT_MODEL, user_message
 from ctxcache.cpu import AMX_FLAGS, cpu_class, cpu_flags
 
@@ -151,11 +157,7 @@ def main(args: argparse.Namespace) -> int:
         sys.stderr.write(f"--ways: some of {', '.join(WAYS)}; --steps, --rounds: 1 or more\n")
         return 2
     model = args.model or DEFAULT_MODEL / "models" / args.preset
-    if not (model / "config.json").exists():
-        from worker.presets import create_model
-
-        sys.stderr.write(f"building the {args.preset} preset into {model} ...\n")
-        create_model(args.preset, model)
+    ensure_preset(args.preset, model)
     # what multiturn_stacks.start reads: its `session` mode, one vLLM behind the gateway
     args.engine = "vllm"
     if args.dtype != "auto":

@@ -38,7 +38,13 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.capacity.capacity_load import Driver, Point, Texts, Workload
-from benchmarks.lib.util import add_output_arguments, plot_path, run_meta, write_outputs
+from benchmarks.lib.util import (
+    add_output_arguments,
+    ensure_preset,
+    plot_path,
+    run_meta,
+    write_outputs,
+)
 from benchmarks.multiturn.multiturn import DEFAULT_MODEL
 from ctxcache.cpu import DTYPES, given_dtype, vllm_dtype
 
@@ -321,13 +327,7 @@ def _quick(args: Namespace) -> None:
 
 
 def _model(args: Namespace) -> Path:
-    model: Path = args.model
-    if not (model / "config.json").exists():
-        from worker.presets import create_model
-
-        sys.stderr.write(f"building the {args.preset} preset into {model} ...\n")
-        create_model(args.preset, model)
-    return model
+    return ensure_preset(args.preset, args.model)
 
 
 def _tokenizer(model: Path) -> Any:

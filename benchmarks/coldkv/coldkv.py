@@ -64,7 +64,7 @@ def main(args: argparse.Namespace) -> int:
 
     from benchmarks.coldkv.coldkv_report import write_report
     from benchmarks.coldkv.coldkv_run import Sidecars, run_dtype
-    from benchmarks.lib.util import plot_path, run_meta
+    from benchmarks.lib.util import ensure_preset, plot_path, run_meta
     from ctxcache.logs import setup_logging
 
     setup_logging("bench", "WARNING")
@@ -72,11 +72,7 @@ def main(args: argparse.Namespace) -> int:
         args.conversations, args.context, args.reps = 2, 512, 2
         args.dtypes = args.dtypes[:1]
     torch.set_num_threads(args.threads)
-    if not (args.model / "config.json").exists():
-        from worker.presets import create_model
-
-        sys.stderr.write(f"building the small preset into {args.model} ...\n")
-        create_model("small", args.model)
+    ensure_preset("small", args.model)
     meta = run_meta(
         "cold-kv",
         model=str(args.model),

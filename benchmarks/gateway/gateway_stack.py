@@ -95,15 +95,13 @@ def start_stack(
     import httpx
 
     from benchmarks.lib.stack import Engine, module_service
+    from benchmarks.lib.util import ensure_preset
     from ctxcache import tracing
     from ctxcache.net import free_port
 
     engines = {"fake": Engine("fake", "fake")}  # model -> its engine
     if not args.no_model:
-        if not (args.model_dir / "config.json").exists():
-            from worker.presets.model import create_model
-
-            create_model("tiny", args.model_dir)
+        ensure_preset("tiny", args.model_dir, quiet=True)
         tiny = Engine("builtin", "worker", ("--model-name", "tiny"), args.model_dir, wait=False)
         engines = {"tiny": tiny, **engines}  # readiness checked below
     builder = bench_stack(sup, tmp, tuple(engines.values()))

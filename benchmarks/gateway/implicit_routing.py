@@ -57,7 +57,13 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.gateway.implicit_routing_client import Busy, Client, Conversation, Served
-from benchmarks.lib.util import add_output_arguments, plot_path, run_meta, write_outputs
+from benchmarks.lib.util import (
+    add_output_arguments,
+    ensure_preset,
+    plot_path,
+    run_meta,
+    write_outputs,
+)
 
 NAME = "implicit-routing"
 WAYS = ("implicit", "passthrough", "keyed")
@@ -136,11 +142,7 @@ def main(args: argparse.Namespace) -> int:
         sys.stderr.write(f"--ways: some of {', '.join(WAYS)}; --conversations: 2 or more\n")
         return 2
     model = args.model or DEFAULT_MODEL / "models" / args.preset
-    if not (model / "config.json").exists():
-        from worker.presets import create_model
-
-        sys.stderr.write(f"building the {args.preset} preset into {model} ...\n")
-        create_model(args.preset, model)
+    ensure_preset(args.preset, model)
     work = Workload.make(args, model)
     meta = run_meta(NAME)  # (its date and load average: the start's)
     out = Path(args.out)

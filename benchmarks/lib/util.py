@@ -128,6 +128,17 @@ def add_tiny_model_argument(parser: argparse.ArgumentParser, used_by: str) -> No
     )
 
 
+def ensure_preset(preset: str, model: Path, *, quiet: bool = False) -> Path:
+    """`model`, with the preset `preset` built there first if it holds no model yet."""
+    if not (model / "config.json").exists():
+        from worker.presets import create_model  # (torch and transformers: only when needed)
+
+        if not quiet:
+            sys.stderr.write(f"building the {preset} preset into {model} ...\n")
+        create_model(preset, model)
+    return model
+
+
 def add_output_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     """`--out DIR` and `--plot PATH`, the same for every benchmark."""
     parser.add_argument(

@@ -16,7 +16,7 @@ from typing import IO, Any
 
 import httpx
 
-from benchmarks.lib.util import rss_mib
+from benchmarks.lib.util import ensure_preset, rss_mib
 
 KEY = "load-key"
 TENANT = "load"
@@ -43,10 +43,7 @@ def own_stack(args: argparse.Namespace, tmp: Path, logs: IO[str]) -> Iterator[St
     model = "fake"
     if args.backend == "tiny":
         model = "tiny"
-        if not (args.model_dir / "config.json").exists():
-            from worker.presets.model import create_model
-
-            create_model("tiny", args.model_dir)
+        ensure_preset("tiny", args.model_dir, quiet=True)
     tiny = ("--model-name", "tiny", "--worker-id", "0")
 
     def engine(i: int) -> Engine:

@@ -45,7 +45,13 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
-from benchmarks.lib.util import add_output_arguments, plot_path, run_meta, write_outputs
+from benchmarks.lib.util import (
+    add_output_arguments,
+    ensure_preset,
+    plot_path,
+    run_meta,
+    write_outputs,
+)
 from benchmarks.multiturn.multiturn_stacks import (
     BUILTIN_MODES,
     BUILTIN_SALTS,
@@ -174,11 +180,8 @@ def main(args: argparse.Namespace) -> int:
         sys.stderr.write(f"unknown mode(s) {bad}; choose from {', '.join(known)}\n")
         return 2
     local = args.model if (args.model / "config.json").exists() or not args.url else None
-    if local is not None and not (local / "config.json").exists():
-        from worker.presets import create_model
-
-        sys.stderr.write(f"building the small preset into {local} ...\n")
-        create_model("small", local)
+    if local is not None:
+        ensure_preset("small", local)
     floor = None
     if known is BUILTIN_MODES and local is not None and not args.no_floor:
         from benchmarks.multiturn.floor import Floor

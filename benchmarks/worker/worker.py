@@ -60,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     import torch
 
-    from benchmarks.lib.util import plot_path, run_meta
+    from benchmarks.lib.util import ensure_preset, plot_path, run_meta
     from benchmarks.worker.worker_report import write_report
     from ctxcache.logs import setup_logging
 
@@ -70,11 +70,7 @@ def main(args: argparse.Namespace) -> int:
     if args.reps is None:
         args.reps = 1 if args.quick else 5
     torch.set_num_threads(args.threads)
-    if not (args.model / "config.json").exists():
-        from worker.presets import create_model
-
-        sys.stderr.write(f"building the small preset into {args.model} ...\n")
-        create_model("small", args.model)
+    ensure_preset("small", args.model)
     meta = run_meta(
         "worker",
         model=str(args.model),
