@@ -102,6 +102,11 @@ def test_thinking_off_gives_no_reasoning(vllm: openai.OpenAI) -> None:
     message = out.choices[0].message
     assert not reasoning_of(message)
     assert message.content and not any(m in message.content for m in MARKUP)
+    # `reasoning_effort: none` is the same for the template and for vLLM's parser
+    effort = vllm.chat.completions.create(
+        model=MODEL, messages=ASK, reasoning_effort="none", **GREEDY
+    ).choices[0]
+    assert not reasoning_of(effort.message) and effort.message.content == message.content
 
 
 def test_a_request_may_think_shorter(vllm: openai.OpenAI) -> None:
