@@ -54,6 +54,7 @@ def stack(
         served_name=MODEL,
         dtype="float32",
         reasoning_parser="qwen3",
+        vllm_args=("--enforce-eager",),  # (no compiling: a start of a minute fewer on 2 CPUs)
     ) as s:
         yield s
 
