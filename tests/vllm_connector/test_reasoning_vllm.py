@@ -61,7 +61,9 @@ def stack(
 
 @pytest.fixture
 def client(stack: VllmStack) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0) as c:
+    # (retries: on a loaded 2-CPU machine the gateway may find vLLM's /health late and
+    # answer 503 `no healthy inference worker` before anything ran)
+    with openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=3) as c:
         yield c
 
 
