@@ -103,11 +103,12 @@ def agent_run(stack: VllmStack, *, chained: bool) -> tuple[list[Any], list[str]]
         first = await Runner.run(
             agent, "paris?", run_config=config, auto_previous_response_id=chained
         )
+        again: Any = "rome?"
+        if not chained:
+            again = [*first.to_input_list(), {"role": "user", "content": "rome?"}]
         streamed = Runner.run_streamed(
             agent,
-            first.to_input_list() + [{"role": "user", "content": "rome?"}]
-            if not chained
-            else "rome?",
+            again,
             previous_response_id=first.last_response_id if chained else None,
             auto_previous_response_id=chained,
             run_config=config,
@@ -191,9 +192,7 @@ def test_a_streamed_response_with_the_openai_sdk(stack: VllmStack) -> None:
         assert "".join(e.delta for e in deltas) == final.output[0].content[0].text
         text = [i for i, e in enumerate(events) if e.type == "response.output_text.delta"]
         if text:  # (the answer after the thinking; max_output_tokens may cut it)
-            done = next(
-                i for i, e in enumerate(events) if e.type == "response.reasoning_text.done"
-            )
+            done = next(i for i, e in enumerate(events) if e.type == "response.reasoning_text.done")
             assert done < text[0]
         no_markup(final.output_text)
         assert client.responses.retrieve(final.id).output == final.output
