@@ -21,6 +21,7 @@ from cache_manager.client import ManagerClient
 from ctxcache.errors import CtxError, InvalidRequest, SessionNotFound
 from gateway.pool import Worker
 from gateway.prompts import PromptBuilder
+from gateway.reasoning import Reasoning
 from gateway.resent import canonical
 from gateway.responses.items import messages_of
 from gateway.responses.protocol import (
@@ -35,8 +36,6 @@ from gateway.upstream import WorkerDown
 log = logging.getLogger(__name__)
 
 REASONING_PREFIX = "rs_"
-# OpenAI's efforts (`openai.types.shared.ReasoningEffort`), which vLLM's chat request takes
-EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 ENCRYPTED = "reasoning.encrypted_content"
 
 
@@ -61,9 +60,10 @@ def reasoning_of(message: dict[str, Any] | None) -> str | None:
     return text if isinstance(text, str) and text else None
 
 
-def check_reasoning_fields(req: ResponseCreate) -> None:
-    """Refuse what is not supported (encrypted reasoning, in either direction) and an
-    effort OpenAI does not name, before anything is loaded."""
+def check_reasoning_fields(req: ResponseCreate, parser: Reasoning) -> None:
+    """Refuse, before anything is loaded, what is not supported (encrypted reasoning, in
+    either direction), an unknown effort, and thinking asked of a deployment whose engines
+    parse none (`parser`, the chat turns' check: `gateway.reasoning`)."""
     if req.include and ENCRYPTED in req.include:
         raise InvalidRequest(
             f"include {ENCRYPTED!r} is not supported: ctxcache keeps reasoning on the server "
@@ -78,12 +78,12 @@ def check_reasoning_fields(req: ResponseCreate) -> None:
                 "output (its id and content)",
                 param=f"input[{i}].encrypted_content",
             )
-    effort = req.reasoning.effort if req.reasoning is not None else None
-    if effort is not None and effort not in EFFORTS:
-        raise InvalidRequest(
-            f"reasoning.effort must be one of {', '.join(EFFORTS)}, not {effort!r}",
-            param="reasoning.effort",
-        )
+    try:
+        parser.check(reasoning_fields(req))
+    except InvalidRequest as exc:  # (the chat turn's name for it)
+        exc.message = exc.message.replace("reasoning_effort", "reasoning.effort")
+        exc.param = "reasoning.effort"
+        raise
 
 
 def reasoning_fields(req: ResponseCreate) -> dict[str, Any]:

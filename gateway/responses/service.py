@@ -103,7 +103,7 @@ class ResponseService:
         retry answers what the first attempt answered (a stream: as a stream)."""
         body, req = parse_json(raw, ResponseCreate)
         check_supported(req, body)
-        check_reasoning_fields(req)
+        check_reasoning_fields(req, self.turns.reasoning)
         await check_reasoning_input(self.manager, tenant, req)  # (before anything is loaded)
         started = time.perf_counter()  # (the load counts, as it does for a completion's turn)
         key = key_of(raw) if key_of is not None and req.store else None

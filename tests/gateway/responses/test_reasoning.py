@@ -14,6 +14,7 @@ from pydantic import TypeAdapter
 
 from cache_manager.protocol import ResponseRecord
 from ctxcache.errors import InvalidRequest, SessionNotFound
+from gateway.reasoning import Reasoning
 from gateway.responses.protocol import ResponseCreate, new_response_id
 from gateway.responses.reasoning import (
     check_reasoning_fields,
@@ -32,6 +33,7 @@ from gateway.responses.shaping import (
 )
 
 SID = "ctx_" + "a" * 32
+QWEN3 = Reasoning("qwen3")
 EVENTS: TypeAdapter[Any] = TypeAdapter(ResponseStreamEvent)
 USAGE = {
     "prompt_tokens": 40,
@@ -259,15 +261,25 @@ def test_what_is_not_supported_is_refused_naming_the_param(
     body: dict[str, Any], param: str
 ) -> None:
     with pytest.raises(InvalidRequest) as refused:
-        check_reasoning_fields(request(**body))
+        check_reasoning_fields(request(**body), QWEN3)
     assert refused.value.param == param
     if param != "reasoning.effort":
         assert "not supported" in refused.value.message
+    else:
+        assert refused.value.message.startswith("reasoning.effort must be one of none,")
+
+
+def test_thinking_asked_without_a_reasoning_parser_is_refused() -> None:
+    with pytest.raises(InvalidRequest) as refused:
+        check_reasoning_fields(request(reasoning={"effort": "high"}), Reasoning())
+    assert refused.value.param == "reasoning.effort"
+    assert "no reasoning parser" in refused.value.message
+    check_reasoning_fields(request(reasoning={"effort": "none"}), Reasoning())  # (off: fine)
 
 
 def test_the_effort_reaches_the_chat_turn_and_is_echoed() -> None:
     req = request(reasoning={"effort": "low", "summary": "auto"})
-    check_reasoning_fields(req)
+    check_reasoning_fields(req, QWEN3)
     assert reasoning_fields(req) == {"reasoning_effort": "low"}
     assert reasoning_echo(req) == {"effort": "low", "summary": "auto"}
     assert reasoning_fields(request()) == {}
@@ -312,7 +324,7 @@ def echoed(final: dict[str, Any], **reasoning: Any) -> list[dict[str, Any]]:
 async def test_a_reasoning_item_sent_back_becomes_its_messages_reasoning() -> None:
     manager, final = stored_turn("let me think")
     req = request(input=echoed(final))
-    check_reasoning_fields(req)
+    check_reasoning_fields(req, QWEN3)
     await check_reasoning_input(manager, "t", req)  # type: ignore[arg-type]
     assert req.messages() == [
         {"role": "user", "content": "paris?"},
