@@ -14,6 +14,7 @@ locks and changes nothing.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -113,20 +114,26 @@ def not_found(item_id: str, i: int) -> InvalidRequest:
 
 async def check_reasoning_input(manager: ManagerClient, tenant: str, req: ResponseCreate) -> None:
     """Check each reasoning item of the input against the stored response it names (one
-    read per response), and fill in its text where the client left it out."""
+    read per response, all at once), and fill in its text where the client left it out."""
     if not isinstance(req.input, list):
         return
-    items = [i.model_dump(exclude_none=True) for i in req.input]
-    records: dict[str, dict[str, Any] | None] = {}
+    named: dict[int, tuple[str, str]] = {}  # input index -> (session, field)
     for i, item in enumerate(req.input):
-        if not isinstance(item, ReasoningItem):
-            continue
-        parsed = parse_response_id(RESPONSE_PREFIX + item.id.removeprefix(REASONING_PREFIX))
-        if not item.id.startswith(REASONING_PREFIX) or parsed is None:
-            raise not_found(item.id, i)
-        if parsed[1] not in records:
-            records[parsed[1]] = await _stored(manager, tenant, *parsed)
-        output = (records[parsed[1]] or {}).get("output") or []
+        if isinstance(item, ReasoningItem):
+            parsed = parse_response_id(RESPONSE_PREFIX + item.id.removeprefix(REASONING_PREFIX))
+            if not item.id.startswith(REASONING_PREFIX) or parsed is None:
+                raise not_found(item.id, i)
+            named[i] = parsed
+    if not named:
+        return
+    where = list(dict.fromkeys(named.values()))
+    found = await asyncio.gather(*(_stored(manager, tenant, *w) for w in where))
+    records = dict(zip(where, found, strict=True))
+    items = [i.model_dump(exclude_none=True) for i in req.input]
+    for i, parsed in named.items():
+        item = req.input[i]
+        assert isinstance(item, ReasoningItem)
+        output = (records[parsed] or {}).get("output") or []
         stored = next((o for o in output if o.get("id") == item.id), None)
         if stored is None:
             raise not_found(item.id, i)
