@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import re
 from pathlib import Path
 
@@ -45,6 +46,9 @@ REASONING_PARSER_ARCHITECTURES = {
     "Glm4MoeForCausalLM": "glm4_moe",
     "GptOssForCausalLM": "gpt_oss",
 }
+# `--reasoning-parser`'s default where the flag is not given (compose, Kubernetes: the engine's
+# command is shared with the built-in worker, which takes no such flag); empty: none
+ENV = "CTXCACHE_REASONING_PARSER"
 PRESET_FILE = "ctxcache_preset.json"  # (worker.model_kind.KIND_FILE, without its imports)
 THINK = "<think>"
 _SWITCH = re.compile(r"\bthinking\b")
@@ -135,9 +139,10 @@ def add_reasoning_parser_argument(p: argparse.ArgumentParser) -> None:
     """`--reasoning-parser`, shared by `ctxcache vllm` and `ctxcache serve`."""
     p.add_argument(
         "--reasoning-parser",
-        default="auto",
+        default=os.environ.get(ENV, "auto"),
         metavar="NAME|auto|none",
         help="vLLM's reasoning parser: the model's thinking in its own field, out of `content` "
-        "(default auto: by the model's family where the checkpoint thinks, e.g. qwen3 for "
-        "Qwen3, openai_gptoss for gpt-oss; none for a model that does not; docs/vllm.md)",
+        f"(default: ${ENV} if set, empty meaning none, else auto: by the model's family where "
+        "the checkpoint thinks, e.g. qwen3 for Qwen3, openai_gptoss for gpt-oss; none for a "
+        "model that does not; docs/vllm.md)",
     )
