@@ -10,16 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any, Literal
 
 import httpx
 import openai
 import pytest
 
-from ctxcache.redis_server import RedisServer
-from tests.vllm_connector.conftest import VLLM_TIMEOUT, VllmStack, document, started_stack
+from tests.vllm_connector.conftest import VLLM_TIMEOUT, VllmStack, document
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(VLLM_TIMEOUT)]
 BLOCK = 128  # vLLM's CPU block: a turn reuses its history less at most one block
@@ -27,14 +24,11 @@ MODEL = "tiny-think"
 MARKUP = ("<think>", "</think>")
 
 
-@pytest.fixture(scope="module")
-def stack(
-    tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer, think_model: Path
-) -> Iterator[VllmStack]:
-    with started_stack(
-        tmp_path_factory, redis_server, think_model, served_name=MODEL, reasoning_parser="qwen3"
-    ) as s:
-        yield s
+@pytest.fixture
+def stack(think_stack: VllmStack) -> VllmStack:
+    """The run's shared thinking stack (tiny-think, vLLM's `qwen3` parser, the gateway's
+    `reasoning_parser`)."""
+    return think_stack
 
 
 def no_markup(text: str | None) -> None:
