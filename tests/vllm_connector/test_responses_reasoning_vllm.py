@@ -2,7 +2,8 @@
 `<think>` template, a model made to close its thinking), vLLM's `qwen3` reasoning parser,
 the gateway's `reasoning_parser`. The OpenAI Agents SDK chained with
 `previous_response_id` gets a `reasoning` item beside each function call and reuses the
-history on every step after the first; sent back whole (no `previous_response_id`), its
+history on every step after the first (a new user message: the prefix before the turn it
+closes, whose answers lose their reasoning under the default rule); sent back whole (no `previous_response_id`), its
 reasoning items are accepted, and a forged one is refused; the openai SDK's stream has the
 reasoning events before the answer's. Content never holds the thinking markup."""
 
@@ -120,9 +121,20 @@ def agent_run(stack: VllmStack, *, chained: bool) -> tuple[list[Any], list[str]]
 
 
 def reuses(responses: list[Any]) -> None:
-    for before, r in itertools.pairwise(responses):
-        history = before.usage.input_tokens + before.usage.output_tokens
-        assert r.usage.input_tokens_details.cached_tokens >= history - BLOCK, (history, r.usage)
+    """Each run's model calls after its first reuse the whole history but one block (a
+    chain of tool calls keeps its reasoning). The second run's new user message closes the
+    first run's turn: under the default rule its answers lose their reasoning
+    (docs/reasoning.md), so that prompt is shorter than the history and reuses the prefix
+    before the closed turn's first answer (the first call's prompt) but one block."""
+    for run in (responses[:3], responses[3:]):
+        for before, r in itertools.pairwise(run):
+            history = before.usage.input_tokens + before.usage.output_tokens
+            cached = r.usage.input_tokens_details.cached_tokens
+            assert cached >= history - BLOCK, (history, r.usage)
+    closed, opened = responses[2].usage, responses[3].usage
+    assert opened.input_tokens < closed.input_tokens + closed.output_tokens, (closed, opened)
+    prefix = responses[0].usage.input_tokens
+    assert opened.input_tokens_details.cached_tokens >= prefix - BLOCK, (prefix, opened)
 
 
 def test_the_agents_sdk_chained_gets_reasoning_beside_its_calls(stack: VllmStack) -> None:
