@@ -119,18 +119,35 @@ def test_a_request_may_think_shorter(vllm: openai.OpenAI) -> None:
 
 
 def test_a_forced_tool_call_comes_after_the_reasoning(vllm: openai.OpenAI) -> None:
-    out = vllm.chat.completions.create(
-        model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required", **GREEDY
-    )
+    """`tool_choice: required`: vLLM's grammar starts at `</think>` (the script's blank line
+    after it yields to the grammar) and writes one call (`parallel_tool_calls: false`;
+    random weights would go on calling until `max_tokens`), streamed or not."""
+    forced: dict[str, Any] = {
+        "tools": [WEATHER],
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+        **{**GREEDY, "max_tokens": 160},  # a call is ~75 tokens: `<tool_call>` is no token
+    }
+    out = vllm.chat.completions.create(model=MODEL, messages=ASK, **forced)
     choice = out.choices[0]
     log.info(
-        "forced call: %r, reasoning %r", choice.message.tool_calls, reasoning_of(choice.message)
+        "forced call: %r, reasoning %r, usage %r",
+        choice.message.tool_calls,
+        reasoning_of(choice.message),
+        out.usage,
     )
-    assert words(reasoning_of(choice.message))
+    assert choice.finish_reason == "tool_calls" and words(reasoning_of(choice.message))
     (call,) = choice.message.tool_calls or []
     assert call.function.name == "get_weather"
     assert set(json.loads(call.function.arguments)) == {"city"}
     assert not any(m in (choice.message.content or "") for m in MARKUP)
+    kinds: list[str] = []
+    for chunk in vllm.chat.completions.create(model=MODEL, messages=ASK, stream=True, **forced):
+        for c in chunk.choices:
+            kinds += ["reasoning"] if reasoning_of(c.delta) else []
+            kinds += ["tool_calls"] if c.delta.tool_calls else []
+    assert kinds and kinds[0] == "reasoning" and kinds[-1] == "tool_calls"
+    assert "reasoning" not in kinds[kinds.index("tool_calls") :]
 
 
 def test_the_script_runs_on_completions_of_token_ids(
