@@ -3,9 +3,10 @@
 the gateway's `reasoning_parser`. The OpenAI Agents SDK chained with
 `previous_response_id` gets a `reasoning` item beside each function call and reuses the
 history on every step after the first (a new user message: the prefix before the turn it
-closes, whose answers lose their reasoning under the default rule); sent back whole (no `previous_response_id`), its
-reasoning items are accepted, and a forged one is refused; the openai SDK's stream has the
-reasoning events before the answer's. Content never holds the thinking markup."""
+closes, whose answers lose their reasoning under the default rule); sent back whole (no
+`previous_response_id`), its reasoning items are accepted, and a forged one is refused; the
+openai SDK's stream has the reasoning events before the answer's. Content never holds the
+thinking markup."""
 
 from __future__ import annotations
 
