@@ -7,7 +7,7 @@ item is a call of an assistant message's `tool_calls`, a `function_call_output` 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeGuard
 
 from ctxcache.errors import InvalidRequest
 
@@ -92,7 +92,13 @@ def messages_of(items: list[dict[str, Any]]) -> list[Message]:
     out: list[Message] = []
     for i, item in enumerate(items):
         kind = item.get("type", "message")
-        if kind == "message":
+        last = out[-1] if out else None
+        if kind == "reasoning":  # (checked against the output it was: `responses.reasoning`)
+            text = "".join(p.get("text") or "" for p in item.get("content") or ())
+            out.append({"role": "assistant", "content": None, "reasoning": text})
+        elif kind == "message" and item["role"] == "assistant" and _reasoning_only(last):
+            last["content"] = _text(item.get("content"))
+        elif kind == "message":
             out.append({"role": item["role"], "content": _text(item.get("content"))})
         elif kind == "function_call":
             call = {
@@ -100,7 +106,6 @@ def messages_of(items: list[dict[str, Any]]) -> list[Message]:
                 "type": "function",
                 "function": {"name": item.get("name"), "arguments": item.get("arguments") or ""},
             }
-            last = out[-1] if out else None
             if last is not None and last["role"] == "assistant" and "tool_calls" in last:
                 last["tool_calls"].append(call)
             elif last is not None and last["role"] == "assistant" and not last.get("content"):
@@ -115,6 +120,16 @@ def messages_of(items: list[dict[str, Any]]) -> list[Message]:
                 f"input items of type {kind!r} are not supported", param=f"input[{i}]"
             )
     return out
+
+
+def _reasoning_only(message: Message | None) -> TypeGuard[Message]:
+    """An assistant message made of a reasoning item alone, so far (its answer follows)."""
+    return (
+        message is not None
+        and "reasoning" in message
+        and not message.get("content")
+        and not message.get("tool_calls")
+    )
 
 
 def message_item(item_id: str, role: str, text: str, status: str = "completed") -> dict[str, Any]:

@@ -43,6 +43,7 @@ from gateway.responses.protocol import (
     parse_conversation_id,
     parse_response_id,
 )
+from gateway.responses.reasoning import reasoning_echo, reasoning_fields
 from gateway.responses.shaping import ResponseDraft
 from gateway.settings import GatewaySettings
 from gateway.turn_planning import Turn
@@ -161,6 +162,7 @@ class ResponsePlanner:
         fields = {"max_tokens": req.max_output_tokens, "temperature": req.temperature}
         fields["top_p"] = req.top_p
         fields |= agent_fields(req)
+        fields |= reasoning_fields(req)
         body = {"model": req.model, "messages": messages}
         body.update({k: v for k, v in fields.items() if v is not None})
         fork = not appending and state.info.version > 0
@@ -178,6 +180,8 @@ class ResponsePlanner:
         except InvalidRequest as exc:  # (a tool message is an input item here)
             if exc.param and exc.param.startswith("messages"):
                 exc.param = "input"
+            elif exc.param == "reasoning_effort":  # (the chat turn's name for it)
+                exc.param = "reasoning.effort"
             raise
         changes: dict[str, Any] = {}
         if req.max_output_tokens is None and turn.window:  # OpenAI's default: up to the window
@@ -223,6 +227,7 @@ class ResponsePlanner:
             "tool_choice": req.tool_choice or ("auto" if req.tools else "none"),
             "parallel_tool_calls": req.parallel_tool_calls is not False,
             "text": req.text or {"format": {"type": "text"}},
+            "reasoning": reasoning_echo(req),
         }
         draft = ResponseDraft(
             id=new_response_id(target),

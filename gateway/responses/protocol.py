@@ -101,7 +101,44 @@ class FunctionCallOutputItem(OpenAIBaseModel):
     output: str | list[ContentPart]
 
 
-InputItem = InputMessage | FunctionCallItem | FunctionCallOutputItem
+class ReasoningText(OpenAIBaseModel):
+    type: Literal["reasoning_text"]
+    text: str
+
+
+class SummaryText(OpenAIBaseModel):
+    type: Literal["summary_text"]
+    text: str
+
+
+class ReasoningItem(OpenAIBaseModel):
+    """The model's reasoning, sent back as input (as the Agents SDK does when it sends the
+    whole conversation): accepted only as the output it was (`gateway.responses.reasoning`)."""
+
+    type: Literal["reasoning"]
+    id: str = Field(min_length=1, max_length=256)
+    summary: list[SummaryText] = Field(default_factory=list)
+    content: list[ReasoningText] | None = None
+    encrypted_content: str | None = None
+
+    @property
+    def text(self) -> str | None:
+        """The reasoning text it carries (None: none sent, as OpenAI's items may omit it)."""
+        if not self.content:
+            return None
+        return "".join(p.text for p in self.content)
+
+
+InputItem = InputMessage | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
+
+
+class ReasoningConfig(OpenAIBaseModel):
+    """`reasoning`: the effort reaches the chat template (`reasoning_effort`); a summary
+    is never written (reasoning items have `summary: []`)."""
+
+    effort: str | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None
 
 
 class ConversationRef(OpenAIBaseModel):
@@ -126,6 +163,8 @@ class ResponseCreate(OpenAIBaseModel):
     parallel_tool_calls: bool | None = Field(None, strict=True)
     text: dict[str, Any] | None = None
     background: bool | None = Field(None, strict=True)
+    reasoning: ReasoningConfig | None = None
+    include: list[str] | None = Field(None, max_length=64)
 
     _metadata = field_validator("metadata")(check_metadata)
 

@@ -51,6 +51,12 @@ from gateway.metrics import GatewayMetrics
 from gateway.requests import parse_json
 from gateway.responses.planning import Planned, ResponsePlanner
 from gateway.responses.protocol import ResponseCreate, parse_response_id
+from gateway.responses.reasoning import (
+    check_reasoning_fields,
+    check_reasoning_input,
+    reasoning_of,
+    reasoning_tokens,
+)
 from gateway.responses.shaping import Page, ResponseEvents, replay_events
 from gateway.settings import GatewaySettings
 from gateway.turn_engine import Generation
@@ -97,6 +103,8 @@ class ResponseService:
         retry answers what the first attempt answered (a stream: as a stream)."""
         body, req = parse_json(raw, ResponseCreate)
         check_supported(req, body)
+        check_reasoning_fields(req, self.turns.reasoning)
+        await check_reasoning_input(self.manager, tenant, req)  # (before anything is loaded)
         started = time.perf_counter()  # (the load counts, as it does for a completion's turn)
         key = key_of(raw) if key_of is not None and req.store else None
         fields = CacheFields.of(body) if b"prompt_cache" in raw else NO_FIELDS
@@ -186,8 +194,16 @@ class ResponseService:
     async def _keep(self, tenant: str, planned: Planned, gen: Generation) -> dict[str, Any]:
         """The finished response, stored with the turn that made it (one write)."""
         turn = planned.turn
+        reasoning = reasoning_of(gen.message)
+        prompts = self.turns.prompts
+        counted = await reasoning_tokens(prompts, gen.worker, turn.model, gen.usage, reasoning)
         final = planned.draft.object(
-            text=gen.text, finish_reason=gen.finish_reason, usage=gen.usage, message=gen.assistant()
+            text=gen.text,
+            finish_reason=gen.finish_reason,
+            usage=gen.usage,
+            message=gen.assistant(),
+            reasoning=reasoning,
+            reasoning_tokens=counted,
         )
         if planned.mode == "none":
             return final

@@ -10,19 +10,21 @@ import orjson
 
 from ctxcache.errors import CtxError
 from gateway.responses.items import call_item_id, items_of, message_item, message_of_call
+from gateway.responses.reasoning import reasoning_id, reasoning_item
 from gateway.shaping import cached_tokens
 
 
-def response_usage(usage: dict[str, Any]) -> dict[str, Any]:
+def response_usage(usage: dict[str, Any], reasoning: int = 0) -> dict[str, Any]:
     """Chat usage in the Responses shape. `cache_write_tokens`: the prompt tokens whose KV
-    this turn computed and cached (the ones not read from the cache)."""
+    this turn computed and cached (the ones not read from the cache); `reasoning`: the
+    output tokens that were reasoning (`gateway.responses.reasoning.reasoning_tokens`)."""
     prompt, out = int(usage["prompt_tokens"]), int(usage["completion_tokens"])
     cached = cached_tokens(usage)
     return {
         "input_tokens": prompt,
         "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": prompt - cached},
         "output_tokens": out,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning},
         "total_tokens": prompt + out,
     }
 
@@ -62,6 +64,10 @@ class ResponseDraft:
     request: dict[str, Any]  # instructions, sampling, metadata, previous id, conversation
     created_at: int = field(default_factory=lambda: int(time.time()))
 
+    @property
+    def reasoning_id(self) -> str:
+        return reasoning_id(self.id)
+
     def object(
         self,
         *,
@@ -69,15 +75,20 @@ class ResponseDraft:
         finish_reason: str | None = None,
         usage: dict[str, Any] | None = None,
         message: dict[str, Any] | None = None,
+        reasoning: str | None = None,
+        reasoning_tokens: int = 0,
     ) -> dict[str, Any]:
         """The response object: in progress (`text` None) or finished; `message`: the
-        answer's assistant message, with its tool calls (default: `text` alone)."""
+        answer's assistant message, with its tool calls (default: `text` alone);
+        `reasoning`: the model's reasoning before it, as a `reasoning` item first."""
         done = text is not None
         incomplete = done and finish_reason == "length"
         status = "incomplete" if incomplete else "completed" if done else "in_progress"
         item_status = "incomplete" if incomplete else "completed"
         answer = message or {"role": "assistant", "content": text or ""}
         output = items_of(answer, self.output_id, item_status) if done else []
+        if done and reasoning:
+            output.insert(0, reasoning_item(self.reasoning_id, reasoning, item_status))
         return {
             "id": self.id,
             "object": "response",
@@ -94,7 +105,7 @@ class ResponseDraft:
             "tool_choice": "auto",
             "tools": [],
             "truncation": "disabled",
-            "usage": response_usage(usage) if usage is not None else None,
+            "usage": response_usage(usage, reasoning_tokens) if usage is not None else None,
             "user": None,
             **self.request,
         }
@@ -115,13 +126,16 @@ REQUEST_FIELDS = (
     "tool_choice",
     "parallel_tool_calls",
     "text",
+    "reasoning",
 )
 
 
-def failed_object(draft: ResponseDraft, text: str, message: str) -> dict[str, Any]:
+def failed_object(
+    draft: ResponseDraft, text: str, message: str, reasoning: str | None = None
+) -> dict[str, Any]:
     """A response that failed mid-way: `failed`, with OpenAI's error, and its output so far
     marked `incomplete` (it is not stored: the turn appended nothing)."""
-    out = draft.object(text=text)
+    out = draft.object(text=text, reasoning=reasoning)
     out["status"] = "failed"
     out["incomplete_details"] = None
     out["usage"] = None
@@ -133,7 +147,7 @@ def failed_object(draft: ResponseDraft, text: str, message: str) -> dict[str, An
 
 def draft_of(final: dict[str, Any]) -> ResponseDraft:
     """The draft a finished response was made from (to stream it again)."""
-    first = final["output"][0]["id"]
+    first = next(i["id"] for i in final["output"] if i["type"] != "reasoning")
     return ResponseDraft(
         id=final["id"],
         model=final["model"],
@@ -144,12 +158,15 @@ def draft_of(final: dict[str, Any]) -> ResponseDraft:
 
 
 def replay_events(final: dict[str, Any]) -> list[bytes]:
-    """A recorded response as the stream that made it: its text in one delta, each call's
-    arguments in one."""
+    """A recorded response as the stream that made it: its reasoning in one delta, its
+    text in one, each call's arguments in one."""
     events = ResponseEvents(draft_of(final))
     out = [events.start()]
     for item in final["output"]:
-        if item["type"] == "message" and item["content"]:
+        if item["type"] == "reasoning":
+            text = "".join(p["text"] for p in item["content"])
+            out.append(events.content({"delta": {"reasoning": text}}))
+        elif item["type"] == "message" and item["content"]:
             out.append(events.content({"text": item["content"][0]["text"]}))
         elif item["type"] == "function_call":
             k = int(item["id"].rsplit("_", 1)[1])
@@ -160,10 +177,12 @@ def replay_events(final: dict[str, Any]) -> list[bytes]:
 
 class ResponseEvents:
     """The Responses SSE sequence around a worker's stream (`gateway.shaping.Shaper`):
-    created, in_progress; then per output item as it starts (the message's text, each
-    function call): output_item.added (and content_part.added), its deltas
-    (output_text.delta / function_call_arguments.delta); at the end, per item, its .done
-    events and output_item.done; then completed (with usage)."""
+    created, in_progress; then per output item as it starts (the reasoning, the message's
+    text, each function call): output_item.added (and content_part.added), its deltas
+    (reasoning_text.delta / output_text.delta / function_call_arguments.delta). The
+    reasoning item is done (reasoning_text.done, content_part.done, output_item.done) when
+    the answer after it begins, as OpenAI's is; at the end, per item left, its .done events
+    and output_item.done; then completed (with usage)."""
 
     end = b""
 
@@ -173,6 +192,8 @@ class ResponseEvents:
         self.text: list[str] = []
         self.opened: list[str] = []  # item ids, in the order their items were added
         self.arguments: dict[str, list[str]] = {}  # function call item id -> pieces
+        self.reasoning: list[str] = []
+        self.reasoning_done = False  # (its item closed: the answer after it began)
 
     def _event(self, kind: str, **fields: Any) -> bytes:
         payload = {"type": kind, "sequence_number": self.seq, **fields}
@@ -208,10 +229,59 @@ class ResponseEvents:
             ]
         )
 
+    def _reasoning_where(self) -> dict[str, Any]:
+        index = self.opened.index(self.draft.reasoning_id)
+        return {"item_id": self.draft.reasoning_id, "output_index": index, "content_index": 0}
+
+    def _reasoning_delta(self, piece: str) -> bytes:
+        out: list[bytes] = []
+        rid = self.draft.reasoning_id
+        if rid not in self.opened:
+            self.opened.append(rid)
+            item = {**reasoning_item(rid, ""), "content": [], "status": "in_progress"}
+            index = len(self.opened) - 1
+            part = {"type": "reasoning_text", "text": ""}
+            out += [
+                self._event("response.output_item.added", output_index=index, item=item),
+                self._event("response.content_part.added", **self._reasoning_where(), part=part),
+            ]
+        self.reasoning.append(piece)
+        where = self._reasoning_where()
+        out.append(self._event("response.reasoning_text.delta", **where, delta=piece))
+        return b"".join(out)
+
+    def _reasoning_closed(self, item: dict[str, Any] | None = None) -> bytes:
+        """The reasoning item's closing events (`item`: as the response has it; default:
+        the text streamed, completed), once, if it was opened."""
+        if self.draft.reasoning_id not in self.opened or self.reasoning_done:
+            return b""
+        self.reasoning_done = True
+        text = "".join(self.reasoning)
+        if item is not None:
+            text = "".join(p["text"] for p in item["content"])
+        where = self._reasoning_where()
+        part = {"type": "reasoning_text", "text": text}
+        done = item or reasoning_item(self.draft.reasoning_id, text)
+        return b"".join(
+            [
+                self._event("response.reasoning_text.done", **where, text=text),
+                self._event("response.content_part.done", **where, part=part),
+                self._event(
+                    "response.output_item.done", output_index=where["output_index"], item=done
+                ),
+            ]
+        )
+
     def content(self, choice: dict[str, Any]) -> bytes:
         delta = choice.get("delta")
         text = (delta.get("content") if delta is not None else choice.get("text")) or ""
         out: list[bytes] = []
+        # (reasoning after the answer began, which no parser here gives, is left out of the
+        # events; the finished response has all of it)
+        if (piece := (delta or {}).get("reasoning")) and not self.reasoning_done:
+            out.append(self._reasoning_delta(piece))
+        if text or (delta or {}).get("tool_calls"):
+            out.append(self._reasoning_closed())
         if text:
             if self.draft.output_id not in self.opened:
                 out.append(self._open_message())
@@ -259,7 +329,8 @@ class ResponseEvents:
         openai SDK raises as an `APIError` with the code and message."""
         err = exc if isinstance(exc, CtxError) else CtxError()
         message = f"the response failed while streaming: {err.message}"
-        failed = failed_object(self.draft, "".join(self.text), message)
+        reasoning = "".join(self.reasoning) or None
+        failed = failed_object(self.draft, "".join(self.text), message, reasoning)
         error = {"type": err.type, "code": err.code, "message": message, "param": None}
         return b"".join(
             [
@@ -273,6 +344,11 @@ class ResponseEvents:
         stored). An item the stream never added (an answer with no text) is added now."""
         out: list[bytes] = []
         for index, item in enumerate(final["output"]):
+            if item["type"] == "reasoning":
+                if item["id"] not in self.opened:  # (no reasoning was streamed)
+                    out.append(self._reasoning_delta("".join(p["text"] for p in item["content"])))
+                out.append(self._reasoning_closed(item))
+                continue
             if item["type"] == "message":
                 if item["id"] not in self.opened:
                     out.append(self._open_message())
