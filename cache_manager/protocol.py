@@ -14,6 +14,9 @@ Kind = Literal["chat", "completion"]
 # /v1/conversations (a named session that only `conversation=` turns append to), or a
 # request without a session that resent a conversation (an implicit session, docs/implicit.md)
 Origin = Literal["context", "response", "conversation", "implicit"]
+# the rule for a chat session's past reasoning (docs/reasoning.md): follow the template
+# (closed turns re-based on its rendering) or keep the exact generated ids
+ReasoningHistory = Literal["template", "keep"]
 Digest = Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]  # a conversation state's digest
 
 
@@ -47,6 +50,7 @@ class SessionInfo(StrictModel):
     # the function tools the session's prompt was rendered with (a chat template renders
     # them into the prefix); None: none (docs/agents.md)
     tools: list[dict[str, Any]] | None = None
+    reasoning_history: ReasoningHistory = "template"
 
 
 class Idempotency(StrictModel):
@@ -204,6 +208,7 @@ class CreateSession(StrictModel):
         None, pattern=r"^([0-9a-f]{32})?$", description="share this KV tag (a fork); None: its own"
     )
     tools: list[dict[str, Any]] | None = Field(None, description="the tools rendered in it")
+    reasoning_history: ReasoningHistory = "template"
     response: StoredResponse | None = None
     idempotency: Idempotency | None = None
     lock: str | None = Field(None, description="the claim's lock (ClaimKey), released")

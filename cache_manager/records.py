@@ -46,6 +46,7 @@ def parse_info(session_id: str, rec: dict[bytes, bytes]) -> SessionInfo:
         kv_shared=s("kv_shared") == "1",
         edited=i("edited"),
         tools=orjson.loads(rec[b"tools"]) if rec.get(b"tools") else None,
+        reasoning_history=s("reasoning_history") or "template",  # type: ignore[arg-type]
     )
 
 

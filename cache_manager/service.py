@@ -124,6 +124,8 @@ class SessionService:
         }
         if req.tools is not None:
             fields["tools"] = orjson.dumps(req.tools)
+        if req.reasoning_history != "template":  # (the default: not written)
+            fields["reasoning_history"] = req.reasoning_history
         response = (req.response.id, req.response.record) if req.response else None
         try:
             created = await self.store.create(

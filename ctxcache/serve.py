@@ -43,6 +43,7 @@ from ctxcache.serve_region import local_kv_dir, region_bytes, remove_local_kv_di
 from ctxcache.supervisor import Child, Interrupted, Supervisor, http_ready
 from ctxcache.vllm_engine import add_tool_parser_argument, default_engine
 from ctxcache.vllm_engine import available as vllm_available
+from ctxcache.vllm_reasoning import add_reasoning_parser_argument, reasoning_parser_choice
 from gateway.cli import add_api_key_argument, api_keys, api_keys_file
 
 log = logging.getLogger("ctxcache.serve")
@@ -105,6 +106,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="one more argument for vLLM's server (repeatable), e.g. --vllm-arg=--max-num-seqs=8",
     )
     add_tool_parser_argument(p)
+    add_reasoning_parser_argument(p)
     add_dtype_argument(p)
 
 
@@ -233,6 +235,7 @@ def _run(args: argparse.Namespace, sup: Supervisor, data: Path, local: Path | No
         "engine: %s",
         "vLLM with the ctxcache KV connector" if engine == "vllm" else "the built-in worker",
     )
+    gateway_env.update(reasoning_env(args, engine, model))
     sup.start(
         Child(
             command,
@@ -309,8 +312,20 @@ def engine_args(
         argv += ["--sidecar-local-dir", str(local)]
     if engine == "vllm":
         argv += ["--kv-cache-gib", str(args.kv_cache_gib), "--dtype", args.dtype]
-        argv += ["--tool-call-parser", args.tool_call_parser, "--", *args.vllm_arg]
+        argv += ["--tool-call-parser", args.tool_call_parser]
+        argv += ["--reasoning-parser", args.reasoning_parser, "--", *args.vllm_arg]
     return argv
+
+
+def reasoning_env(args: argparse.Namespace, engine: str, model: str) -> dict[str, str]:
+    """The gateway's `CTX_GATEWAY_REASONING_PARSER` where the engine parses the model's
+    thinking: vLLM with the parser `ctxcache vllm` picks from the same flag and model
+    (the built-in worker has none)."""
+    parser = reasoning_parser_choice(args.reasoning_parser, model) if engine == "vllm" else None
+    if parser is None:
+        return {}
+    log.info("reasoning parser: %s", parser)
+    return {"CTX_GATEWAY_REASONING_PARSER": parser}
 
 
 def _store_url(url: str) -> str:

@@ -24,6 +24,11 @@ from pathlib import Path
 
 from ctxcache import tracing
 from ctxcache.cpu import add_dtype_argument, given_dtype, vllm_dtype
+from ctxcache.vllm_reasoning import (
+    add_reasoning_parser_argument,
+    preset_logits_processors,
+    reasoning_parser_choice,
+)
 
 CONNECTOR_MODULE = "vllm_connector.connector"
 CONNECTOR_CLASS = "CtxcacheConnector"
@@ -91,6 +96,10 @@ class VllmLaunch:
     enforce_eager: bool = False  # --enforce-eager: compile nothing (no compiler needed)
     # vLLM's --tool-call-parser (with --enable-auto-tool-choice); None: no tool calling
     tool_call_parser: str | None = None
+    # vLLM's --reasoning-parser (thinking in its own field); None: none
+    reasoning_parser: str | None = None
+    # vLLM's --logits-processors (`module:Class`): a preset's (ctxcache.vllm_reasoning)
+    logits_processors: list[str] = field(default_factory=list)
     # vLLM's --dtype (`ctxcache.cpu.vllm_dtype`: by the CPU); None: vLLM's own choice
     dtype: str | None = None
     connector_config: dict[str, object] = field(default_factory=dict)
@@ -135,6 +144,10 @@ class VllmLaunch:
             args.append("--enforce-eager")
         if self.tool_call_parser:
             args += ["--enable-auto-tool-choice", "--tool-call-parser", self.tool_call_parser]
+        if self.reasoning_parser:
+            args += ["--reasoning-parser", self.reasoning_parser]
+        if self.logits_processors:
+            args += ["--logits-processors", *self.logits_processors]
         if self.dtype and given_dtype(self.extra_args) is None:  # (theirs wins)
             args += ["--dtype", self.dtype]
         otlp = os.environ.get(tracing.ENDPOINT_ENV, "").strip()
@@ -290,6 +303,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "that variable if set, else 1 as vLLM without a connector, 0 on a machine of 1-2 CPUs)",
     )
     add_tool_parser_argument(p)
+    add_reasoning_parser_argument(p)
     add_dtype_argument(p)
     p.add_argument(
         "vllm_args", nargs=argparse.REMAINDER, help="after `--`: more arguments for vLLM"
@@ -350,6 +364,8 @@ def main(args: argparse.Namespace) -> int:
         connector_config={"chunk_size": args.chunk_size, "async_loads": args.async_loads},
         enforce_eager=eager,
         tool_call_parser=tool_parser_choice(args.tool_call_parser, args.model),
+        reasoning_parser=reasoning_parser_choice(args.reasoning_parser, args.model),
+        logits_processors=preset_logits_processors(args.model),
         dtype=dtype.dtype,
         extra_args=extra,
     )

@@ -34,6 +34,7 @@ from gateway.pool import WorkerPool
 from gateway.prompts import PromptBuilder
 from gateway.protocol import ChatBody, CompletionBody, ContextCreate
 from gateway.ratelimit import RateLimits
+from gateway.reasoning import Reasoning
 from gateway.recent import RecentHistories
 from gateway.responses.protocol import (
     ConversationCreate,
@@ -112,7 +113,8 @@ def create_app(settings: GatewaySettings, *, freeze_heap: bool = False) -> FastA
             )
             stack.push_async_callback(keeper.aclose)
             prompts = PromptBuilder()
-            turns = TurnService(manager, pool, metrics, prompts, salt, recent, keeper)
+            reasoning = Reasoning(settings.reasoning_parser)
+            turns = TurnService(manager, pool, metrics, prompts, salt, recent, keeper, reasoning)
             stack.push_async_callback(turns.drain)
             app.state.components = components
             app.state.keys = KeyRing(settings.api_keys)

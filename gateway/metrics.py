@@ -155,6 +155,19 @@ class GatewayMetrics:
             "was rendered again with them as a new prefix, its KV recomputed (docs/agents.md)",
             registry=r,
         )
+        self.reasoning_rebases = Counter(
+            "ctxcache_gateway_reasoning_rebases_total",
+            "session turns that closed a user turn whose stored ids the chat template renders "
+            "otherwise (its reasoning dropped): the session re-based on the template's "
+            "rendering (docs/reasoning.md)",
+            registry=r,
+        )
+        self.reasoning_rebase_tokens = Counter(
+            "ctxcache_gateway_reasoning_rebase_tokens_total",
+            "prompt tokens of re-based turns from the first difference with the stored ids "
+            "on (the closed turn rendered again, and the new input): what the engine computes",
+            registry=r,
+        )
         self.tool_calls = Counter(
             "ctxcache_gateway_tool_calls_total",
             "tool calls answered by session turns (parsed by the engine's tool parser)",
@@ -193,6 +206,11 @@ class GatewayMetrics:
         """A session turn committed."""
         self.turns.labels(kind).inc()
         self.tenants.turn(tenant, kind)
+
+    def reasoning_rebase(self, tokens: int) -> None:
+        """A turn committed re-based (`tokens` from the first difference on)."""
+        self.reasoning_rebases.inc()
+        self.reasoning_rebase_tokens.inc(tokens)
 
     def replayed(self, tenant: str) -> None:
         self.idempotent_replays.inc()

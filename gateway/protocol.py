@@ -79,6 +79,12 @@ class ContextCreate(AgentFields):
         False, strict=True, description="stream the answer (max_tokens > 0) as chat does"
     )
     stream_options: StreamOptions | None = None
+    reasoning_history: Literal["template", "keep"] = Field(
+        "template",
+        description="a chat session's past reasoning (docs/reasoning.md): template drops "
+        "closed turns' reasoning as the chat template does (re-basing the stored ids once "
+        "per closed turn); keep keeps the exact generated ids",
+    )
 
     _metadata = field_validator("metadata")(check_metadata)
 
@@ -97,6 +103,7 @@ class ContextObject(OpenAIBaseModel):
     context_tokens: int
     turns: int
     metadata: dict[str, Any] = Field(default_factory=dict)
+    reasoning_history: Literal["template", "keep"] = "template"
     kv_tokens: int | None = Field(
         None,
         description="tokens of KV the sidecar holds for the session (full chunks plus tail "

@@ -141,6 +141,12 @@ class GatewaySettings(BaseSettings):
         le=30 * 86_400,
         description="how long an Idempotency-Key's recorded answer is kept (docs/limits.md)",
     )
+    reasoning_parser: str | None = Field(
+        None,
+        description="the --reasoning-parser the engines run (docs/reasoning.md): chat turns "
+        "then run on the engine's chat endpoint, which puts the thinking in reasoning; unset: "
+        "none, and a request that asks for thinking is refused",
+    )
     create_priority: int = Field(
         0,
         description="vLLM scheduling priority of a create's prefill, turns being 0 (lower "
@@ -166,6 +172,11 @@ class GatewaySettings(BaseSettings):
     @classmethod
     def _empty_is_unset(cls, value: object) -> object:
         return None if value == "" else value
+
+    @field_validator("reasoning_parser", mode="before")
+    @classmethod
+    def _no_parser(cls, value: object) -> object:
+        return None if value in ("", "none") else value
 
     @model_validator(mode="after")
     def _keys_from_file(self) -> GatewaySettings:

@@ -250,9 +250,14 @@ def _call_ids(message: dict[str, Any]) -> set[str]:
 
 
 def assistant_message(message: dict[str, Any]) -> dict[str, Any]:
-    """What the history keeps of an answer: content and tool calls, as the chat template
-    renders them when the conversation is rendered again."""
+    """What the history keeps of an answer: content, tool calls and reasoning (vLLM hands
+    it to the template, which renders it inside the open turn's chain of tool calls and
+    drops it once the turn closes: docs/reasoning.md), as the chat template renders them
+    when the conversation is rendered again."""
     out: dict[str, Any] = {"role": "assistant", "content": message.get("content")}
+    reasoning = message.get("reasoning")
+    if isinstance(reasoning, str) and reasoning:
+        out["reasoning"] = reasoning
     calls = message.get("tool_calls")
     if calls:
         out["tool_calls"] = [

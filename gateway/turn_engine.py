@@ -41,8 +41,9 @@ class Generation:
     token_ids: list[int]
     finish_reason: str | None
     usage: dict[str, Any]
-    # from the engine's chat endpoint (a turn with tools, a format, logprobs): the answer's
-    # message as the engine parsed it (content, tool_calls, ...) and its logprobs
+    # from the engine's chat endpoint (a turn with tools, a format, logprobs; every chat turn
+    # of a deployment with a reasoning parser): the answer's message as the engine parsed it
+    # (content, tool_calls, reasoning: the whole thinking or None, ...) and its logprobs
     message: dict[str, Any] | None = None
     logprobs: Any = None
     worker: Worker | None = None  # (after a failover: not the one the turn was planned on)
@@ -192,7 +193,8 @@ class StreamedAnswer:
         self.ids: list[int] = []
         self.finish: str | None = None
         self.calls = StreamedCalls()
-        self.role: dict[str, Any] = {}  # a chat delta's other fields (reasoning, ...)
+        self.role: dict[str, Any] = {}  # a chat delta's other fields (role, ...)
+        self.reasoning: list[str] = []  # the pieces of the thinking (vLLM's `reasoning`)
         self.logprobs: list[Any] = []
 
     def add(self, choice: dict[str, Any]) -> None:
@@ -200,7 +202,12 @@ class StreamedAnswer:
             delta = choice.get("delta") or {}
             self.text.append(delta.get("content") or "")
             self.calls.add(delta.get("tool_calls"))
-            self.role.update(delta)
+            for key, value in delta.items():
+                if key == "reasoning":
+                    if value:
+                        self.reasoning.append(value)
+                elif key not in ("content", "tool_calls"):
+                    self.role[key] = value
             if choice.get("logprobs"):
                 self.logprobs.append(choice["logprobs"])
         else:
@@ -219,6 +226,8 @@ class StreamedAnswer:
             tool_calls = self.calls.list()
             content = text if text or not tool_calls else None
             message = {**self.role, "content": content, "tool_calls": tool_calls}
+            if self.reasoning:
+                message["reasoning"] = "".join(self.reasoning)
             logprobs = self.logprobs or None
             metrics.tool_calls.inc(len(tool_calls))
         usage = normalize_usage(usage)

@@ -13,6 +13,7 @@ from cache_manager.protocol import SessionInfo
 from ctxcache.errors import InvalidRequest
 from gateway.pool import Worker
 from gateway.prompts import PromptBuilder
+from gateway.reasoning import TEMPLATE_FIELDS, template_kwargs
 from gateway.recent import RecentHistories
 from gateway.resent import held
 from gateway.tools import (
@@ -87,6 +88,7 @@ class TurnKind(Protocol):
         history: Messages,
         tokenized: Any,
         tools: Tools | None,
+        kwargs: dict[str, Any] | None = None,
     ) -> tuple[list[int], int]:
         """The new ids after `stored` (and the window), from what `tokenize` returned."""
 
@@ -98,6 +100,7 @@ class TurnKind(Protocol):
         new: Messages | str | list[int],
         generate: bool,
         tools: Tools | None,
+        kwargs: dict[str, Any] | None = None,
     ) -> tuple[list[int], int]:
         """A create's whole prompt (`/v1/context`)."""
 
@@ -166,6 +169,7 @@ class CompletionKind:
         history: Messages,
         tokenized: Any,
         tools: Tools | None,
+        kwargs: dict[str, Any] | None = None,
     ) -> tuple[list[int], int]:
         return tokenized  # type: ignore[no-any-return]
 
@@ -177,6 +181,7 @@ class CompletionKind:
         new: Messages | str | list[int],
         generate: bool,
         tools: Tools | None,
+        kwargs: dict[str, Any] | None = None,
     ) -> tuple[list[int], int]:
         return await prompts.text(worker, model, new, special=True)  # type: ignore[arg-type]
 
@@ -197,7 +202,9 @@ class ChatKind:
     route = "/v1/chat/completions"
     messages = True
     param = "messages"
-    drops = AGENT_FIELDS  # (only empty ones are left on that endpoint: `tools: []`, and such)
+    # (only empty ones are left on that endpoint: `tools: []`, and such; the template's
+    # kwargs were the rendering's)
+    drops = (*AGENT_FIELDS, *TEMPLATE_FIELDS)
 
     def check(self, body: dict[str, Any]) -> None:
         check_common(body)
@@ -237,7 +244,8 @@ class ChatKind:
         body: dict[str, Any],
         tools: Tools | None,
     ) -> Any:
-        return await prompts.chat_full(worker, model, history, body["messages"], tools)
+        kwargs = template_kwargs(body)
+        return await prompts.chat_full(worker, model, history, body["messages"], tools, kwargs)
 
     async def prompt(
         self,
@@ -248,8 +256,9 @@ class ChatKind:
         history: Messages,
         tokenized: Any,
         tools: Tools | None,
+        kwargs: dict[str, Any] | None = None,
     ) -> tuple[list[int], int]:
-        return await prompts.delta(worker, model, stored, history, tokenized, tools)
+        return await prompts.delta(worker, model, stored, history, tokenized, tools, kwargs)
 
     async def create_prompt(
         self,
@@ -259,14 +268,16 @@ class ChatKind:
         new: Messages | str | list[int],
         generate: bool,
         tools: Tools | None,
+        kwargs: dict[str, Any] | None = None,
     ) -> tuple[list[int], int]:
         # prefill only: the conversation so far, closed
         return await prompts.chat(
             worker,
             model,
-            new,
+            new,  # type: ignore[arg-type]
             generation_prompt=generate,
-            tools=tools,  # type: ignore[arg-type]
+            tools=tools,
+            kwargs=kwargs,
         )
 
     def chat_engine(self, body: dict[str, Any], tools: Tools | None) -> bool:

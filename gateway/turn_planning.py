@@ -30,7 +30,8 @@ from ctxcache.logs import bind_session
 from gateway.locks import NO_LOCK, Held
 from gateway.metrics import GatewayMetrics
 from gateway.pool import ModelNotFound, Worker, WorkerPool
-from gateway.prompts import PromptBuilder
+from gateway.prompts import PromptBuilder, common_prefix
+from gateway.reasoning import Reasoning, closes_turn, rebased, template_kwargs
 from gateway.recent import RecentHistories
 from gateway.shaping import sampling_fields
 from gateway.tools import Tools, same_tools
@@ -63,7 +64,9 @@ class Turn:
     tools: Tools | None = None  # the tools the prompt is rendered with, sent to the engine
     chat_engine: bool = False  # run on the engine's chat endpoint (docs/agents.md)
     new_tools: bool = False  # the session's tools change to `tools` with this turn
-    replace: bool = False  # `new_tokens` are the whole history rendered again (new tools)
+    # `new_tokens` are the whole history rendered again (new tools; a re-base: `rebase`)
+    replace: bool = False
+    rebase: int = 0  # a re-based turn's tokens from the first difference on (docs/reasoning.md)
     lock: Held = NO_LOCK  # the session's turn lock, while the turn runs
 
     @property
@@ -105,7 +108,8 @@ def span_attributes(turn: Turn, worker: Worker | None = None) -> dict[str, Any]:
     }
 
 
-CREATE_ONLY = ("ttl", "metadata")  # a create's fields that are not the engine's
+# a create's fields that are not the engine's
+CREATE_ONLY = ("ttl", "metadata", "reasoning_history")
 
 
 def _consume_exception(task: asyncio.Task[Any]) -> None:
@@ -150,17 +154,21 @@ class TurnPlanner:
         metrics: GatewayMetrics,
         prompts: PromptBuilder,
         recent: RecentHistories,
+        reasoning: Reasoning | None = None,
     ) -> None:
         self.manager = manager
         self.pool = pool
         self.metrics = metrics
         self.prompts = prompts
         self.recent = recent
+        self.reasoning = reasoning or Reasoning()
 
     def start(self, kind: str, session_id: str, body: dict[str, Any]) -> Early | None:
         """Check the body (before the lock: a bad body never blocks the session) and
         start the turn's early `/tokenize` (`_start_early`)."""
         KINDS[kind].check(body)
+        if kind == "chat":
+            self.reasoning.check(body)
         tracing.set_session(session_id)
         return self._start_early(kind, session_id, body)
 
@@ -245,6 +253,8 @@ class TurnPlanner:
         variant = KINDS[kind]
         info = state.info
         model = body["model"]
+        if kind == "chat":  # (`start` checked a begin's; a caller's own state: here)
+            self.reasoning.check(body)
         if info.model and model != info.model:  # a conversation takes its first turn's model
             raise SessionModelMismatch(
                 f"this session uses model {info.model!r}, the request names {model!r}",
@@ -272,15 +282,32 @@ class TurnPlanner:
             body = variant.unsent(body, history)
         new_msgs = variant.new_messages(body)
         variant.check_history(history, new_msgs)
+        # the rule for past reasoning (docs/reasoning.md): `template` re-bases a session
+        # whose closed turn the template renders otherwise than its stored ids
+        rebases = (
+            kind == "chat"
+            and self.reasoning.on
+            and info.reasoning_history == "template"
+            and not new_tools
+            and closes_turn(history, new_msgs)
+        )
+        kwargs = template_kwargs(body) if kind == "chat" else None
 
-        async def build(worker: Worker) -> tuple[list[int], int]:
+        async def build(worker: Worker) -> tuple[list[int], int, bool]:
             tokenized = ready or await self._tokenize(worker, variant, model, history, body, tools)
+            if rebases and (full := rebased(stored, tokenized[0])) is not None:
+                return full, tokenized[1], True
             prompts = self.prompts
-            return await variant.prompt(prompts, worker, model, stored, history, tokenized, tools)
+            new, window = await variant.prompt(
+                prompts, worker, model, stored, history, tokenized, tools, kwargs
+            )
+            return new, window, False
 
-        (new_tokens, window), worker = await failover(
+        (new_tokens, window, rebase), worker = await failover(
             self.pool, model, build, affinity=info.affinity
         )
+        if rebase:
+            stored = []
         turn = Turn(
             kind=kind,
             model=model,
@@ -298,13 +325,14 @@ class TurnPlanner:
             started=started if started is not None else time.perf_counter(),
             idempotency=idempotency,
             tools=tools or None,
-            chat_engine=variant.chat_engine(body, tools),
+            chat_engine=variant.chat_engine(body, tools) or (kind == "chat" and self.reasoning.on),
             new_tools=new_tools,
-            replace=new_tools and bool(state.tokens),
+            replace=(new_tools or rebase) and bool(state.tokens),
+            rebase=len(new_tokens) - common_prefix(new_tokens, state.tokens) if rebase else 0,
             lock=lock,
         )
         check_window(turn)
-        if turn.replace:
+        if new_tools and turn.replace:
             self.metrics.tool_rerenders.inc()
             with bind_session(session_id):
                 log.info("turn with other tools: the history is rendered again with them")
@@ -331,8 +359,12 @@ class TurnPlanner:
         tools = body.get("tools") or None  # rendered into the prefix, kept with the session
         new = messages if prompt is None else prompt
 
+        kwargs = template_kwargs(body) if kind == "chat" else None
+
         async def build(worker: Worker) -> tuple[list[int], int]:
-            return await variant.create_prompt(self.prompts, worker, model, new, generate, tools)
+            return await variant.create_prompt(
+                self.prompts, worker, model, new, generate, tools, kwargs
+            )
 
         (prompt, window), worker = await failover(self.pool, model, build)
         sampling = {k: v for k, v in sampling_fields(body).items() if k not in CREATE_ONLY}
@@ -352,7 +384,8 @@ class TurnPlanner:
             started=started,
             priority=priority,
             tools=tools,
-            chat_engine=generate and variant.chat_engine(body, tools),
+            chat_engine=generate
+            and (variant.chat_engine(body, tools) or (kind == "chat" and self.reasoning.on)),
         )
         check_window(turn)
         return turn

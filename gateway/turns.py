@@ -43,6 +43,7 @@ from gateway.locks import NO_LOCK, Held, LockKeeper
 from gateway.metrics import GatewayMetrics
 from gateway.pool import WorkerPool
 from gateway.prompts import PromptBuilder
+from gateway.reasoning import Reasoning
 from gateway.recent import Messages, RecentHistories
 from gateway.salt import CacheSalt
 from gateway.shaping import Shaper, cached_tokens, normalize_usage
@@ -65,6 +66,7 @@ class TurnService:
         salt: CacheSalt | None = None,
         recent: RecentHistories | None = None,
         keeper: LockKeeper | None = None,
+        reasoning: Reasoning | None = None,
     ) -> None:
         self.manager = manager
         self.keeper = keeper if keeper is not None else LockKeeper(manager, max_hold_s=300.0)
@@ -74,7 +76,8 @@ class TurnService:
         self.recent = recent if recent is not None else RecentHistories()
         self.background = BackgroundTasks(log)
         self.engine = TurnEngine(pool, metrics, salt or CacheSalt())
-        self.planner = TurnPlanner(manager, pool, metrics, prompts, self.recent)
+        self.reasoning = reasoning or Reasoning()  # the engines' parser (docs/reasoning.md)
+        self.planner = TurnPlanner(manager, pool, metrics, prompts, self.recent, self.reasoning)
 
     # -- locks ---------------------------------------------------------------------------
     def held(
@@ -396,6 +399,14 @@ class TurnService:
             turn.lock.stop()
         variant.remember(self.recent, turn, info, messages)
         with bind_session(turn.session_id):
+            if turn.rebase:
+                self.metrics.reasoning_rebase(turn.rebase)
+                log.info(
+                    "turn %d closed the last: re-based on the template's rendering, %d "
+                    "prompt tokens from the first difference on (docs/reasoning.md)",
+                    info.turns,
+                    turn.rebase,
+                )
             log.info(
                 "turn %d: %d prompt tokens, %d cached, %d generated",
                 info.turns,

@@ -1,5 +1,5 @@
 """Fixtures shared by every test package: a real redis-server we start and own, the tiny
-model built once."""
+model (and the thinking one) built once."""
 
 from __future__ import annotations
 
@@ -28,6 +28,15 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from worker.presets import create_model
 
     return create_model("tiny", tmp_path_factory.mktemp("models") / "tiny")
+
+
+@pytest.fixture(scope="session")
+def think_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The thinking preset (`--preset tiny-think`: Qwen3's `<think>` template, vLLM's `qwen3`
+    reasoning parser, the think script), built once per run."""
+    from worker.presets import create_model
+
+    return create_model("tiny-think", tmp_path_factory.mktemp("models") / "tiny-think")
 
 
 @pytest.fixture

@@ -14,6 +14,8 @@ PRESET_NAMES = (
     "tiny-mla",
     "tiny-hybrid",
     "tiny-gemma3",
+    "tiny-think",
+    "small-think",
 )
 
 

@@ -86,6 +86,8 @@ class CompletionService:
             return await self.answer(
                 tenant, kind, raw, session_header, parsed=doc, idempotency_key=idempotency_key
             )
+        if kind == "chat":  # (thinking asked of a deployment without a parser: refused)
+            self.turns.reasoning.check_raw(raw, doc)
         fields = CacheFields.of(doc) if b"prompt_cache" in raw else NO_FIELDS
         if kind == "chat" and self.implicit is not None and self.implicit.take(tenant, doc, fields):
 
@@ -189,6 +191,7 @@ class CompletionService:
         path = PATHS[kind]
         body, raw, _ = engine_bytes(body, raw)  # (OpenAI's prompt-caching fields: ours)
         if kind == "chat":
+            self.turns.reasoning.check_raw(raw, body)
             raw = passthrough_tool_choice(body, raw)  # (`allowed_tools`: for the engine)
         affinity = None
         if first is not None:

@@ -41,6 +41,7 @@ def context_object(info: SessionInfo) -> ContextObject:
         context_tokens=info.context_tokens,
         turns=info.turns,
         metadata=info.metadata,
+        reasoning_history=info.reasoning_history,
         kv_tokens=info.kv_tokens,
         kv_bytes=info.kv_bytes,
     )
@@ -85,6 +86,7 @@ class ContextService:
             raise InvalidRequest("tools need a chat context (messages)", param="tools")
         tools = check_tools(body.get("tools"))
         check_agent_fields(body, tools)
+        self.turns.reasoning.check(body)
         if req.messages is not None:
             messages = [m.model_dump(exclude_none=True) for m in req.messages]
             check_tool_messages([], messages)
@@ -197,6 +199,7 @@ class ContextService:
                 tools=turn.tools,
                 ttl=self.check_ttl(req.ttl),
                 metadata=req.metadata or {},
+                reasoning_history=req.reasoning_history,
                 worker=gen.worker.id,
                 sidecar=gen.worker.sidecar,
                 idempotency=key.record(out) if key is not None else None,

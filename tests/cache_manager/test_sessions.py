@@ -325,3 +325,30 @@ async def test_live_sessions_count_tenants_another_manager_created(
             await other.create(chat(tenant))
     async with make_manager() as fresh:  # has seen no tenant itself
         assert await fresh.live_sessions() >= 2
+
+
+async def test_the_reasoning_rule_is_kept_with_the_session(manager: ManagerClient) -> None:
+    """`reasoning_history` (docs/reasoning.md): chosen at create, read back on every
+    begin, kept by a re-based turn (its ids replace the session's)."""
+    default = await manager.create(chat())
+    assert default.reasoning_history == "template"
+    info = await manager.create(chat(reasoning_history="keep"))
+    assert info.reasoning_history == "keep"
+    state = await manager.begin(info.session_id, BeginTurn(tenant="acme"))
+    assert state.info.reasoning_history == "keep"
+    after = await manager.append(
+        info.session_id,
+        AppendTurn(
+            tenant="acme",
+            expected_version=state.info.version,
+            lock=state.lock,
+            tokens=[9, 8],
+            messages=MSGS,
+            replace=True,
+        ),
+    )
+    assert after.reasoning_history == "keep" and after.context_tokens == 2
+    state = await manager.begin(info.session_id, BeginTurn(tenant="acme", lock=False))
+    assert state.tokens == [9, 8] and state.info.reasoning_history == "keep"
+    with pytest.raises(ValueError):
+        CreateSession(tenant="acme", model="m", kind="chat", reasoning_history="all")  # type: ignore[arg-type]

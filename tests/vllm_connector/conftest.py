@@ -21,6 +21,7 @@ from ctxcache.lmcache_keys import session_key
 from ctxcache.net import free_port
 from ctxcache.redis_server import RedisServer
 from ctxcache.vllm_engine import VllmLaunch
+from ctxcache.vllm_reasoning import preset_logits_processors
 from tests.stacks import started
 from tests.utils import require_vllm, shm_dir
 
@@ -77,6 +78,24 @@ def vllm_stack(
         yield stack
 
 
+@pytest.fixture(scope="session")
+def think_stack(
+    tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer, think_model: Path
+) -> Iterator[VllmStack]:
+    """The thinking preset (`tiny-think`, served as `tiny-think`) with vLLM's `qwen3`
+    reasoning parser and the preset's think script, the gateway told the parser
+    (CTX_GATEWAY_REASONING_PARSER), shared like `vllm_stack`: its tests leave it as they
+    found it."""
+    with started_stack(
+        tmp_path_factory,
+        redis_server,
+        think_model,
+        served_name="tiny-think",
+        reasoning_parser="qwen3",
+    ) as stack:
+        yield stack
+
+
 @contextmanager
 def started_stack(
     tmp_path_factory: pytest.TempPathFactory,
@@ -89,6 +108,7 @@ def started_stack(
     served_name: str = "tiny",
     dtype: str | None = None,
     vllm_args: tuple[str, ...] = (),
+    reasoning_parser: str | None = None,
 ) -> Iterator[VllmStack]:
     """vLLM with the connector (`connector_config`: its extra settings), a sidecar and a
     gateway, stopped when the block ends. `local`: KV moves through the sidecar's shared
@@ -97,6 +117,9 @@ def started_stack(
     the manager in its own process. `tiny_model` may be any preset, served as
     `served_name`; `dtype`: vLLM's --dtype (default: as `ctxcache serve` picks it for this
     CPU); `vllm_args`: vLLM's own flags besides (`--dtype` among them wins over `dtype`).
+    `reasoning_parser`: vLLM's --reasoning-parser, and the gateway's
+    CTX_GATEWAY_REASONING_PARSER (None: neither). A preset's logits processors (the
+    thinking preset's think script) are loaded as `ctxcache vllm` loads them.
     Every process inherits this one's environment."""
     require_vllm()
     root = tmp_path_factory.mktemp("vllm-stack")
@@ -120,6 +143,8 @@ def started_stack(
                 dev_mode=True,
                 connector_config=dict(connector_config or {}),
                 tool_call_parser="hermes",  # as `ctxcache serve` picks for the presets (Qwen2)
+                reasoning_parser=reasoning_parser,
+                logits_processors=preset_logits_processors(str(tiny_model)),
                 # as `ctxcache serve` picks for this CPU: bfloat16 with AMX or avx512_bf16,
                 # else float32; full and session answers come from this one engine, in one dtype
                 dtype=dtype or vllm_dtype().dtype,
@@ -131,6 +156,8 @@ def started_stack(
             # minute of start-up, one was once taken meanwhile by a port vLLM bound (CI)
             store = ["--redis-url", redis_server.url]
             env = {"CTX_GATEWAY_HEALTH_INTERVAL_S": "0.5"}
+            if reasoning_parser:
+                env["CTX_GATEWAY_REASONING_PARSER"] = reasoning_parser
             if manager:
                 token = "manager-token-vllm-stack"
                 builder.add(manager_service(redis_server.url, token))

@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from transformers import PretrainedConfig, PreTrainedTokenizerFast
 
 from worker.model_kind import KIND_FILE
-from worker.presets import dense, gemma3, hybrid, mla, sliding
+from worker.presets import dense, gemma3, hybrid, mla, qwen3, sliding, think
 from worker.presets.experts import per_expert
 from worker.presets.spec import PRESETS, Preset
 from worker.presets.tokenizer import BOS, EOS, PAD, self_retokenizing_ids, train_tokenizer
@@ -32,6 +32,7 @@ CONFIGS: dict[str, ConfigFn] = {
     "gemma3": gemma3.config,
     "deepseek_v3": mla.config,
     "qwen3_next": hybrid.config,
+    "qwen3": qwen3.config,
 }
 INITS: dict[str, InitFn] = {"qwen3_next": hybrid.init, "gemma3": gemma3.init}
 # the weights renamed as the architecture's checkpoints name them, where transformers' differ
@@ -82,6 +83,8 @@ def create_model(preset: str, out_dir: Path) -> Path:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer, allowed = _tokenizer(p.vocab_size, p.corpus_chars)
+    if p.think_tokens:  # `<think>`, `</think>` appended: the allowed ids stay as they are
+        tokenizer = think.thinking_tokenizer(tokenizer)
     ids = [int(tokenizer.convert_tokens_to_ids(t)) for t in (BOS, EOS, PAD)]
     config = CONFIGS[p.arch](p, len(tokenizer), *ids)
     save_file(
@@ -97,7 +100,11 @@ def create_model(preset: str, out_dir: Path) -> Path:
         )
         + "\n"
     )
-    row = {"preset": preset, **asdict(p), "output_token_ids": len(allowed)}
+    row: dict[str, object] = {"preset": preset, **asdict(p), "output_token_ids": len(allowed)}
+    if p.think_tokens:  # what `ctxcache vllm` starts it with, and its script's token ids
+        row["reasoning_parser"] = think.REASONING_PARSER
+        row["logits_processors"] = [think.SCRIPT]
+        row["think"] = think.script_record(tokenizer, p.think_tokens)
     (out_dir / KIND_FILE).write_text(json.dumps(row, indent=2) + "\n")
     log.info(
         "model preset %s (%s, %s) written to %s (%d output tokens allowed of %d)",

@@ -6,7 +6,10 @@ runs); `sliding`, windowed layers beside full ones (Llama with per-layer `layer_
 Gemma 3's 5:1 shape); `mla`, DeepSeek-V3's latent attention; `hybrid`, gated-delta-net linear
 attention beside full attention (Qwen3-Next). Its `arch` names the module of this package
 that writes its config: `dense.py` (qwen2), `sliding.py` (llama), `gemma3.py`, `mla.py`
-(deepseek_v3), `hybrid.py` (qwen3_next).
+(deepseek_v3), `hybrid.py` (qwen3_next), `qwen3.py` (the thinking presets). A thinking
+preset (`think_tokens` > 0) is a dense Qwen3 with Qwen3's thinking template (`think.py`) and
+a script that makes its random weights think that many tokens, then answer
+(`think_script.py`: a logits processor that vLLM loads; the built-in worker has none).
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ class Preset:
     arch: str = "qwen2"
     # sliding: the window of the `sliding_attention` layers, in tokens
     sliding_window: int | None = None
+    # thinking: the tokens of the model's own between `<think>\n` and `\n</think>\n\n`
+    # that the think script lets it write (0: not a thinking preset)
+    think_tokens: int = 0
 
 
 TINY = Preset(
@@ -78,4 +84,9 @@ PRESETS: dict[str, Preset] = {
     "tiny-hybrid": _kind(TINY, "hybrid", "qwen3_next", 4567),
     # Gemma 3's shape at tiny's width: 6 layers, five 512-token windows to one global layer
     "tiny-gemma3": _kind(TINY, "sliding", "gemma3", 5678, num_layers=6, sliding_window=512),
+    # tiny's shape as Qwen3, with Qwen3's thinking template: 12 tokens of thinking, then the
+    # answer (vLLM's `qwen3` reasoning parser)
+    "tiny-think": _kind(TINY, "dense", "qwen3", 7890, think_tokens=12),
+    # small's shape, the same way, 24 tokens of thinking
+    "small-think": _kind(SMALL, "dense", "qwen3", 8901, think_tokens=24),
 }
