@@ -33,6 +33,7 @@ class FirstRequest:
         self.prompt_ids: list[int] | None = None
         self.ids: list[int] = []
         self.text: list[str] = []
+        self.reasoning: list[str] = []  # a thinking model's (docs/reasoning.md)
         self.calls = StreamedCalls()
         self.message: dict[str, Any] | None = None  # the whole answer's, not streamed
         self.finished = False
@@ -105,6 +106,7 @@ class FirstRequest:
             self.ids.extend(choice.get("token_ids") or ())
             delta = choice.get("delta") or {}
             self.text.append(delta.get("content") or "")
+            self.reasoning.append(delta.get("reasoning") or "")
             self.calls.add(delta.get("tool_calls"))
             if choice.get("finish_reason") is not None:
                 self.finished = True
@@ -139,7 +141,8 @@ class FirstRequest:
         calls = self.calls.list()
         text = "".join(self.text)
         content = text if text or not calls else None
-        return assistant_message({"content": content, "tool_calls": calls})
+        reasoning = "".join(self.reasoning)
+        return assistant_message({"content": content, "tool_calls": calls, "reasoning": reasoning})
 
     def tokens(self) -> list[int]:
         """The prompt's ids and the answer's: the session's; [] if the engine gave none
