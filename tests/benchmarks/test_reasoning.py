@@ -315,22 +315,12 @@ def test_a_failing_mode_is_reported_and_the_others_go_on() -> None:
     assert len([r for r in records if r["mode"] == "stateless"]) == 2 * TURNS * (CALLS + 1)
 
 
-@pytest.fixture(scope="module")
-def tiny_think_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The thinking preset (`ctxcache model create --preset tiny-think`)."""
-    from worker.presets import PRESETS, create_model
-
-    if "tiny-think" not in PRESETS:
-        pytest.skip("no tiny-think preset in this checkout")
-    return create_model("tiny-think", tmp_path_factory.mktemp("models") / "tiny-think")
-
-
 @pytest.mark.slow  # a vLLM start and ~40 requests on 2 CPUs: `make test-slow`
 @pytest.mark.timeout(RUN_TIMEOUT_S + 60)
-def test_quick_on_vllm_with_the_thinking_preset(tmp_path: Path, tiny_think_model: Path) -> None:
+def test_quick_on_vllm_with_the_thinking_preset(tmp_path: Path, think_model: Path) -> None:
     require_vllm()
     out = tmp_path / "reasoning"
-    data = run_bench("reasoning", out, "--quick", "--model", str(tiny_think_model))
+    data = run_bench("reasoning", out, "--quick", "--model", str(think_model))
     meta = data["meta"]
     assert meta["errors"] == {} and meta["reasoning_parser"] == "qwen3"
     assert meta["vllm_dtype"] == "float32"
