@@ -13,9 +13,9 @@ of tokens). Three modes, side by side:
   next user message arrives, the closed turn's reasoning is dropped as the chat template
   drops it, and the stored history is re-based once;
 - `session-keep`: a session created with `keep`: the exact generated tokens stay;
-- `stateless`: the reference. The whole conversation, straight to vLLM, every step, as an
-  OpenAI client sends it: the assistant messages of the open turn with their `reasoning`,
-  those of closed turns without it.
+- `stateless`: a client without a session: the whole conversation, straight to vLLM,
+  every step, as an OpenAI client sends it: the assistant messages of the open turn with
+  their `reasoning`, those of closed turns without it.
 
 All three run on one vLLM (with the ctxcache connector and the sidecar behind one gateway),
 step by step in turn (the order rotating every step). The session modes have an API key of
@@ -25,10 +25,11 @@ the time to the first event carrying reasoning, content or a tool-call delta.
 
 Per step: `prompt_tokens` (the context), `cached_tokens`, recomputed = prompt - cached, the
 TTFT, vLLM's own TTFT and the tokens the connector loaded (its /metrics, read around each
-request), and whether the answer (content and tool calls) is `stateless`'s. Greedy, and
-vLLM runs in float32 unless told (`--dtype`), so equality is meaningful: a session mode
-whose answer differs once goes on with its own conversation, and its later steps are
-counted as "after a divergence", not compared.
+request). Each session step is then sent again, untimed, as its reference: that session's
+own conversation so far, whole, to vLLM, as `stateless` sends one (its own `cache_salt`:
+it warms nothing measured); the step's answer (content and tool calls), reasoning and
+prompt length are compared with it. Greedy, and vLLM runs in float32 unless told
+(`--dtype`), so equality is meaningful.
 """
 
 from __future__ import annotations

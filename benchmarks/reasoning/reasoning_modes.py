@@ -1,5 +1,5 @@
-"""The modes of `ctxcache bench reasoning`: what each sends a step, and the run that steps
-them side by side and compares their answers with the reference's."""
+"""The modes of `ctxcache bench reasoning`: what each sends a step, the reference each
+session mode's answer is compared with, and the run that steps them side by side."""
 
 from __future__ import annotations
 
@@ -57,6 +57,39 @@ def _digest(value: Any) -> str:
 
 
 # ---- one conversation of one mode ----------------------------------------------------------
+class History:
+    """A conversation as an OpenAI client keeps it and sends it whole: the assistant
+    messages with their `reasoning` while their user turn is open, without it once the next
+    user message is sent (the closed turns' thinking is not sent again)."""
+
+    def __init__(self, system: str) -> None:
+        self.messages: list[dict[str, Any]] = [{"role": "system", "content": system}]
+
+    def send(self, new: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The whole conversation with the `new` messages: what the client sends now."""
+        if new and new[0]["role"] == "user":
+            for m in self.messages:
+                m.pop("reasoning", None)
+        self.messages += new
+        return orjson.loads(orjson.dumps(self.messages))  # (a copy: this request's)
+
+    def answered(self, thinking: Thinking) -> None:
+        answer = thinking.answer
+        message: dict[str, Any] = {"role": "assistant", "content": answer.text or None}
+        if answer.calls:
+            message["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": c.arguments},
+                }
+                for c in answer.calls
+            ]
+        if thinking.reasoning:
+            message["reasoning"] = thinking.reasoning
+        self.messages.append(message)
+
+
 class Conversation:
     """One conversation of a mode: `begin()` (the seconds it took, 0 if nothing), then
     `step(u, s)` for each user turn u and its steps s, then `end()`."""
@@ -66,6 +99,7 @@ class Conversation:
     def __init__(self, client: Any, work: Workload, index: int) -> None:
         self.client, self.work, self.index = client, work, index
         self.last: Thinking | None = None
+        self.history = History(work.system(index))
 
     def begin(self) -> float:
         return 0.0
@@ -98,13 +132,18 @@ class Conversation:
     def send(self, body: dict[str, Any], step: int) -> Thinking:
         """Stream `body`; the answer, once a forced step's is a whole call (a call cut at
         max_tokens is not JSON: the next step would answer a broken call)."""
-        thinking = Thinking()
-        thinking.answer = stream(self.client, "/v1/chat/completions", body, thinking.read)
+        thinking = chat(self.client, body)
         calls = thinking.answer.calls
         if step < self.work.calls and not (calls and all(map(_whole, calls))):
             raise WayFailed(b"", 200, f"{self.name}: a forced call, got {thinking} (--max-tokens?)")
         self.last = thinking
         return thinking
+
+
+def chat(client: Any, body: dict[str, Any]) -> Thinking:
+    thinking = Thinking()
+    thinking.answer = stream(client, "/v1/chat/completions", body, thinking.read)
+    return thinking
 
 
 def _whole(call: Any) -> bool:
@@ -115,16 +154,19 @@ def _whole(call: Any) -> bool:
 
 
 class SessionConversation(Conversation):
-    """A session created with `rule`; each step only the new messages."""
+    """A session created with `rule`; each step only the new messages. `reference()`: the
+    same conversation (this session's answers so far), sent whole to vLLM as a client
+    sends it, with a `cache_salt` of its own (it warms nothing that is measured)."""
 
-    def __init__(self, client: Any, work: Workload, index: int, name: str) -> None:
+    def __init__(self, client: Any, engine: Any, work: Workload, index: int, name: str) -> None:
         super().__init__(client, work, index)
-        self.name, self.rule = name, RULES[name]
+        self.engine, self.name, self.rule = engine, name, RULES[name]
+        self.sent: list[dict[str, Any]] = []
 
     def begin(self) -> float:
         import time
 
-        system = {"role": "system", "content": self.work.system(self.index)}
+        system = self.history.messages[0]
         body = {"model": self.work.model, "messages": [system], "tools": TOOLS, "ttl": 3600}
         data = orjson.dumps({**body, RULE_FIELD: self.rule})
         t0 = time.perf_counter()
@@ -135,53 +177,38 @@ class SessionConversation(Conversation):
         return time.perf_counter() - t0
 
     def step(self, turn: int, step: int) -> Thinking:
-        body = {**self.body(step), "session_id": self.session_id}
-        return self.send({**body, "messages": self.new_messages(turn, step)}, step)
+        new = self.new_messages(turn, step)
+        self.sent = self.history.send(new)
+        body = {**self.body(step), "session_id": self.session_id, "messages": new}
+        thinking = self.send(body, step)
+        self.history.answered(thinking)
+        return thinking
+
+    def reference(self, step: int) -> Thinking:
+        """vLLM's answer to the conversation the last step continued, sent whole."""
+        salt = f"bench-reasoning-reference-{self.name}"
+        return chat(self.engine, {**self.body(step), "messages": self.sent, "cache_salt": salt})
 
     def end(self) -> None:
         self.client.delete(f"/v1/context/{self.session_id}")
 
 
 class StatelessConversation(Conversation):
-    """The whole conversation each step, as a client keeps it: the assistant messages with
-    their `reasoning` while their user turn is open, without it once the next user message
-    is sent."""
+    """The whole conversation each step, as a client keeps it (`History`)."""
 
     name = REFERENCE
 
-    def begin(self) -> float:
-        self.messages: list[dict[str, Any]] = [
-            {"role": "system", "content": self.work.system(self.index)}
-        ]
-        return 0.0
-
     def step(self, turn: int, step: int) -> Thinking:
-        if step == 0:  # the last turn closes: its reasoning is not sent again
-            for m in self.messages:
-                m.pop("reasoning", None)
-        self.messages += self.new_messages(turn, step)
-        thinking = self.send({**self.body(step), "messages": self.messages}, step)
-        answer = thinking.answer
-        message: dict[str, Any] = {"role": "assistant", "content": answer.text or None}
-        if answer.calls:
-            message["tool_calls"] = [
-                {
-                    "id": c.id,
-                    "type": "function",
-                    "function": {"name": c.name, "arguments": c.arguments},
-                }
-                for c in answer.calls
-            ]
-        if thinking.reasoning:
-            message["reasoning"] = thinking.reasoning
-        self.messages.append(message)
+        messages = self.history.send(self.new_messages(turn, step))
+        thinking = self.send({**self.body(step), "messages": messages}, step)
+        self.history.answered(thinking)
         return thinking
 
 
-def conversation(mode: str, client: Any, work: Workload, index: int) -> Conversation:
+def conversation(mode: str, clients: dict[str, Any], work: Workload, index: int) -> Conversation:
     if mode == REFERENCE:
-        return StatelessConversation(client, work, index)
-    return SessionConversation(client, work, index, mode)
+        return StatelessConversation(clients[mode], work, index)
+    return SessionConversation(clients[mode], clients[REFERENCE], work, index, mode)
 
 
 # ---- the run -------------------------------------------------------------------------------
@@ -194,10 +221,12 @@ def run(
     metrics: Callable[[], dict[str, float]] | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, str]]:
     """Every conversation, one after another; in each, step by step, every mode in turn
-    (the order rotating every step). One record per request (and per session create), and
-    the error of each mode that failed (left out from then on). `clients`: an httpx client
-    per mode (its base URL and API key). `metrics`: vLLM's counters, read around each
-    request (one at a time, so their deltas are that request's)."""
+    (the order rotating every step), each session mode's step followed by its reference
+    (not timed). One record per request (and per session create), and the error of each
+    mode that failed (left out from then on). `clients`: an httpx client per mode (its base
+    URL and API key), and `stateless`'s (vLLM) always: the references go there. `metrics`:
+    vLLM's counters, read around each measured request (one at a time, so their deltas are
+    that request's)."""
     import httpx
     from tqdm import tqdm
 
@@ -205,10 +234,10 @@ def run(
     records: list[dict[str, Any]] = []
     errors: dict[str, str] = {}
     total = work.conversations * work.turns * work.steps * len(modes)
-    turn_of_order = 0
+    order = 0
     with tqdm(total=total, desc=NAME, unit="req") as bar:
         for c in range(work.conversations):
-            convs = {m: conversation(m, clients[m], work, c) for m in modes if m not in errors}
+            convs = {m: conversation(m, clients, work, c) for m in modes if m not in errors}
             for mode, conv in list(convs.items()):
                 try:
                     seconds = conv.begin()
@@ -218,27 +247,30 @@ def run(
                     continue
                 if seconds:
                     records.append(_create(c, mode, seconds))
-            diverged: dict[str, bool] = dict.fromkeys(modes, False)
             for u in range(work.turns):
                 for s in range(work.steps):
                     if stopping.is_set():
                         raise KeyboardInterrupt
                     live = [m for m in convs if m not in errors]
-                    k = turn_of_order % len(live) if live else 0
-                    turn_of_order += 1
+                    k = order % len(live) if live else 0
+                    order += 1
                     step: dict[str, dict[str, Any]] = {}
                     for mode in live[k:] + live[:k]:
+                        conv = convs[mode]
                         try:
                             before = metrics() if metrics is not None else {}
-                            thinking = convs[mode].step(u, s)
+                            thinking = conv.step(u, s)
                             after = metrics() if metrics is not None else {}
+                            ref = (
+                                conv.reference(s) if isinstance(conv, SessionConversation) else None
+                            )
                         except (WayFailed, httpx.HTTPError) as exc:
                             errors[mode] = str(exc)
                             bar.write(f"{mode} failed at conversation {c + 1} turn {u + 1}: {exc}")
                             continue
                         step[mode] = _record(c, u, s, mode, work, thinking, before, after)
+                        step[mode] |= _compare(thinking, ref)
                         bar.update(1)
-                    _compare(step, diverged)
                     records += [step[m] for m in modes if m in step]
                 bar.write(_progress_line(records, c + 1, u + 1))
             for mode, conv in convs.items():
@@ -283,6 +315,7 @@ def _record(
         "reasoning_chars": len(t.reasoning),
         "content_chars": len(a.text),
         "calls": [c.name for c in a.calls],
+        "arguments": [c.arguments for c in a.calls],
         "finish_reason": t.finish_reason,
         "answer": t.key(),
         "reasoning": _digest(t.reasoning),
@@ -290,23 +323,18 @@ def _record(
     }
 
 
-def _compare(step: dict[str, dict[str, Any]], diverged: dict[str, bool]) -> None:
-    """Each mode's answer against the reference's at this step: `same_answer` (content and
-    calls), `same_reasoning`, `same_prompt_tokens`, and `after_divergence` (an earlier
-    answer of this conversation differed: the histories differ, the step is not compared)."""
-    ref = step.get(REFERENCE)
-    for mode, r in step.items():
-        if mode == REFERENCE:
-            continue
-        r["after_divergence"] = diverged[mode]
-        if ref is None or diverged[mode]:
-            r["same_answer"] = r["same_reasoning"] = r["same_prompt_tokens"] = None
-            continue
-        r["same_answer"] = r["answer"] == ref["answer"]
-        r["same_reasoning"] = r["reasoning"] == ref["reasoning"]
-        r["same_prompt_tokens"] = r["prompt_tokens"] == ref["prompt_tokens"]
-        if not (r["same_answer"] and r["same_reasoning"]):
-            diverged[mode] = True  # from the next step on, its conversation is its own
+def _compare(thinking: Thinking, ref: Thinking | None) -> dict[str, Any]:
+    """A session mode's answer against vLLM's to the same conversation sent whole:
+    `same_answer` (content and tool calls), `same_reasoning`, `same_prompt_tokens` (the
+    session's context against the client's rendering), the reference's prompt tokens."""
+    if ref is None:
+        return {}
+    return {
+        "same_answer": thinking.key() == ref.key(),
+        "same_reasoning": thinking.reasoning == ref.reasoning,
+        "same_prompt_tokens": thinking.answer.prompt_tokens == ref.answer.prompt_tokens,
+        "reference_prompt_tokens": ref.answer.prompt_tokens,
+    }
 
 
 def _progress_line(records: list[dict[str, Any]], conv: int, turn: int) -> str:

@@ -30,15 +30,15 @@ def _steps(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _same(rs: list[dict[str, Any]]) -> dict[str, int]:
-    """How many answers were compared with the reference's, how many were the same, and
-    how many came after an earlier difference (not compared)."""
+    """How many of a session mode's answers were compared with vLLM's to the same
+    conversation sent whole, and how many were the same (content and calls; reasoning;
+    the prompt's length)."""
     compared = [r for r in rs if r.get("same_answer") is not None]
     return {
         "compared": len(compared),
         "same_answer": sum(1 for r in compared if r["same_answer"]),
         "same_reasoning": sum(1 for r in compared if r["same_reasoning"]),
         "same_prompt_tokens": sum(1 for r in compared if r["same_prompt_tokens"]),
-        "after_divergence": sum(1 for r in rs if r.get("after_divergence")),
     }
 
 
@@ -162,7 +162,10 @@ def summary(records: list[dict[str, Any]], modes: list[str], work: Workload) -> 
         mine["recomputed_over_new_tokens_max"] = max(over_new, default=None)
         if mode != REFERENCE:
             mine |= _same(rs)
-            differs = [r for r in rs if r.get("same_answer") is False or _reasoning_differs(r)]
+            # the issue's case: the first request after a new user message (turn 2 on)
+            mine["at_user_messages"] = _same([r for r in rs if r["turn"] > 1 and r["step"] == 1])
+            mine["after_tool_results"] = _same([r for r in rs if r["step"] > 1])
+            differs = [r for r in rs if False in (r.get("same_answer"), r.get("same_reasoning"))]
             first = differs[0] if differs else None
             mine["first_difference"] = (
                 None if first is None else {k: first[k] for k in ("conversation", "turn", "step")}
@@ -171,21 +174,14 @@ def summary(records: list[dict[str, Any]], modes: list[str], work: Workload) -> 
     return out
 
 
-def _reasoning_differs(r: dict[str, Any]) -> bool:
-    return r.get("same_reasoning") is False
-
-
 def _n(v: float | None) -> str:
     return "-" if v is None else f"{v:,.0f}"
 
 
 def _same_cell(m: dict[str, Any]) -> str:
-    if not m.get("compared") and not m.get("after_divergence"):
+    if not m.get("compared"):
         return "-"
-    cell = f"{m['same_answer']}/{m['compared']}"
-    if m.get("after_divergence"):
-        cell += f" ({m['after_divergence']} after a difference)"
-    return cell
+    return f"{m['same_answer']}/{m['compared']} (prompt {m['same_prompt_tokens']})"
 
 
 def table(
@@ -206,7 +202,7 @@ def table(
             _n(t["closed_turn_tokens"]),
             _n(t["new_tokens"]),
             f"{_n(t['ttft_first_ms'])} / {_n(t['ttft_turn_ms'])}",
-            _same_cell(t) if t["mode"] != REFERENCE else "(reference)",
+            _same_cell(t) if t["mode"] != REFERENCE else "-",
         ]
         for t in turn_rows
     ]
@@ -219,12 +215,12 @@ def table(
         "closed turn + message",
         "new tokens",
         "TTFT ms: user message / turn median",
-        f"answers as {REFERENCE}",
+        "answers as vLLM's to it sent whole (same prompt length)",
     ]
     step_headers = ["turn.step"]
     step_headers += [f"{m} context / recomputed" for m in modes]
     step_headers += [f"{m} TTFT ms" for m in modes]
-    step_headers += [f"{m} = {REFERENCE}" for m in others]
+    step_headers += [f"{m} = whole (prompt)" for m in others]
     per_step = []
     for r in rows:
         line: list[object] = [f"{r['turn']}.{r['step']} ({r['kind']})"]
@@ -243,9 +239,10 @@ def table(
         f"a {BLOCK}-token block); *new tokens* = the first prompt less the last request and "
         "its answer (what `keep` recomputes, plus a block; negative: the context shrank).",
         f"Answers: greedy, vLLM in {meta.get('vllm_dtype')} (asked: {meta.get('dtype_asked')}); "
-        f"content and tool calls compared with {REFERENCE}'s, the same conversation sent whole "
-        "to the same vLLM; after a first difference a mode's conversation is its own and is "
-        "not compared.",
+        "each session step's content and tool calls compared with the same vLLM's answer to "
+        "that session's conversation sent whole without a session, as a client sends it (the "
+        "closed turns without their reasoning); *prompt*: how many of those had the same "
+        "prompt length.",
         f"CPU: {cpu.get('model')} ({cpu.get('class', '?')}), AMX "
         f"{'yes' if cpu.get('amx') else 'no'}, avx512_bf16 "
         f"{'yes' if cpu.get('avx512_bf16') else 'no'}; reasoning parser "

@@ -91,12 +91,12 @@ def vllm_args(args: argparse.Namespace) -> tuple[str, ...]:
 @contextmanager
 def clients(stack: ReasoningStack, modes: list[str]) -> Iterator[dict[str, Any]]:
     """An httpx client per mode (closed when the block ends): the session modes' to the
-    gateway with their key, `stateless`'s to vLLM."""
+    gateway with their key, `stateless`'s to vLLM (always: the session modes' references)."""
     import httpx
 
     with ExitStack() as opened:
         out: dict[str, Any] = {}
-        for mode in modes:
+        for mode in dict.fromkeys([*modes, REFERENCE]):
             headers = {"content-type": "application/json"}
             url = stack.engine
             if mode != REFERENCE:

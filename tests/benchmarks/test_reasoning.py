@@ -50,13 +50,14 @@ class Fake:
     """The gateway (a session's stored tokens, re-based on the template's rendering at a user
     message under `template`) and vLLM (the whole conversation rendered as the thinking
     template does: an assistant message's reasoning only after the last user message; its
-    prefix cache per conversation). Answers are the same for every mode, except `diverge`'s
-    (rule, turn, step), all from 1."""
+    prefix cache per conversation and salt). Answers depend on the conversation, turn and
+    step only, except `diverge`'s (rule, turn, step, all from 1): its thought differs."""
 
     def __init__(self, diverge: tuple[str, int, int] | None = None) -> None:
         self.sent: list[dict[str, Any]] = []
         self.sessions: dict[str, dict[str, Any]] = {}
-        self.cache: dict[int, list[Segment]] = {}  # vLLM's: a conversation's last tokens
+        # vLLM's prefix cache: a conversation's last tokens, by its cache_salt
+        self.cache: dict[tuple[int, str | None], list[Segment]] = {}
         self.diverge = diverge
         self.ids = 0
 
@@ -108,8 +109,9 @@ class Fake:
                 tokens += [("think", turn, THINK)] if m.get("reasoning") else []
                 tokens.append(("out", turn, OUT))
         prompt = sum(t[2] for t in tokens)
-        cached = _common(self.cache.get(conv, []), tokens)
-        self.cache[conv] = [*tokens, ("think", turn, THINK), ("out", turn, OUT)]
+        key = (conv, body.get("cache_salt"))
+        cached = _common(self.cache.get(key, []), tokens)
+        self.cache[key] = [*tokens, ("think", turn, THINK), ("out", turn, OUT)]
         return self._answer(body, "stateless", conv, turn, step + 1, prompt, cached)
 
     def _answer(
@@ -189,7 +191,8 @@ def test_each_mode_sends_what_its_rule_and_a_client_send() -> None:
     }  # a tenant (an API key) each
     assert all(s["body"]["tools"] == TOOLS for s in creates)
 
-    chats = [s for s in fake.sent if s["path"] == "/v1/chat/completions"]
+    every = [s for s in fake.sent if s["path"] == "/v1/chat/completions"]
+    chats = [s for s in every if "cache_salt" not in s["body"]]  # the measured requests
     assert len(chats) == 2 * TURNS * (CALLS + 1) * 3
     for s in chats:  # forced calls, one a request, then the text answer
         b = s["body"]
@@ -225,15 +228,31 @@ def test_each_mode_sends_what_its_rule_and_a_client_send() -> None:
     closed_answer = last[last_user - 1]
     assert closed_answer == {"role": "assistant", "content": "answer 0.2.3"}
 
+    # each session step again, whole, to vLLM: the session's own conversation, as a client
+    # sends it, with a salt of its own
+    refs = [s for s in every if "cache_salt" in s["body"]]
+    assert len(refs) == 2 * TURNS * (CALLS + 1) * 2 and all(s["host"] == "vllm" for s in refs)
+    salts = {s["body"]["cache_salt"] for s in refs}
+    assert salts == {"bench-reasoning-reference-session-template"} | {
+        "bench-reasoning-reference-session-keep"
+    }
+    assert all("session_id" not in s["body"] and s["auth"] is None for s in refs)
+    template_refs = [s["body"] for s in refs if s["body"]["cache_salt"].endswith("-template")]
+    for b, sent in zip(template_refs, first, strict=False):  # conversation 0's
+        assert b["messages"][-len(sent["messages"]) :] == sent["messages"]
+        assert b["tool_choice"] == sent["tool_choice"]
+    whole = template_refs[TURNS * (CALLS + 1) - 1]["messages"]
+    assert [m["role"] for m in whole] == [m["role"] for m in last]
+    assert [("reasoning" in m) for m in whole] == [("reasoning" in m) for m in last]
+
     steps = [r for r in records if r["kind"] != "create"]
     assert len(steps) == len(chats)
     for r in steps:  # the first reasoning delta, not the role chunk
         assert DELAY <= r["ttft_ms"] / 1e3 <= r["total_ms"] / 1e3
         assert r["recomputed_tokens"] == r["prompt_tokens"] - r["cached_tokens"]
         assert r["reasoning_tokens"] == THINK and r["finish_reason"] == "stop"
-        if r["mode"] != "stateless":  # the same answers, the same conversations
+        if r["mode"] != "stateless":  # the same answers as the conversation sent whole
             assert r["same_answer"] is True and r["same_reasoning"] is True
-            assert r["after_divergence"] is False
     template = [r for r in steps if r["mode"] == "session-template"]
     ref = [r for r in steps if r["mode"] == "stateless"]
     assert all(r["same_prompt_tokens"] for r in template)  # the template's rendering
@@ -241,8 +260,8 @@ def test_each_mode_sends_what_its_rule_and_a_client_send() -> None:
     assert [r["cached_tokens"] for r, x in zip(template, later, strict=True) if x] == [
         r["cached_tokens"] for r, x in zip(ref, later, strict=True) if x
     ]
-    keep = [r for r in steps if r["mode"] == "session-keep"]
-    assert any(r["same_prompt_tokens"] is False for r in keep)  # its context keeps thinking
+    keep = [r for r in steps if r["mode"] == "session-keep"]  # its context keeps the thinking
+    assert [r["same_prompt_tokens"] for r in keep] == [r["turn"] == 1 for r in keep]
 
 
 def test_rows_and_bounds_show_what_each_rule_recomputes_at_a_user_message(tmp_path: Path) -> None:
@@ -277,24 +296,31 @@ def test_rows_and_bounds_show_what_each_rule_recomputes_at_a_user_message(tmp_pa
     meta = {"conversations": 2, "turns": TURNS, "calls": CALLS, "tool_tokens": TOOL}
     text = report.table(meta, rows, report.turns(records, modes, WORK), modes)
     assert "| 2 | session-keep |" in text and "closed turn + message" in text
-    assert "| 2.1 (call 1) |" in text and "session-template = stateless" in text
+    assert "| 2.1 (call 1) |" in text and "session-template = whole (prompt)" in text
+    assert "| 6/6 (prompt 6) |" in text  # template, turn 2: both conversations, 3 steps each
     png = tmp_path / "reasoning.png"
     report.plot(png, records, modes, WORK, "fake")
     check_png(png)
 
 
-def test_an_answer_unlike_the_reference_is_a_difference_and_ends_the_comparison() -> None:
+def test_an_answer_unlike_the_whole_conversations_is_a_difference() -> None:
     records, _ = _run(Fake(diverge=("keep", 2, 2)))
     keep = [r for r in records if r["mode"] == "session-keep" and r["kind"] != "create"]
     at = {(r["conversation"], r["turn"], r["step"]): r for r in keep}
-    assert at[(1, 2, 1)]["same_answer"] is True
-    assert at[(1, 2, 2)]["same_reasoning"] is False  # the thought differs: its history too
-    assert at[(1, 2, 3)]["after_divergence"] is True and at[(1, 2, 3)]["same_answer"] is None
-    assert at[(2, 1, 1)]["after_divergence"] is False  # the next conversation starts afresh
+    assert at[(1, 2, 1)]["same_reasoning"] is True
+    assert at[(1, 2, 2)]["same_reasoning"] is False and at[(1, 2, 2)]["same_answer"] is True
+    assert at[(1, 2, 3)]["same_reasoning"] is True  # each step against its own reference
     summary = report.summary(records, list(MODES), WORK)
     assert summary["session-keep"]["first_difference"] == {"conversation": 1, "turn": 2, "step": 2}
-    assert summary["session-keep"]["after_divergence"] == 2 * 4  # per conversation: 2.3, 3.x
+    chains = summary["session-keep"]["after_tool_results"]
+    assert (
+        chains["compared"] == 2 * TURNS * CALLS
+        and chains["same_reasoning"] == 2 * TURNS * CALLS - 2
+    )
+    users = summary["session-keep"]["at_user_messages"]
+    assert users["compared"] == 2 * (TURNS - 1) and users["same_prompt_tokens"] == 0
     assert summary["session-template"]["first_difference"] is None
+    assert summary["session-template"]["at_user_messages"]["same_prompt_tokens"] == 2 * (TURNS - 1)
 
 
 def test_a_failing_mode_is_reported_and_the_others_go_on() -> None:
@@ -337,6 +363,7 @@ def test_quick_on_vllm_with_the_thinking_preset(tmp_path: Path, think_model: Pat
     block = summary["block_tokens"]
     assert summary["session-template"]["recomputed_over_closed_turn_max"] < block
     assert summary["session-keep"]["recomputed_over_new_tokens_max"] < block
-    # the default rule answers as the whole conversation sent without a session
-    assert summary["session-template"]["first_difference"] is None
-    assert summary["session-template"]["compared"] == 3 * 2
+    # after a new user message, the default rule answers as the whole conversation sent
+    # without a session, from the same prompt
+    users = summary["session-template"]["at_user_messages"]
+    assert users["compared"] == 2 and users["same_answer"] == users["same_prompt_tokens"] == 2
