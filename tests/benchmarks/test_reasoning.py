@@ -346,7 +346,8 @@ def test_a_failing_mode_is_reported_and_the_others_go_on() -> None:
 def test_quick_on_vllm_with_the_thinking_preset(tmp_path: Path, think_model: Path) -> None:
     require_vllm()
     out = tmp_path / "reasoning"
-    data = run_bench("reasoning", out, "--quick", "--model", str(think_model))
+    eager = "--vllm-arg=--enforce-eager"  # (a loaded machine's compile can outlast the run)
+    data = run_bench("reasoning", out, "--quick", "--model", str(think_model), eager)
     meta = data["meta"]
     assert meta["errors"] == {} and meta["reasoning_parser"] == "qwen3"
     assert meta["vllm_dtype"] == "float32"
