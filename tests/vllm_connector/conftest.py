@@ -85,13 +85,15 @@ def think_stack(
     """The thinking preset (`tiny-think`, served as `tiny-think`) with vLLM's `qwen3`
     reasoning parser and the preset's think script, the gateway told the parser
     (CTX_GATEWAY_REASONING_PARSER), shared like `vllm_stack`: its tests leave it as they
-    found it."""
+    found it. Eager (nothing compiled): it starts in a fraction of the time on a loaded
+    machine, and its tests compare answers of this one engine only."""
     with started_stack(
         tmp_path_factory,
         redis_server,
         think_model,
         served_name="tiny-think",
         reasoning_parser="qwen3",
+        vllm_args=("--enforce-eager",),
     ) as stack:
         yield stack
 
