@@ -72,6 +72,15 @@ class Reasoning:
     def on(self) -> bool:
         return self.parser is not None
 
+    def chat_engine(self, kind: str) -> bool:
+        """Whether a turn of `kind` runs on the engine's chat endpoint for its parser."""
+        return self.on and kind == "chat"
+
+    def rebases(self, rule: str, history: Messages, new: Messages) -> bool:
+        """Whether a chat turn may re-base its session (`rebased`): under `template`, on a
+        deployment whose engines parse thinking, when the turn closes the open one."""
+        return self.on and rule == "template" and closes_turn(history, new)
+
     def check(self, body: dict[str, Any]) -> None:
         """A chat request's reasoning fields: a known effort, kwargs that are an object,
         and thinking asked only of a deployment that parses it (else it would come back

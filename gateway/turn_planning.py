@@ -31,7 +31,7 @@ from gateway.locks import NO_LOCK, Held
 from gateway.metrics import GatewayMetrics
 from gateway.pool import ModelNotFound, Worker, WorkerPool
 from gateway.prompts import PromptBuilder, common_prefix
-from gateway.reasoning import Reasoning, closes_turn, rebased, template_kwargs
+from gateway.reasoning import Reasoning, rebased, template_kwargs
 from gateway.recent import RecentHistories
 from gateway.shaping import sampling_fields
 from gateway.tools import Tools, same_tools
@@ -282,15 +282,9 @@ class TurnPlanner:
             body = variant.unsent(body, history)
         new_msgs = variant.new_messages(body)
         variant.check_history(history, new_msgs)
-        # the rule for past reasoning (docs/reasoning.md): `template` re-bases a session
-        # whose closed turn the template renders otherwise than its stored ids
-        rebases = (
-            kind == "chat"
-            and self.reasoning.on
-            and info.reasoning_history == "template"
-            and not new_tools
-            and closes_turn(history, new_msgs)
-        )
+        # the rule for past reasoning (docs/reasoning.md)
+        rebases = kind == "chat" and not new_tools
+        rebases = rebases and self.reasoning.rebases(info.reasoning_history, history, new_msgs)
         kwargs = template_kwargs(body) if kind == "chat" else None
 
         async def build(worker: Worker) -> tuple[list[int], int, bool]:
@@ -325,7 +319,7 @@ class TurnPlanner:
             started=started if started is not None else time.perf_counter(),
             idempotency=idempotency,
             tools=tools or None,
-            chat_engine=variant.chat_engine(body, tools) or (kind == "chat" and self.reasoning.on),
+            chat_engine=variant.chat_engine(body, tools) or self.reasoning.chat_engine(kind),
             new_tools=new_tools,
             replace=(new_tools or rebase) and bool(state.tokens),
             rebase=len(new_tokens) - common_prefix(new_tokens, state.tokens) if rebase else 0,
@@ -385,7 +379,7 @@ class TurnPlanner:
             priority=priority,
             tools=tools,
             chat_engine=generate
-            and (variant.chat_engine(body, tools) or (kind == "chat" and self.reasoning.on)),
+            and (variant.chat_engine(body, tools) or self.reasoning.chat_engine(kind)),
         )
         check_window(turn)
         return turn
