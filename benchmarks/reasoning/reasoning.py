@@ -161,7 +161,7 @@ def main(args: argparse.Namespace) -> int:
     meta = run_meta(
         NAME,
         modes=modes,
-        reference=REFERENCE if REFERENCE in modes else None,
+        references="each session step's conversation, sent whole to vLLM (untimed)",
         conversations=args.conversations,
         turns=args.turns,
         calls=args.calls,
