@@ -52,6 +52,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "benchmarks.agents.agents",
         "an agent's tool loop: session, stateless (vLLM, gateway), Responses",
     ),
+    "reasoning": (
+        "benchmarks.reasoning.reasoning",
+        "a thinking model's tool-call turns: past reasoning dropped (template) vs kept",
+    ),
 }
 
 
