@@ -86,12 +86,14 @@ def think_stack(
     reasoning parser and the preset's think script, the gateway told the parser
     (CTX_GATEWAY_REASONING_PARSER), shared like `vllm_stack`: its tests leave it as they
     found it. Eager (nothing compiled): it starts in a fraction of the time on a loaded
-    machine, and its tests compare answers of this one engine only."""
+    machine. float32: the session answers of `test_reasoning_vllm.py` are compared with this
+    engine's answers to the whole conversation, token for token."""
     with started_stack(
         tmp_path_factory,
         redis_server,
         think_model,
         served_name="tiny-think",
+        dtype="float32",
         reasoning_parser="qwen3",
         vllm_args=("--enforce-eager",),
     ) as stack:

@@ -11,15 +11,13 @@ inputs change nothing."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 
-from ctxcache.redis_server import RedisServer
 from tests.utils import metric
-from tests.vllm_connector.conftest import VLLM_TIMEOUT, VllmStack, document, started_stack
+from tests.vllm_connector.conftest import VLLM_TIMEOUT, VllmStack, document
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(VLLM_TIMEOUT)]
 MODEL = "tiny-think"
@@ -44,19 +42,10 @@ WEATHER = {
 
 
 @pytest.fixture(scope="module")
-def stack(
-    tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer, think_model: Path
-) -> Iterator[VllmStack]:
-    with started_stack(
-        tmp_path_factory,
-        redis_server,
-        think_model,
-        served_name=MODEL,
-        dtype="float32",
-        reasoning_parser="qwen3",
-        vllm_args=("--enforce-eager",),  # (no compiling: a start of a minute fewer on 2 CPUs)
-    ) as s:
-        yield s
+def stack(think_stack: VllmStack) -> VllmStack:
+    """The shared tiny-think stack (float32, eager; `think_stack`): one engine start for
+    every reasoning module."""
+    return think_stack
 
 
 @pytest.fixture
