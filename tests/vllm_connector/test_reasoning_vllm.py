@@ -18,6 +18,7 @@ import pytest
 
 from tests.utils import metric
 from tests.vllm_connector.conftest import VLLM_TIMEOUT, VllmStack, document
+from tests.vllm_connector.test_agents_vllm import WEATHER  # the agents' own tool
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(VLLM_TIMEOUT)]
 MODEL = "tiny-think"
@@ -25,20 +26,6 @@ BLOCK = 128  # vLLM's CPU block: what a turn may recompute beyond its new part
 GREEDY: dict[str, Any] = {"temperature": 0, "max_tokens": 40}
 EXPLICIT = {"prompt_cache_options": {"mode": "explicit"}}  # (no implicit session: vLLM's own)
 REBASES = "ctxcache_gateway_reasoning_rebases_total"
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "the weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 12}},
-            "required": ["city"],
-            "additionalProperties": False,
-        },
-        "strict": True,
-    },
-}
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from tests.vllm_connector.conftest import VLLM_TIMEOUT, VllmStack
+from tests.vllm_connector.test_agents_vllm import WEATHER  # the agents' own tool
 from worker.model_kind import KIND_FILE
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(VLLM_TIMEOUT)]
@@ -26,20 +27,6 @@ MODEL = "tiny-think"
 GREEDY: dict[str, Any] = {"temperature": 0, "max_tokens": 48}
 ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
 MARKUP = ("<think>", "</think>")
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "the weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 12}},
-            "required": ["city"],
-            "additionalProperties": False,
-        },
-        "strict": True,
-    },
-}
 
 
 @pytest.fixture(scope="module")

@@ -25,11 +25,11 @@ from transformers import PreTrainedTokenizerFast
 
 from worker.presets.tokenizer import (
     BOS,
+    CALL_AND_END,
     EOS,
     PAD,
-    TOOLS_INSTRUCTION,
-    TOOLS_PREAMBLE,
-    _jinja_str,
+    TOOL_MESSAGES,
+    TOOLS_BLOCK,
 )
 
 THINK_START, THINK_END = "<think>", "</think>"
@@ -45,19 +45,10 @@ THINK_CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{% if message['role'] == 'user' %}{% set ns.last_query = loop.index0 %}{% endif %}"
     "{% endfor %}"
-    "{% if tools %}"
-    "{{ '<|im_start|>system\\n' }}"
-    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\\n\\n' }}{% endif %}"
-    "{{ " + _jinja_str(TOOLS_PREAMBLE) + " }}"
-    "{% for tool in tools %}{{ '\\n' + (tool | tojson) }}{% endfor %}"
-    "{{ " + _jinja_str(TOOLS_INSTRUCTION) + " + '<|im_end|>\\n' }}"
-    "{% endif %}"
-    "{% for message in messages %}"
-    "{% if tools and loop.first and message['role'] == 'system' %}"
-    "{% elif message['role'] == 'tool' %}"
-    "{{ '<|im_start|>user\\n<tool_response>\\n' + message['content']"
-    " + '\\n</tool_response><|im_end|>\\n' }}"
-    "{% elif message['role'] == 'assistant' %}"
+    + TOOLS_BLOCK
+    + "{% for message in messages %}"
+    + TOOL_MESSAGES
+    + "{% elif message['role'] == 'assistant' %}"
     "{% set content = message['content'] or '' %}"
     "{% set reasoning = '' %}"
     "{% if message['reasoning_content'] is string %}"
@@ -74,19 +65,8 @@ THINK_CHAT_TEMPLATE = (
     "{{ '<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') }}"
     "{% else %}{{ content }}{% endif %}"
     "{% for call in message['tool_calls'] or [] %}"
-    "{% set fn = call['function'] if call['function'] is defined else call %}"
-    "{% if not loop.first %}{{ '\\n' }}{% endif %}"
-    "{{ '<tool_call>\\n{\"name\": \"' + fn['name'] + '\", \"arguments\": ' }}"
-    "{% if fn['arguments'] is string %}{{ fn['arguments'] }}"
-    "{% else %}{{ fn['arguments'] | tojson }}{% endif %}"
-    "{{ '}\\n</tool_call>' }}"
-    "{% endfor %}"
-    "{{ '<|im_end|>\\n' }}"
-    "{% else %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    + CALL_AND_END
+    + "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
     "{% if enable_thinking is defined and enable_thinking is false %}"
     "{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}"
     "{% endif %}"

@@ -39,7 +39,12 @@ def _jinja_str(text: str) -> str:
     return "'" + text.replace("\\", "\\\\").replace("\n", "\\n").replace("'", "\\'") + "'"
 
 
-CHAT_TEMPLATE = (
+# The pieces the plain template shares with the thinking one (worker/presets/think.py): the
+# tools' system block; inside the messages' loop, a leading system message merged into it
+# and each tool result in a user block; an assistant message's calls (after the `for`
+# over them, which each template opens its own way) with its end of turn; any other
+# message as it is.
+TOOLS_BLOCK = (
     "{% if tools %}"
     "{{ '<|im_start|>system\\n' }}"
     "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\\n\\n' }}{% endif %}"
@@ -47,14 +52,14 @@ CHAT_TEMPLATE = (
     "{% for tool in tools %}{{ '\\n' + (tool | tojson) }}{% endfor %}"
     "{{ " + _jinja_str(TOOLS_INSTRUCTION) + " + '<|im_end|>\\n' }}"
     "{% endif %}"
-    "{% for message in messages %}"
+)
+TOOL_MESSAGES = (
     "{% if tools and loop.first and message['role'] == 'system' %}"
     "{% elif message['role'] == 'tool' %}"
     "{{ '<|im_start|>user\\n<tool_response>\\n' + message['content']"
     " + '\\n</tool_response><|im_end|>\\n' }}"
-    "{% elif message['role'] == 'assistant' and message['tool_calls'] %}"
-    "{{ '<|im_start|>assistant\\n' + (message['content'] or '') }}"
-    "{% for call in message['tool_calls'] %}"
+)
+CALL_AND_END = (
     "{% set fn = call['function'] if call['function'] is defined else call %}"
     "{% if not loop.first %}{{ '\\n' }}{% endif %}"
     "{{ '<tool_call>\\n{\"name\": \"' + fn['name'] + '\", \"arguments\": ' }}"
@@ -67,7 +72,17 @@ CHAT_TEMPLATE = (
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
     "{% endif %}"
     "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+CHAT_TEMPLATE = (
+    TOOLS_BLOCK
+    + "{% for message in messages %}"
+    + TOOL_MESSAGES
+    + "{% elif message['role'] == 'assistant' and message['tool_calls'] %}"
+    "{{ '<|im_start|>assistant\\n' + (message['content'] or '') }}"
+    "{% for call in message['tool_calls'] %}"
+    + CALL_AND_END
+    + "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
 # Qwen2's pre-tokenizer (transformers' Qwen2Tokenizer rebuilds exactly this pipeline when it
