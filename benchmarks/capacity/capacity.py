@@ -3,12 +3,15 @@ target — ctxcache sessions against vLLM at its best, one engine at a time.
 
 The workload is multi-round QA (`capacity_load.py`): `--users` conversations at once, each
 arriving with a shared system prompt and a long history of its own, asking `--rounds`
-questions with `--answer-tokens`-token answers, replaced by a new user when done. For each
-mode, the engine is started alone, the offered rate climbs through `--qps`, and each rate
-runs until `--requests` questions (after `--warmup` more) are sent. A rate is **held** when
-its p95 time to first token is within `--slo` and at least 90% of it was achieved with no
-error; the headline is the highest rate each mode held. A mode's sweep stops after its first
-rate that is not held (`--keep-going` runs them all).
+questions with `--answer-tokens`-token answers, replaced by a new user when done. The sizes
+default to a named `--workload` (`WORKLOADS`): `long`, where one prefill is a large part of
+a turn on every CPU class (issue 59), or `short`, every run before it. For each mode, the
+engine is started alone, the offered rate climbs through `--qps`, and each rate runs until
+`--requests` questions (after `--warmup` more) are sent. A rate is **held** when its p95
+time to first token is within `--slo` and at least 90% of it was achieved with no error;
+the headline is the highest rate each mode held. A mode's sweep stops after its first rate
+that is not held (`--keep-going` runs them all). `--with` merges an earlier run's modes
+(the same workload) into this run's report, so each mode can sweep rates of its own.
 
 Modes (`benchmarks/multiturn/multiturn_stacks.py` starts them; every vLLM gets the same
 model, dtype, threads, CPU reservation and scheduler settings):
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import sys
 from argparse import Namespace
@@ -50,7 +54,43 @@ from ctxcache.cpu import DTYPES, given_dtype, vllm_dtype
 
 NAME = "capacity"
 MODES = ("vllm-full", "vllm-full-connector", "session", "roomy")
-DEFAULT_QPS = "0.25,0.5,0.75,1,1.25,1.5,2,2.5,3,4"
+
+# The named workloads: the defaults of the size options (an option given still wins).
+# `long` is where a context cache matters on every CPU class (issue 59): a ~5,100-token
+# first prompt growing to ~6,600 over eight questions (the small preset's window is 8,192),
+# 100-token answers as production-stack's multi-round QA, and a KV cache of 160 blocks of
+# 128 tokens: about three conversations. Its first question is a full prefill in every mode
+# (several seconds on 2 CPUs), so the SLO is 10 s. `short` is every run before it.
+WORKLOADS: dict[str, dict[str, Any]] = {
+    "long": {
+        "users": 6,
+        "rounds": 8,
+        "system_tokens": 1000,
+        "history_tokens": 4000,
+        "question_tokens": 115,
+        "answer_tokens": 100,
+        "kv_blocks": 160,
+        "max_model_len": 8192,
+        "slo": 10.0,
+        "requests": 24,
+        "warmup": "2x",  # two questions per user
+        "qps": "0.05,0.075,0.1,0.125,0.15,0.2,0.25,0.3,0.4,0.5",
+    },
+    "short": {
+        "users": 12,
+        "rounds": 5,
+        "system_tokens": 200,
+        "history_tokens": 900,
+        "question_tokens": 115,
+        "answer_tokens": 32,
+        "kv_blocks": 48,
+        "max_model_len": 4096,
+        "slo": 2.0,
+        "requests": 48,
+        "warmup": "lifetime",  # users x rounds
+        "qps": "0.25,0.5,0.75,1,1.25,1.5,2,2.5,3,4",
+    },
+}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -62,23 +102,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--preset", choices=("tiny", "small"), default="small")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated: {', '.join(MODES)}")
-    p.add_argument("--users", type=int, default=12, help="conversations at once")
-    p.add_argument("--rounds", type=int, default=5, help="questions per user")
-    p.add_argument("--system-tokens", type=int, default=200, help="shared system prompt")
-    p.add_argument("--history-tokens", type=int, default=900, help="each user's own history")
-    p.add_argument("--question-tokens", type=int, default=115)
-    p.add_argument("--answer-tokens", type=int, default=32)
-    p.add_argument("--qps", default=DEFAULT_QPS, help="offered rates to sweep (req/s)")
-    p.add_argument("--requests", type=int, default=48, help="questions measured per rate")
+    p.add_argument(
+        "--workload",
+        choices=tuple(WORKLOADS),
+        default="long",
+        help="the named workload whose sizes the options below default to: `long` (since "
+        "issue 59: ~5,000-token contexts, 100-token answers, a KV cache of about three "
+        "conversations, SLO 10 s) or `short` (every run in docs/benchmarks.md before it: "
+        "~1,100-token contexts, 32-token answers, SLO 2 s)",
+    )
+    p.add_argument("--users", type=int, default=None, help="conversations at once")
+    p.add_argument("--rounds", type=int, default=None, help="questions per user")
+    p.add_argument("--system-tokens", type=int, default=None, help="shared system prompt")
+    p.add_argument("--history-tokens", type=int, default=None, help="each user's own history")
+    p.add_argument("--question-tokens", type=int, default=None)
+    p.add_argument("--answer-tokens", type=int, default=None)
+    p.add_argument("--qps", default=None, help="offered rates to sweep (req/s)")
+    p.add_argument("--requests", type=int, default=None, help="questions measured per rate")
     p.add_argument(
         "--warmup",
         type=int,
         default=None,
-        help="questions sent before measuring (default: --users x --rounds, one lifetime of "
-        "the first users: a run starts with every user's first question at once, and the "
-        "measured questions must come after the backlog that leaves)",
+        help="questions sent before measuring (default: the workload's; `short`'s is --users x "
+        "--rounds, one lifetime of the first users, `long`'s two questions per user: the "
+        "measured questions must come after the start's backlog of first questions)",
     )
-    p.add_argument("--slo", type=float, default=2.0, help="p95 TTFT target, seconds")
+    p.add_argument("--slo", type=float, default=None, help="p95 TTFT target, seconds")
     p.add_argument("--keep-going", action="store_true", help="run every rate of every mode")
     p.add_argument(
         "--dtype",
@@ -87,9 +136,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="vLLM's --dtype (auto: by the CPU, bfloat16 with AMX or avx512_bf16, else float32; "
         "the runs in docs/benchmarks.md before 2026-11-28 are float32, the default then)",
     )
-    p.add_argument("--kv-blocks", type=int, default=48, help="vLLM's KV cache in blocks")
+    p.add_argument("--kv-blocks", type=int, default=None, help="vLLM's KV cache in blocks")
     p.add_argument("--roomy-gib", type=int, default=2, help="the roomy vLLM's KV cache, GiB")
-    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument(
         "--reserved-cpus",
         type=int,
@@ -118,12 +167,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="the session's users arrive with a prefill-only create and ask their first "
         "question as a turn (two requests), not in a streamed create (one)",
     )
+    p.add_argument(
+        "--with",
+        dest="merge",
+        action="append",
+        default=[],
+        type=Path,
+        metavar="JSON",
+        help="an earlier run's capacity.json of the same workload, other modes: its rows and "
+        "answers join this run's report (the ratios, the answer check, the plot), so each "
+        "mode can sweep rates of its own",
+    )
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="engine threads")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--quick",
         action="store_true",
-        help="CI size: the tiny preset, 3 users, 2 rounds, 2 rates, 6 requests each",
+        help="CI size: the `short` workload on the tiny preset, 3 users, 2 rounds, 2 rates, "
+        "6 requests each",
     )
     add_output_arguments(p, NAME)
 
@@ -136,6 +197,7 @@ def main(args: Namespace) -> int:
     setup_logging("bench", "WARNING")
     if args.quick:
         _quick(args)
+    _workload_defaults(args)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in MODES]
     if bad or not modes:
@@ -145,7 +207,7 @@ def main(args: Namespace) -> int:
     if not rates or min(rates) <= 0:
         sys.stderr.write("--qps: positive rates, comma-separated\n")
         return 2
-    warmup = args.users * args.rounds if args.warmup is None else args.warmup
+    warmup = args.warmup
     model = _model(args)
     workload = Workload(
         users=args.users,
@@ -166,9 +228,15 @@ def main(args: Namespace) -> int:
         got = _sweep(args, mode, model, texts, rates, warmup)
         points += [p for p, _ in got]
         rows += [r for _, r in got]
+    earlier = [_earlier(path, modes, workload, dtype.dtype, args) for path in args.merge]
+    for old_modes, old_rows, old_points in earlier:
+        modes = [*old_modes, *modes]
+        rows = [*old_rows, *rows]
+        points = [*old_points, *points]
     summary = report.summary(rows, modes, points, args.slo)
     meta = run_meta(
         NAME,
+        workload_name=args.workload,
         model=str(model),
         modes=modes,
         workload=vars(workload),
@@ -186,6 +254,7 @@ def main(args: Namespace) -> int:
         create_priority=args.create_priority,
         separate_create=args.separate_create,
         seed=args.seed,
+        merged=[str(p) for p in args.merge],
     )
     data = {"meta": meta, "summary": summary, "results": rows, "requests": report.sent_rows(points)}
     text = report.headline(summary) + "\n" + report.table(rows)
@@ -302,6 +371,7 @@ def _served_name(url: str) -> str:
 
 # `--quick`: the CI size; an option given explicitly still wins
 QUICK: dict[str, Any] = {
+    "workload": "short",
     "preset": "tiny",
     "users": 3,
     "rounds": 2,
@@ -324,6 +394,42 @@ def _quick(args: Namespace) -> None:
             setattr(args, name, value)
     if args.model == parser.get_default("model"):
         args.model = DEFAULT_MODEL / "models" / "tiny"
+
+
+def _earlier(
+    path: Path, modes: list[str], workload: Workload, dtype: str, args: Namespace
+) -> tuple[list[str], list[dict[str, Any]], list[Point]]:
+    """An earlier run to merge (`--with`): the same workload, engine sizes, dtype and seed
+    (else its conversations or engines are not this run's), and modes this run did not run."""
+    from benchmarks.capacity import capacity_report as report
+
+    data = json.loads(path.read_text())
+    meta = data["meta"]
+    same = {
+        "workload": vars(workload),
+        "dtype": dtype,
+        "kv_blocks": args.kv_blocks,
+        "max_model_len": args.max_model_len,
+        "seed": args.seed,
+        "slo_s": args.slo,
+    }
+    differ = [k for k, v in same.items() if meta.get(k) != v]
+    if differ:
+        raise SystemExit(f"--with {path}: not this run's {', '.join(differ)}")
+    old = [str(m) for m in meta["modes"]]
+    if set(old) & set(modes):
+        raise SystemExit(f"--with {path}: it ran {sorted(set(old) & set(modes))} too")
+    return old, data["results"], report.points_of(data)
+
+
+def _workload_defaults(args: Namespace) -> None:
+    """Every size option left unset takes the named workload's value."""
+    for name, value in WORKLOADS[args.workload].items():
+        if getattr(args, name) is not None:
+            continue
+        if name == "warmup":
+            value = args.users * (2 if value == "2x" else args.rounds)
+        setattr(args, name, value)
 
 
 def _model(args: Namespace) -> Path:

@@ -69,8 +69,8 @@ def capacity(rows: list[dict[str, Any]], modes: list[str]) -> dict[str, float | 
     return out
 
 
-# per mode, each answer by (rate, user, round)
-Answers = dict[str, dict[tuple[float, int, int], str]]
+# per mode, each answer by (user, round), with the rate it was asked at
+Answers = dict[str, dict[tuple[int, int], tuple[float, str]]]
 
 
 def answers(points: list[Point]) -> Answers:
@@ -78,37 +78,40 @@ def answers(points: list[Point]) -> Answers:
     for p in points:
         for s in p.sent:
             if s.round > 0 and s.error is None:
-                out.setdefault(p.mode, {})[(p.qps, s.user, s.round)] = s.answer
+                out.setdefault(p.mode, {})[(s.user, s.round)] = (p.qps, s.answer)
     return out
 
 
 def compare(by_mode: Answers, mode: str = "session", ref: str | None = None) -> dict[str, Any]:
-    """`mode`'s answers against `ref`'s (default: the first of REFERENCES run), per (rate,
-    user, round); each rate has users of its own, so only rates both modes ran are compared.
-    A conversation counts once: after its first different answer its history differs, so its
-    later rounds are not compared (`after_divergence`)."""
+    """`mode`'s answers against `ref`'s (default: the first of REFERENCES run), per (user,
+    round). A user's conversation is a function of its number alone, and each rate of a run
+    numbers its users from a start of its own (`USERS_PER_RATE`), so within one run only the
+    rates both modes ran are compared, and across runs merged with `--with` the same number is
+    the same conversation at whatever rate each run asked it. A conversation counts once:
+    after its first different answer its history differs, so its later rounds are not
+    compared (`after_divergence`)."""
     ref = ref or next((m for m in REFERENCES if m in by_mode), None)
     out: dict[str, Any] = {"reference": ref, "compared": 0, "mismatches": 0}
     out |= {"after_divergence": 0, "examples": []}
     if ref not in by_mode or ref == mode or mode not in by_mode:
         return out
     theirs = by_mode[ref]
-    diverged: set[tuple[float, int]] = set()
-    for (qps, user, rnd), text in sorted(by_mode[mode].items()):
-        other = theirs.get((qps, user, rnd))
+    diverged: set[int] = set()
+    for (user, rnd), (qps, text) in sorted(by_mode[mode].items()):
+        other = theirs.get((user, rnd))
         if other is None:
             continue
-        if (qps, user) in diverged:
+        if user in diverged:
             out["after_divergence"] += 1
             continue
         out["compared"] += 1
-        if other != text:
+        if other[1] != text:
             out["mismatches"] += 1
-            diverged.add((qps, user))
+            diverged.add(user)
             if len(out["examples"]) < 5:
                 first = next(
-                    (i for i, (a, b) in enumerate(zip(text, other, strict=False)) if a != b),
-                    min(len(text), len(other)),
+                    (i for i, (a, b) in enumerate(zip(text, other[1], strict=False)) if a != b),
+                    min(len(text), len(other[1])),
                 )
                 out["examples"].append(
                     {"qps": qps, "user": user, "round": rnd, "first_different_char": first}
@@ -277,4 +280,25 @@ def sent_rows(points: list[Point]) -> list[dict[str, Any]]:
     return out
 
 
-__all__ = ["Sent", "capacity", "compare", "headline", "plot", "row", "summary", "table"]
+def points_of(data: dict[str, Any]) -> list[Point]:
+    """The points of an earlier run's JSON (`sent_rows`' requests), for `--with`."""
+    points: dict[tuple[str, float], Point] = {}
+    fields = {f for f in Sent.__dataclass_fields__}
+    for rec in data.get("requests") or []:
+        key = (str(rec["mode"]), float(rec["qps"]))
+        point = points.setdefault(key, Point(*key))
+        point.sent.append(Sent(**{k: v for k, v in rec.items() if k in fields}))
+    return list(points.values())
+
+
+__all__ = [
+    "Sent",
+    "capacity",
+    "compare",
+    "headline",
+    "plot",
+    "points_of",
+    "row",
+    "summary",
+    "table",
+]

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import subprocess
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.capacity import capacity
 from benchmarks.capacity import capacity_report as report
 from benchmarks.capacity.capacity import USERS_PER_RATE
 from benchmarks.capacity.capacity_load import Driver, Point, Sent, Texts, Workload
@@ -210,3 +212,90 @@ def test_quick_capacity_run_on_vllm_writes_the_documented_outputs(
     assert answers["mismatches"] == 0, answers
     assert "| mode | offered req/s |" in (out / "capacity.md").read_text()
     check_png(out / "capacity.png")
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    capacity.add_arguments(parser)
+    args = parser.parse_args(list(argv))
+    if args.quick:
+        capacity._quick(args)
+    capacity._workload_defaults(args)
+    return args
+
+
+def test_the_long_workload_is_the_default_and_short_repeats_the_runs_before_it() -> None:
+    """Issue 59: the default is a workload where a prefill costs a large part of a turn;
+    `--workload short` gives back every size of the runs before it, and an option given
+    still wins over the workload's value."""
+    long = parse()
+    assert (long.workload, long.system_tokens + long.history_tokens) == ("long", 5000)
+    assert (long.answer_tokens, long.kv_blocks, long.max_model_len) == (100, 160, 8192)
+    assert (long.slo, long.warmup) == (10.0, 2 * long.users)
+    end = 5000 + long.rounds * long.question_tokens + long.rounds * long.answer_tokens
+    assert end <= long.max_model_len  # the last answer fits the window
+    assert long.kv_blocks * 128 < 4 * end  # the cache holds a few conversations, not all
+    short = parse("--workload", "short")
+    assert (short.users, short.rounds, short.history_tokens, short.answer_tokens) == (
+        12,
+        5,
+        900,
+        32,
+    )
+    assert (short.kv_blocks, short.max_model_len, short.slo, short.warmup) == (48, 4096, 2.0, 60)
+    assert parse("--kv-blocks", "96", "--warmup", "3").kv_blocks == 96
+    assert parse("--warmup", "3").warmup == 3
+    quick = parse("--quick")  # CI's: the short workload on the tiny preset
+    assert (quick.workload, quick.preset, quick.users, quick.max_model_len) == (
+        "short",
+        "tiny",
+        3,
+        4096,
+    )
+
+
+def test_answers_of_runs_merged_with_with_are_compared_by_user_number() -> None:
+    """A user's conversation is a function of its number: a run's rows and answers merged
+    with `--with` are compared by user and round, whatever rate each run asked them at."""
+    fc, ses = Point("vllm-full-connector", 0.1), Point("session", 0.3)
+    fc.sent += [Sent(0, 1, 0, 0, 0, answer="a"), Sent(1, 1, 1, 0, 0, answer="b")]
+    ses.sent += [Sent(0, 1, 0, 0, 0, answer="a"), Sent(1, 1, 1, 0, 0, answer="c")]
+    data = {"requests": report.sent_rows([fc])}
+    (back,) = report.points_of(json.loads(json.dumps(data)))
+    assert (back.mode, back.qps) == ("vllm-full-connector", 0.1)
+    assert [s.answer for s in back.sent] == ["a", "b"]
+    got = report.compare(report.answers([back, ses]))
+    assert (got["compared"], got["mismatches"]) == (2, 1)
+    assert got["examples"][0] == {"qps": 0.3, "user": 1, "round": 1, "first_different_char": 0}
+
+
+def test_a_run_to_merge_must_be_the_same_workload_and_other_modes(tmp_path: Path) -> None:
+    args = parse()
+    w = Workload(
+        users=args.users,
+        rounds=args.rounds,
+        system_tokens=args.system_tokens,
+        history_tokens=args.history_tokens,
+        question_tokens=args.question_tokens,
+        answer_tokens=args.answer_tokens,
+    )
+    meta = {
+        "workload": vars(w),
+        "dtype": "bfloat16",
+        "kv_blocks": args.kv_blocks,
+        "max_model_len": args.max_model_len,
+        "seed": 0,
+        "slo_s": args.slo,
+        "modes": ["vllm-full-connector"],
+    }
+    path = tmp_path / "capacity.json"
+    path.write_text(json.dumps({"meta": meta, "results": [{"mode": "x"}], "requests": []}))
+    modes, rows, points = capacity._earlier(path, ["session"], w, "bfloat16", args)
+    assert (modes, rows, points) == (["vllm-full-connector"], [{"mode": "x"}], [])
+    with pytest.raises(SystemExit, match="ran \\['vllm-full-connector'\\] too"):
+        capacity._earlier(path, ["vllm-full-connector"], w, "bfloat16", args)
+    with pytest.raises(SystemExit, match="not this run's dtype"):
+        capacity._earlier(path, ["session"], w, "float32", args)
+    path.write_text(json.dumps({"meta": meta | {"kv_blocks": 48}, "results": []}))
+    with pytest.raises(SystemExit, match="kv_blocks"):
+        capacity._earlier(path, ["session"], w, "bfloat16", args)
