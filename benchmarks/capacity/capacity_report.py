@@ -134,12 +134,21 @@ def summary(
 ) -> dict[str, Any]:
     cap = capacity(rows, modes)
     out: dict[str, Any] = {"slo_p95_ttft_s": slo_s, "capacity_qps": cap}
+    # the most requests a second each mode got done at any offered rate: its throughput at
+    # saturation where a rate it ran was beyond what it holds
+    done = {
+        m: max((r["achieved_qps"] for r in rows if r["mode"] == m), default=None) for m in modes
+    }
+    out["most_done_qps"] = done
+    out["saturated"] = {m: any(r["mode"] == m and not r["held"] for r in rows) for m in modes}
     session = cap.get("session")
     for other in ("vllm-full-connector", "vllm-full", "roomy"):
         if other in cap and session:
             theirs = cap[other]
             # None: the other mode held no rate it ran (no finite ratio; JSON has no inf)
             out[f"session_over_{other}"] = session / theirs if theirs else None
+        if done.get("session") and done.get(other):
+            out[f"session_over_{other}_most_done"] = done["session"] / done[other]
     # the session's p95 where the connector-loaded vLLM stops holding the SLO
     vfc = sorted((r for r in rows if r["mode"] == "vllm-full-connector"), key=lambda r: r["qps"])
     crossed = next((r["qps"] for r in vfc if r["ttft_p95_ms"] > slo_s * 1e3), None)
@@ -201,6 +210,10 @@ def headline(summary: dict[str, Any]) -> str:
     slo = summary["slo_p95_ttft_s"]
     lines = [f"Highest offered rate held with p95 TTFT ≤ {slo:g} s:", ""]
     lines += [f"- {m}: {'none held' if q is None else f'{q:g} req/s'}" for m, q in cap.items()]
+    for m, q in (summary.get("most_done_qps") or {}).items():
+        if q is not None:
+            where = "saturated" if summary["saturated"][m] else "every rate held"
+            lines.append(f"- {m}: most requests done {q:.2f} req/s ({where})")
     for other in ("vllm-full-connector", "vllm-full", "roomy"):
         key = f"session_over_{other}"
         if key in summary:
@@ -209,6 +222,8 @@ def headline(summary: dict[str, Any]) -> str:
                 f"- session ÷ {other}: "
                 + (f"{ratio:.2f}×" if ratio is not None else f"no ratio ({other} held no rate)")
             )
+        if f"{key}_most_done" in summary:
+            lines.append(f"- session ÷ {other}, most done: {summary[f'{key}_most_done']:.2f}×")
     by_mode = summary.get("answers_by_mode") or {"session": summary["answers"]}
     for mode, a in by_mode.items():
         if not a["reference"] or not a["compared"]:

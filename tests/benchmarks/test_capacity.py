@@ -106,13 +106,21 @@ def test_every_mode_is_compared_with_the_reference_the_controls_beside_the_sessi
 
 def test_a_reference_that_held_no_rate_gives_no_ratio_and_valid_json() -> None:
     rows = [
-        {"mode": "vllm-full-connector", "qps": 0.5, "held": False, "ttft_p95_ms": 2500.0},
-        {"mode": "session", "qps": 0.5, "held": True, "ttft_p95_ms": 900.0},
+        {"mode": "vllm-full-connector", "qps": 0.5, "achieved_qps": 0.4, "held": False}
+        | {"ttft_p95_ms": 2500.0},
+        {"mode": "session", "qps": 0.5, "achieved_qps": 0.5, "held": True, "ttft_p95_ms": 900.0},
     ]
     summary = report.summary(rows, ["vllm-full-connector", "session"], [], 2.0)
     assert summary["session_over_vllm-full-connector"] is None
+    # the throughput beside it: the most each mode got done, and whether a rate saturated it
+    assert summary["most_done_qps"] == {"vllm-full-connector": 0.4, "session": 0.5}
+    assert summary["saturated"] == {"vllm-full-connector": True, "session": False}
+    assert summary["session_over_vllm-full-connector_most_done"] == 0.5 / 0.4
     json.loads(json.dumps(summary, allow_nan=False))  # strict JSON: no Infinity
-    assert "no ratio (vllm-full-connector held no rate)" in report.headline(summary)
+    text = report.headline(summary)
+    assert "no ratio (vllm-full-connector held no rate)" in text
+    assert "- vllm-full-connector: most requests done 0.40 req/s (saturated)" in text
+    assert "- session ÷ vllm-full-connector, most done: 1.25×" in text
 
 
 def arrivals(
