@@ -99,22 +99,35 @@ class Workload:
         return SYSTEM.format(task=task)
 
     def tool_choice(self, k: int) -> Any:
-        """Request k's choice (from 0): a named tool, alternating; `none` for the answer."""
-        if k >= self.steps:
-            return "none"
-        return {"type": "function", "function": {"name": TOOLS[k % 2]["function"]["name"]}}
+        return tool_choice(k, self.steps)
 
     @property
     def requests(self) -> int:
         return self.steps + 1
 
 
+def tool_choice(k: int, steps: int) -> Any:
+    """Request k's choice (from 0): a named tool, alternating; `none` for the answer."""
+    if k >= steps:
+        return "none"
+    return {"type": "function", "function": {"name": TOOLS[k % 2]["function"]["name"]}}
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from benchmarks.agents.agents_capacity import add_capacity_arguments
+
     p.add_argument("--ways", default=",".join(WAYS), help=f"comma-separated: {', '.join(WAYS)}")
-    p.add_argument("--steps", type=int, default=8, help="tool calls in a loop")
-    p.add_argument("--tool-tokens", type=int, default=200, help="tokens of each tool result")
+    # (None: LOOP's default here, agents_capacity.CAPACITY's with --capacity)
+    p.add_argument("--steps", type=int, default=None, help="tool calls in a loop (8)")
+    p.add_argument("--tool-tokens", type=int, default=None, help="tokens of each tool result (200)")
     p.add_argument("--rounds", type=int, default=3, help="loops of each way measured")
-    p.add_argument("--warmup", type=int, default=1, help="rounds run first, not counted")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="rounds run first, not counted (1; with --capacity: requests sent before "
+        "measuring, default --agents x (--steps + 1))",
+    )
     p.add_argument(
         "--max-tokens",
         type=int,
@@ -128,16 +141,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="local model dir (default ~/.cache/ctxcache/models/PRESET, built if missing)",
     )
-    p.add_argument("--dtype", default="auto", help="vLLM's --dtype (auto: vLLM's choice)")
-    p.add_argument("--kv-blocks", type=int, default=256, help="vLLM's KV cache in blocks")
-    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        help="vLLM's --dtype (auto: vLLM's choice; with --capacity, by the CPU as `bench "
+        "capacity` chooses: bfloat16 with AMX or avx512_bf16, else float32)",
+    )
+    p.add_argument("--kv-blocks", type=int, default=None, help="vLLM's KV cache in blocks (256)")
+    p.add_argument("--max-model-len", type=int, default=None, help="(4096)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="engine threads")
     p.add_argument(
         "--vllm-arg", action="append", default=[], metavar="ARG", help="more vLLM arguments"
     )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help="3 steps, 40-token results, 1 round")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="3 steps, 40-token results, 1 round (with --capacity: agents_capacity.QUICK)",
+    )
     add_output_arguments(p, NAME)
+    add_capacity_arguments(p)
+
+
+# the loop's defaults of the options `--capacity` gives others (agents_capacity.CAPACITY)
+LOOP: dict[str, Any] = {
+    "steps": 8,
+    "tool_tokens": 200,
+    "warmup": 1,
+    "kv_blocks": 256,
+    "max_model_len": 4096,
+}
 
 
 def main(args: argparse.Namespace) -> int:
@@ -149,7 +182,14 @@ def main(args: argparse.Namespace) -> int:
     from benchmarks.multiturn.multiturn_stacks import start
     from ctxcache.logs import setup_logging
 
+    if args.capacity:
+        from benchmarks.agents import agents_capacity
+
+        return agents_capacity.main(args)
     setup_logging("bench", "WARNING")
+    for name, value in LOOP.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     if args.quick:
         args.steps, args.tool_tokens, args.rounds, args.warmup = 3, 40, 1, 0
     ways = [w.strip() for w in args.ways.split(",") if w.strip()]
