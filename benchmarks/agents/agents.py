@@ -32,6 +32,11 @@ is any loop's conversation another's: the ways through the gateway share its one
 One stack: Redis, the sidecar, vLLM with the ctxcache connector and a tool parser (as `bench
 multiturn` starts its `session` mode: `multiturn_stacks.start`) and the gateway; the
 stateless way calls that same vLLM directly.
+
+`--capacity` (`agents_capacity.py`, `agents_load.py`): many agents at once at offered
+rates, one engine at a time, with `bench capacity`'s driver, sweep and report: the highest
+rate each mode (`--modes`) holds at p95 TTFT ≤ `--slo`, the answers compared with
+vllm-full-connector's per agent and step.
 """
 
 from __future__ import annotations
@@ -114,12 +119,22 @@ def tool_choice(k: int, steps: int) -> Any:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from benchmarks.agents.agents_capacity import add_capacity_arguments
+    from benchmarks.agents.agents_capacity import CAPACITY, add_capacity_arguments
+
+    def default(name: str) -> str:
+        return f"({LOOP[name]}; --capacity: {CAPACITY[name]})"
 
     p.add_argument("--ways", default=",".join(WAYS), help=f"comma-separated: {', '.join(WAYS)}")
     # (None: LOOP's default here, agents_capacity.CAPACITY's with --capacity)
-    p.add_argument("--steps", type=int, default=None, help="tool calls in a loop (8)")
-    p.add_argument("--tool-tokens", type=int, default=None, help="tokens of each tool result (200)")
+    p.add_argument(
+        "--steps", type=int, default=None, help=f"tool calls in a loop {default('steps')}"
+    )
+    p.add_argument(
+        "--tool-tokens",
+        type=int,
+        default=None,
+        help=f"tokens of each tool result {default('tool_tokens')}",
+    )
     p.add_argument("--rounds", type=int, default=3, help="loops of each way measured")
     p.add_argument(
         "--warmup",
@@ -147,8 +162,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="vLLM's --dtype (auto: vLLM's choice; with --capacity, by the CPU as `bench "
         "capacity` chooses: bfloat16 with AMX or avx512_bf16, else float32)",
     )
-    p.add_argument("--kv-blocks", type=int, default=None, help="vLLM's KV cache in blocks (256)")
-    p.add_argument("--max-model-len", type=int, default=None, help="(4096)")
+    p.add_argument(
+        "--kv-blocks",
+        type=int,
+        default=None,
+        help=f"vLLM's KV cache in blocks {default('kv_blocks')}",
+    )
+    p.add_argument("--max-model-len", type=int, default=None, help=default("max_model_len"))
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="engine threads")
     p.add_argument(
         "--vllm-arg", action="append", default=[], metavar="ARG", help="more vLLM arguments"
@@ -173,6 +193,15 @@ LOOP: dict[str, Any] = {
 }
 
 
+def resolve_loop(args: argparse.Namespace) -> None:
+    """LOOP for every option not given; `--quick`'s sizes."""
+    for name, value in LOOP.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.quick:
+        args.steps, args.tool_tokens, args.rounds, args.warmup = 3, 40, 1, 0
+
+
 def main(args: argparse.Namespace) -> int:
     import httpx
 
@@ -187,11 +216,7 @@ def main(args: argparse.Namespace) -> int:
 
         return agents_capacity.main(args)
     setup_logging("bench", "WARNING")
-    for name, value in LOOP.items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-    if args.quick:
-        args.steps, args.tool_tokens, args.rounds, args.warmup = 3, 40, 1, 0
+    resolve_loop(args)
     ways = [w.strip() for w in args.ways.split(",") if w.strip()]
     if not ways or set(ways) - set(WAYS) or args.steps < 1 or args.rounds < 1:
         sys.stderr.write(f"--ways: some of {', '.join(WAYS)}; --steps, --rounds: 1 or more\n")

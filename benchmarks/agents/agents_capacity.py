@@ -38,7 +38,7 @@ CAPACITY: dict[str, Any] = {
     "preset": "small",
     "modes": "vllm-full-connector,session",
     "agents": 8,
-    "steps": 8,  # a conversation of ~1,500 tokens growing to ~6,500 (600-token results)
+    "steps": 8,  # ~1,600 tokens growing to ~6,800 on the small preset (600-token results)
     "tool_tokens": 600,
     "system_tokens": 1000,
     "task_tokens": 200,
@@ -76,13 +76,34 @@ def add_capacity_arguments(p: argparse.ArgumentParser) -> None:
         help="many agents interleaved at offered rates, one engine at a time: the highest "
         "rate each mode holds at p95 TTFT <= --slo (docs/benchmarks.md)",
     )
-    g.add_argument("--modes", default=None, help=f"comma-separated: {', '.join(MODES)}")
-    g.add_argument("--agents", type=int, default=None, help="agents at once (8)")
-    g.add_argument("--system-tokens", type=int, default=None, help="shared system prompt (1000)")
-    g.add_argument("--task-tokens", type=int, default=None, help="each agent's task (200)")
-    g.add_argument("--qps", default=None, help="offered rates to sweep, req/s")
-    g.add_argument("--requests", type=int, default=None, help="requests measured per rate (48)")
-    g.add_argument("--slo", type=float, default=None, help="p95 TTFT target, seconds (2)")
+    g.add_argument(
+        "--modes", default=None, help=f"comma-separated: {', '.join(MODES)} ({CAPACITY['modes']})"
+    )
+    g.add_argument(
+        "--agents", type=int, default=None, help=f"agents at once ({CAPACITY['agents']})"
+    )
+    g.add_argument(
+        "--system-tokens",
+        type=int,
+        default=None,
+        help=f"shared system prompt ({CAPACITY['system_tokens']})",
+    )
+    g.add_argument(
+        "--task-tokens",
+        type=int,
+        default=None,
+        help=f"each agent's task ({CAPACITY['task_tokens']})",
+    )
+    g.add_argument("--qps", default=None, help=f"offered rates to sweep, req/s ({CAPACITY['qps']})")
+    g.add_argument(
+        "--requests",
+        type=int,
+        default=None,
+        help=f"requests measured per rate ({CAPACITY['requests']})",
+    )
+    g.add_argument(
+        "--slo", type=float, default=None, help=f"p95 TTFT target, seconds ({CAPACITY['slo']:g})"
+    )
     g.add_argument("--keep-going", action="store_true", help="run every rate of every mode")
 
 

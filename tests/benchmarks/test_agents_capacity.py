@@ -17,7 +17,7 @@ import orjson
 import pytest
 
 from benchmarks.agents import agents_capacity
-from benchmarks.agents.agents import LOOP, TOOLS, USER, add_arguments
+from benchmarks.agents.agents import TOOLS, USER, add_arguments, resolve_loop
 from benchmarks.agents.agents_capacity import CAPACITY, QUICK, prompt_tokens_by_step, resolve
 from benchmarks.agents.agents_load import SHARED_SYSTEM, AgentDriver, AgentTexts, AgentWorkload
 from benchmarks.capacity import capacity_report as report
@@ -197,8 +197,15 @@ def test_capacity_options_default_to_capacity_and_quick_and_given_ones_win() -> 
     given = parse("--capacity", "--kv-blocks", "99", "--steps", "4", "--modes", "session")
     resolve(given)
     assert (given.kv_blocks, given.steps, given.modes, given.warmup) == (99, 4, "session", 40)
-    loop = parse()  # the loop's options are unset until its main (LOOP)
-    assert not loop.capacity and loop.steps is None and LOOP["kv_blocks"] == 256
+    loop = parse("--steps", "5")  # without --capacity: the loop's own defaults
+    resolve_loop(loop)
+    assert not loop.capacity and loop.steps == 5
+    assert (loop.tool_tokens, loop.warmup, loop.kv_blocks, loop.max_model_len) == (
+        200,
+        1,
+        256,
+        4096,
+    )
 
 
 def test_bad_modes_are_refused_before_any_engine_starts(capsys: pytest.CaptureFixture) -> None:
