@@ -160,6 +160,8 @@ class AgentDriver(Driver):
             answer, created = await self.call(http, path, body, rec)
             if creating:
                 sid = created
+                if sid is None and rec.error is None:
+                    rec.error = "the create answered with no x-session-id"
             if progress is not None:
                 progress(1)
             if rec.error is None and step <= w.steps and not whole_calls(answer):
