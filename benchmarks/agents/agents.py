@@ -32,6 +32,11 @@ is any loop's conversation another's: the ways through the gateway share its one
 One stack: Redis, the sidecar, vLLM with the ctxcache connector and a tool parser (as `bench
 multiturn` starts its `session` mode: `multiturn_stacks.start`) and the gateway; the
 stateless way calls that same vLLM directly.
+
+`--capacity` (`agents_capacity.py`, `agents_load.py`): many agents at once at offered
+rates, one engine at a time, with `bench capacity`'s driver, sweep and report: the highest
+rate each mode (`--modes`) holds at p95 TTFT ≤ `--slo`, the answers compared with
+vllm-full-connector's per agent and step.
 """
 
 from __future__ import annotations
@@ -99,22 +104,45 @@ class Workload:
         return SYSTEM.format(task=task)
 
     def tool_choice(self, k: int) -> Any:
-        """Request k's choice (from 0): a named tool, alternating; `none` for the answer."""
-        if k >= self.steps:
-            return "none"
-        return {"type": "function", "function": {"name": TOOLS[k % 2]["function"]["name"]}}
+        return tool_choice(k, self.steps)
 
     @property
     def requests(self) -> int:
         return self.steps + 1
 
 
+def tool_choice(k: int, steps: int) -> Any:
+    """Request k's choice (from 0): a named tool, alternating; `none` for the answer."""
+    if k >= steps:
+        return "none"
+    return {"type": "function", "function": {"name": TOOLS[k % 2]["function"]["name"]}}
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from benchmarks.agents.agents_capacity import CAPACITY, add_capacity_arguments
+
+    def default(name: str) -> str:
+        return f"({LOOP[name]}; --capacity: {CAPACITY[name]})"
+
     p.add_argument("--ways", default=",".join(WAYS), help=f"comma-separated: {', '.join(WAYS)}")
-    p.add_argument("--steps", type=int, default=8, help="tool calls in a loop")
-    p.add_argument("--tool-tokens", type=int, default=200, help="tokens of each tool result")
+    # (None: LOOP's default here, agents_capacity.CAPACITY's with --capacity)
+    p.add_argument(
+        "--steps", type=int, default=None, help=f"tool calls in a loop {default('steps')}"
+    )
+    p.add_argument(
+        "--tool-tokens",
+        type=int,
+        default=None,
+        help=f"tokens of each tool result {default('tool_tokens')}",
+    )
     p.add_argument("--rounds", type=int, default=3, help="loops of each way measured")
-    p.add_argument("--warmup", type=int, default=1, help="rounds run first, not counted")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="rounds run first, not counted (1; with --capacity: requests sent before "
+        "measuring, default --agents x (--steps + 1))",
+    )
     p.add_argument(
         "--max-tokens",
         type=int,
@@ -128,16 +156,50 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="local model dir (default ~/.cache/ctxcache/models/PRESET, built if missing)",
     )
-    p.add_argument("--dtype", default="auto", help="vLLM's --dtype (auto: vLLM's choice)")
-    p.add_argument("--kv-blocks", type=int, default=256, help="vLLM's KV cache in blocks")
-    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        help="vLLM's --dtype (auto: vLLM's choice; with --capacity, by the CPU as `bench "
+        "capacity` chooses: bfloat16 with AMX or avx512_bf16, else float32)",
+    )
+    p.add_argument(
+        "--kv-blocks",
+        type=int,
+        default=None,
+        help=f"vLLM's KV cache in blocks {default('kv_blocks')}",
+    )
+    p.add_argument("--max-model-len", type=int, default=None, help=default("max_model_len"))
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="engine threads")
     p.add_argument(
         "--vllm-arg", action="append", default=[], metavar="ARG", help="more vLLM arguments"
     )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help="3 steps, 40-token results, 1 round")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="3 steps, 40-token results, 1 round (with --capacity: agents_capacity.QUICK)",
+    )
     add_output_arguments(p, NAME)
+    add_capacity_arguments(p)
+
+
+# the loop's defaults of the options `--capacity` gives others (agents_capacity.CAPACITY)
+LOOP: dict[str, Any] = {
+    "steps": 8,
+    "tool_tokens": 200,
+    "warmup": 1,
+    "kv_blocks": 256,
+    "max_model_len": 4096,
+}
+
+
+def resolve_loop(args: argparse.Namespace) -> None:
+    """LOOP for every option not given; `--quick`'s sizes."""
+    for name, value in LOOP.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.quick:
+        args.steps, args.tool_tokens, args.rounds, args.warmup = 3, 40, 1, 0
 
 
 def main(args: argparse.Namespace) -> int:
@@ -149,9 +211,12 @@ def main(args: argparse.Namespace) -> int:
     from benchmarks.multiturn.multiturn_stacks import start
     from ctxcache.logs import setup_logging
 
+    if args.capacity:
+        from benchmarks.agents import agents_capacity
+
+        return agents_capacity.main(args)
     setup_logging("bench", "WARNING")
-    if args.quick:
-        args.steps, args.tool_tokens, args.rounds, args.warmup = 3, 40, 1, 0
+    resolve_loop(args)
     ways = [w.strip() for w in args.ways.split(",") if w.strip()]
     if not ways or set(ways) - set(WAYS) or args.steps < 1 or args.rounds < 1:
         sys.stderr.write(f"--ways: some of {', '.join(WAYS)}; --steps, --rounds: 1 or more\n")

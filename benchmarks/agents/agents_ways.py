@@ -149,13 +149,12 @@ class Loop:
             return [{"role": "user", "content": USER}]
         if not self.calls:
             raise WayFailed(b"", 200, f"{self.name}: step {k} returned no tool call")
-        result = self.work.results[k - 1]
-        return [{"role": "tool", "tool_call_id": c.id, "content": result} for c in self.calls]
+        return tool_messages(self.calls, self.work.results[k - 1])
 
     def answered(self, answer: Answer, k: int) -> Answer:
         """The answer, once a forced step's is a whole call (a call cut at max_tokens has
         arguments that are not JSON: the next step would answer a broken call)."""
-        if k < self.work.steps and not (answer.calls and all(map(_whole, answer.calls))):
+        if k < self.work.steps and not whole_calls(answer):
             raise WayFailed(
                 b"", 200, f"{self.name}: step {k + 1} forced a call, got {answer} (--max-tokens?)"
             )
@@ -163,11 +162,32 @@ class Loop:
         return answer
 
 
+def whole_calls(answer: Answer) -> bool:
+    """Whether the answer is one or more whole calls (an id, a name, JSON arguments)."""
+    return bool(answer.calls) and all(map(_whole, answer.calls))
+
+
 def _whole(call: Call) -> bool:
     try:
         return bool(call.id and call.name) and isinstance(orjson.loads(call.arguments), dict)
     except orjson.JSONDecodeError:
         return False
+
+
+def tool_messages(calls: list[Call], result: str) -> list[dict[str, Any]]:
+    """A `tool` message answering each call with `result`."""
+    return [{"role": "tool", "tool_call_id": c.id, "content": result} for c in calls]
+
+
+def assistant_message(answer: Answer) -> dict[str, Any]:
+    """The answer as the assistant message a client resends: its text, its calls."""
+    message: dict[str, Any] = {"role": "assistant", "content": answer.text or None}
+    if answer.calls:
+        message["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in answer.calls
+        ]
+    return message
 
 
 class SessionLoop(Loop):
@@ -206,14 +226,7 @@ class StatelessLoop(Loop):
         self.messages += self.new_messages(k)
         body = {**self.sampling(k), "messages": self.messages}
         answer = self.answered(stream(self.client, "/v1/chat/completions", body, read_chat), k)
-        calls = [
-            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-            for c in answer.calls
-        ]
-        message: dict[str, Any] = {"role": "assistant", "content": answer.text or None}
-        if calls:
-            message["tool_calls"] = calls
-        self.messages.append(message)
+        self.messages.append(assistant_message(answer))
         return answer
 
 

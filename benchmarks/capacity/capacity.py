@@ -38,6 +38,7 @@ import json
 import os
 import sys
 from argparse import Namespace
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -225,7 +226,7 @@ def main(args: Namespace) -> int:
     points: list[Point] = []
     rows: list[dict[str, Any]] = []
     for mode in modes:  # one engine at a time
-        got = _sweep(args, mode, model, texts, rates, warmup)
+        got = sweep(args, mode, model, texts, rates, warmup)
         points += [p for p, _ in got]
         rows += [r for _, r in got]
     earlier = [_earlier(path, modes, workload, dtype.dtype, args) for path in args.merge]
@@ -267,10 +268,18 @@ def main(args: Namespace) -> int:
     return 0
 
 
-def _sweep(
-    args: Namespace, mode: str, model: Path, texts: Texts, rates: list[float], warmup: int
+def sweep(
+    args: Namespace,
+    mode: str,
+    model: Path,
+    texts: Texts,
+    rates: list[float],
+    warmup: int,
+    driver: Callable[[Any, str], Driver] | None = None,
 ) -> list[tuple[Point, dict[str, Any]]]:
-    """One mode's engine, alone, through the rates (until one is not held)."""
+    """One mode's engine, alone, through the rates (until one is not held). `driver`: the
+    driver of a rate from the mode's servers (`multiturn_stacks.Mode`) and the served model
+    name (default: this benchmark's; `bench agents --capacity` gives its own)."""
     from tqdm import tqdm
 
     from benchmarks.capacity import capacity_report as report
@@ -284,14 +293,16 @@ def _sweep(
         for i, qps in enumerate(rates):
             if sup.stopping.is_set():
                 raise KeyboardInterrupt
-            driver = Driver(
-                mode, m.url, name, texts, session=m.session, separate_create=args.separate_create
-            )
+            if driver is None:
+                separate = args.separate_create
+                rate = Driver(mode, m.url, name, texts, session=m.session, separate_create=separate)
+            else:
+                rate = driver(m, name)
             before = _scrape(m.engine)
             with tqdm(
                 total=warmup + args.requests, desc=f"{mode} @ {qps:g} req/s", unit="req"
             ) as bar:
-                run = driver.run(qps, args.requests, warmup, bar.update, i * USERS_PER_RATE)
+                run = rate.run(qps, args.requests, warmup, bar.update, i * USERS_PER_RATE)
                 point = asyncio.run(run)
             r = report.row(point, warmup, args.slo)
             r |= _connector(before, _scrape(m.engine))
