@@ -42,10 +42,12 @@ CAPACITY: dict[str, Any] = {
     "tool_tokens": 600,
     "system_tokens": 1000,
     "task_tokens": 200,
-    "qps": "0.25,0.5,0.75,1,1.25,1.5,2",
-    "requests": 48,
-    "warmup": None,  # --agents x (--steps + 1): one lifetime of the first agents
-    "slo": 2.0,
+    "qps": "0.1,0.15,0.2,0.25,0.3,0.4,0.5,0.6,0.8",
+    "requests": 24,
+    "warmup": None,  # two requests per agent
+    # a full-history step prefills up to ~6,800 tokens: seconds on 2 CPUs in any mode with
+    # nothing else running, so the target is `bench capacity --workload long`'s
+    "slo": 10.0,
     "kv_blocks": 160,  # 160 x 128 tokens: about three agents' conversations
     "max_model_len": 8192,
 }
@@ -105,6 +107,16 @@ def add_capacity_arguments(p: argparse.ArgumentParser) -> None:
         "--slo", type=float, default=None, help=f"p95 TTFT target, seconds ({CAPACITY['slo']:g})"
     )
     g.add_argument("--keep-going", action="store_true", help="run every rate of every mode")
+    g.add_argument(
+        "--with",
+        dest="merge",
+        action="append",
+        default=[],
+        type=Path,
+        metavar="JSON",
+        help="an earlier run's agents-capacity.json of the same workload, other modes: its "
+        "rows and answers join this run's report (each mode can sweep rates of its own)",
+    )
 
 
 def resolve(args: Namespace) -> None:
@@ -121,13 +133,13 @@ def resolve(args: Namespace) -> None:
             if getattr(args, name) == CAPACITY.get(name, parser.get_default(name)):
                 setattr(args, name, value)
     if args.warmup is None:
-        args.warmup = args.agents * (args.steps + 1)
+        args.warmup = 2 * args.agents
 
 
 def main(args: Namespace) -> int:
     from benchmarks.agents.agents import cpu_info
     from benchmarks.capacity import capacity_report as report
-    from benchmarks.capacity.capacity import sweep
+    from benchmarks.capacity.capacity import merged, sweep
     from benchmarks.lib.util import ensure_preset, plot_path, run_meta, write_outputs
     from benchmarks.multiturn.multiturn import DEFAULT_MODEL
     from ctxcache.cpu import given_dtype, vllm_dtype
@@ -172,6 +184,15 @@ def main(args: Namespace) -> int:
         got = sweep(args, mode, model, texts, rates, args.warmup, driver)
         points += [p for p, _ in got]
         rows += [r for _, r in got]
+    same = {
+        "workload": asdict(workload),
+        "dtype": dtype.dtype,
+        "kv_blocks": args.kv_blocks,
+        "max_model_len": args.max_model_len,
+        "seed": args.seed,
+        "slo_s": args.slo,
+    }
+    modes, rows, points = merged(args.merge, modes, rows, points, same)
     summary = report.summary(rows, modes, points, args.slo)
     summary["prompt_tokens_by_step"] = prompt_tokens_by_step(points)
     meta = run_meta(
@@ -192,6 +213,7 @@ def main(args: Namespace) -> int:
         threads=args.threads,
         vllm_args=args.vllm_arg,
         seed=args.seed,
+        merged=[str(p) for p in args.merge],
     )
     data = {"meta": meta, "summary": summary, "results": rows, "requests": report.sent_rows(points)}
     text = report.headline(summary) + "\n" + report.table(rows) + "\n"

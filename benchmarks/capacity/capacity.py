@@ -229,11 +229,15 @@ def main(args: Namespace) -> int:
         got = sweep(args, mode, model, texts, rates, warmup)
         points += [p for p, _ in got]
         rows += [r for _, r in got]
-    earlier = [_earlier(path, modes, workload, dtype.dtype, args) for path in args.merge]
-    for old_modes, old_rows, old_points in earlier:
-        modes = [*old_modes, *modes]
-        rows = [*old_rows, *rows]
-        points = [*old_points, *points]
+    same = {
+        "workload": vars(workload),
+        "dtype": dtype.dtype,
+        "kv_blocks": args.kv_blocks,
+        "max_model_len": args.max_model_len,
+        "seed": args.seed,
+        "slo_s": args.slo,
+    }
+    modes, rows, points = merged(args.merge, modes, rows, points, same)
     summary = report.summary(rows, modes, points, args.slo)
     meta = run_meta(
         NAME,
@@ -407,30 +411,30 @@ def _quick(args: Namespace) -> None:
         args.model = DEFAULT_MODEL / "models" / "tiny"
 
 
-def _earlier(
-    path: Path, modes: list[str], workload: Workload, dtype: str, args: Namespace
+def merged(
+    paths: list[Path],
+    modes: list[str],
+    rows: list[dict[str, Any]],
+    points: list[Point],
+    same: dict[str, Any],
 ) -> tuple[list[str], list[dict[str, Any]], list[Point]]:
-    """An earlier run to merge (`--with`): the same workload, engine sizes, dtype and seed
-    (else its conversations or engines are not this run's), and modes this run did not run."""
+    """This run's modes, rows and points after those of earlier runs (`--with`): each must
+    have the values of `same` in its meta (the workload, engine sizes, dtype, seed, SLO: else
+    its conversations or engines are not this run's) and modes this run did not run."""
     from benchmarks.capacity import capacity_report as report
 
-    data = json.loads(path.read_text())
-    meta = data["meta"]
-    same = {
-        "workload": vars(workload),
-        "dtype": dtype,
-        "kv_blocks": args.kv_blocks,
-        "max_model_len": args.max_model_len,
-        "seed": args.seed,
-        "slo_s": args.slo,
-    }
-    differ = [k for k, v in same.items() if meta.get(k) != v]
-    if differ:
-        raise SystemExit(f"--with {path}: not this run's {', '.join(differ)}")
-    old = [str(m) for m in meta["modes"]]
-    if set(old) & set(modes):
-        raise SystemExit(f"--with {path}: it ran {sorted(set(old) & set(modes))} too")
-    return old, data["results"], report.points_of(data)
+    for path in paths:
+        data = json.loads(path.read_text())
+        meta = data["meta"]
+        differ = [k for k, v in same.items() if meta.get(k) != v]
+        if differ:
+            raise SystemExit(f"--with {path}: not this run's {', '.join(differ)}")
+        old = [str(m) for m in meta["modes"]]
+        if set(old) & set(modes):
+            raise SystemExit(f"--with {path}: it ran {sorted(set(old) & set(modes))} too")
+        modes, rows = [*old, *modes], [*data["results"], *rows]
+        points = [*report.points_of(data), *points]
+    return modes, rows, points
 
 
 def _workload_defaults(args: Namespace) -> None:

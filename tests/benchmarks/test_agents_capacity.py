@@ -189,14 +189,14 @@ def test_capacity_options_default_to_capacity_and_quick_and_given_ones_win() -> 
     for name, value in CAPACITY.items():
         if name != "warmup":
             assert getattr(args, name) == value, name
-    assert args.warmup == 8 * 9  # one lifetime of the first agents
+    assert args.warmup == 2 * 8  # two requests per agent
     quick = parse("--capacity", "--quick", "--agents", "3")
     resolve(quick)
     assert quick.agents == 3 and quick.steps == QUICK["steps"] and quick.preset == "tiny"
     assert quick.keep_going and quick.warmup == QUICK["warmup"] and quick.qps == "1,2"
     given = parse("--capacity", "--kv-blocks", "99", "--steps", "4", "--modes", "session")
     resolve(given)
-    assert (given.kv_blocks, given.steps, given.modes, given.warmup) == (99, 4, "session", 40)
+    assert (given.kv_blocks, given.steps, given.modes, given.warmup) == (99, 4, "session", 16)
     loop = parse("--steps", "5")  # without --capacity: the loop's own defaults
     resolve_loop(loop)
     assert not loop.capacity and loop.steps == 5

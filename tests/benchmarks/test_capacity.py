@@ -296,14 +296,15 @@ def test_a_run_to_merge_must_be_the_same_workload_and_other_modes(tmp_path: Path
         "slo_s": args.slo,
         "modes": ["vllm-full-connector"],
     }
+    same = {k: v for k, v in meta.items() if k != "modes"}
     path = tmp_path / "capacity.json"
     path.write_text(json.dumps({"meta": meta, "results": [{"mode": "x"}], "requests": []}))
-    modes, rows, points = capacity._earlier(path, ["session"], w, "bfloat16", args)
-    assert (modes, rows, points) == (["vllm-full-connector"], [{"mode": "x"}], [])
+    got = capacity.merged([path], ["session"], [{"mode": "session"}], [], same)
+    assert got == (["vllm-full-connector", "session"], [{"mode": "x"}, {"mode": "session"}], [])
     with pytest.raises(SystemExit, match="ran \\['vllm-full-connector'\\] too"):
-        capacity._earlier(path, ["vllm-full-connector"], w, "bfloat16", args)
+        capacity.merged([path], ["vllm-full-connector"], [], [], same)
     with pytest.raises(SystemExit, match="not this run's dtype"):
-        capacity._earlier(path, ["session"], w, "float32", args)
+        capacity.merged([path], ["session"], [], [], same | {"dtype": "float32"})
     path.write_text(json.dumps({"meta": meta | {"kv_blocks": 48}, "results": []}))
     with pytest.raises(SystemExit, match="kv_blocks"):
-        capacity._earlier(path, ["session"], w, "bfloat16", args)
+        capacity.merged([path], ["session"], [], [], same)
