@@ -53,6 +53,48 @@ def auto_reserved_cpus() -> int:
     return 1 if (cpus or 1) > 2 else 0
 
 
+def tensor_parallel_size(args: list[str]) -> int:
+    """`--tensor-parallel-size N` (or `-tp N`, `--tensor-parallel-size=N`) among vLLM's
+    arguments; 1 when not given or not a number (vLLM then says what is wrong)."""
+    for i, arg in enumerate(args):
+        value = None
+        if arg in ("--tensor-parallel-size", "-tp") and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith("--tensor-parallel-size="):
+            value = arg.split("=", 1)[1]
+        if value is not None:
+            return int(value) if value.isdigit() else 1
+    return 1
+
+
+def numa_nodes(cpus: set[int], root: Path = Path("/sys/devices/system/node")) -> int:
+    """How many NUMA nodes hold one of `cpus` (1 where the kernel shows none)."""
+    nodes = 0
+    for cpulist in root.glob("node[0-9]*/cpulist"):
+        try:
+            text = cpulist.read_text().strip()
+        except OSError:
+            continue
+        held: set[int] = set()
+        for part in filter(None, text.split(",")):
+            low, _, high = part.partition("-")
+            held |= set(range(int(low), int(high or low) + 1))
+        nodes += bool(held & cpus)
+    return max(1, nodes)
+
+
+def rank_cpus(ranks: int, cpus: set[int], nodes: int) -> str | None:
+    """`VLLM_CPU_OMP_THREADS_BIND` for `ranks` tensor-parallel ranks on fewer NUMA nodes than
+    ranks: the allowed CPUs split in equal runs, one per rank (`0|1` on 2 CPUs). vLLM's
+    default (`auto`) binds each rank to a node of its own and does not start otherwise
+    (docs/vllm.md, "MLA models"). None: one rank, enough nodes, or fewer CPUs than ranks."""
+    if ranks < 2 or nodes >= ranks or len(cpus) < ranks:
+        return None
+    ordered, per = sorted(cpus), len(cpus) // ranks
+    runs = [ordered[i * per : (i + 1) * per] for i in range(ranks)]
+    return "|".join(",".join(map(str, run)) for run in runs)
+
+
 def available() -> bool:
     """Whether vLLM is installed here (the `vllm` extra installs it on Linux x86_64)."""
     return importlib.util.find_spec("vllm") is not None
@@ -184,6 +226,12 @@ class VllmLaunch:
             reserved = auto_reserved_cpus()
         if reserved is not None:
             env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(reserved)
+        ranks = tensor_parallel_size(self.extra_args)
+        if ranks > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            cpus = set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set()
+            bind = rank_cpus(ranks, cpus, numa_nodes(cpus))
+            if bind is not None:
+                env["VLLM_CPU_OMP_THREADS_BIND"] = bind
         return env
 
     @property

@@ -17,6 +17,9 @@ from ctxcache.vllm_engine import (
     can_compile,
     kv_cache_gib_from_env,
     must_run_eager,
+    numa_nodes,
+    rank_cpus,
+    tensor_parallel_size,
 )
 
 HEADERS = (Path(sysconfig.get_paths()["include"]) / "Python.h").is_file()
@@ -139,3 +142,33 @@ def test_ctxcache_vllm_passes_sidecar_local_dir_to_the_connector(
     assert with_dir["local_dir"] == "/run/ctxcache"
     assert "local_dir" not in without
     assert with_dir["sidecar_url"] == without["sidecar_url"] == "lm://127.0.0.1:65432"
+
+
+def test_tensor_parallel_ranks_get_a_cpu_run_each_where_numa_nodes_are_fewer(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """vLLM's CPU build binds each rank to a NUMA node of its own by default and does not
+    start with fewer nodes than ranks (docs/vllm.md, MLA models): `ctxcache vllm` splits the
+    allowed CPUs between the ranks there, and leaves a binding someone set alone."""
+    assert tensor_parallel_size(["--dtype", "float32"]) == 1
+    assert tensor_parallel_size(["--tensor-parallel-size", "2"]) == 2
+    assert tensor_parallel_size(["-tp", "4"]) == 4
+    assert tensor_parallel_size(["--tensor-parallel-size=2"]) == 2
+    assert tensor_parallel_size(["-tp", "x"]) == 1  # (vLLM says what is wrong)
+    for node, cpus in (("node0", "0-3"), ("node1", "4-7")):
+        (tmp_path / node).mkdir()
+        (tmp_path / node / "cpulist").write_text(cpus + "\n")
+    assert numa_nodes({0, 1}, tmp_path) == 1 and numa_nodes({3, 4}, tmp_path) == 2
+    assert numa_nodes({0}, tmp_path / "none") == 1  # no node directory: one node
+    assert rank_cpus(2, {0, 1}, 1) == "0|1"
+    assert rank_cpus(2, {0, 1, 2, 3, 4}, 1) == "0,1|2,3"
+    assert rank_cpus(2, {0, 1, 2, 3}, 2) is None  # a node per rank: vLLM's own binding
+    assert rank_cpus(1, {0, 1}, 1) is None and rank_cpus(4, {0, 1}, 1) is None
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1}, raising=False)
+    tp = VllmLaunch("m", "m", 8100, extra_args=["--tensor-parallel-size", "2"])
+    bind = tp.env().get("VLLM_CPU_OMP_THREADS_BIND")
+    assert bind == (None if numa_nodes({0, 1}) >= 2 else "0|1")
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in VllmLaunch("m", "m", 8100).env()
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in tp.env()  # theirs (merged over os.environ)
