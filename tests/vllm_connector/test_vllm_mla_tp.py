@@ -4,8 +4,9 @@ connector per rank. The latent is stored once, by rank 0, under keys that name n
 and both ranks load it. A stack of its own (one engine start for the module).
 
 vLLM's CPU build binds each rank's threads to a NUMA node of its own by default
-(`VLLM_CPU_OMP_THREADS_BIND=auto`); this machine has one, so the ranks get a CPU each
-(`0|1`), as vLLM's CPU docs say for a machine with fewer nodes than ranks.
+(`VLLM_CPU_OMP_THREADS_BIND=auto`) and does not start with fewer nodes than ranks; on such
+a machine (this one has one node) `ctxcache vllm`'s launch gives each rank a run of CPUs
+(`0|1`, `ctxcache.vllm_engine.rank_cpus`), which this module relies on: it sets nothing.
 """
 
 from __future__ import annotations
@@ -50,8 +51,9 @@ def tp_stack(
     redis_server: RedisServer,
     mla_model: Path,  # noqa: F811
 ) -> Iterator[VllmStack]:
+    cpu_lists()  # (skips on one CPU)
     with pytest.MonkeyPatch.context() as env:
-        env.setenv("VLLM_CPU_OMP_THREADS_BIND", cpu_lists())
+        env.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)  # the launch's own binding
         with started_stack(
             tmp_path_factory,
             redis_server,
