@@ -179,6 +179,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "answers join this run's report (the ratios, the answer check, the plot), so each "
         "mode can sweep rates of its own",
     )
+    p.add_argument(
+        "--rate-offset",
+        type=int,
+        default=0,
+        help="number this run's rates from this index on (rate i's users from (offset + i) x "
+        f"{USERS_PER_RATE:,}): a run that goes on with a mode's sweep at higher rates, merged "
+        "with --with, then meets users of its own",
+    )
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="engine threads")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -306,7 +314,8 @@ def sweep(
             with tqdm(
                 total=warmup + args.requests, desc=f"{mode} @ {qps:g} req/s", unit="req"
             ) as bar:
-                run = rate.run(qps, args.requests, warmup, bar.update, i * USERS_PER_RATE)
+                first = (getattr(args, "rate_offset", 0) + i) * USERS_PER_RATE
+                run = rate.run(qps, args.requests, warmup, bar.update, first)
                 point = asyncio.run(run)
             r = report.row(point, warmup, args.slo)
             r |= _connector(before, _scrape(m.engine))
@@ -420,7 +429,8 @@ def merged(
 ) -> tuple[list[str], list[dict[str, Any]], list[Point]]:
     """This run's modes, rows and points after those of earlier runs (`--with`): each must
     have the values of `same` in its meta (the workload, engine sizes, dtype, seed, SLO: else
-    its conversations or engines are not this run's) and modes this run did not run."""
+    its conversations or engines are not this run's), and no mode at a rate or with users this
+    run has too (a mode's sweep can go on in a later run: `--rate-offset`)."""
     from benchmarks.capacity import capacity_report as report
 
     for path in paths:
@@ -430,10 +440,15 @@ def merged(
         if differ:
             raise SystemExit(f"--with {path}: not this run's {', '.join(differ)}")
         old = [str(m) for m in meta["modes"]]
-        if set(old) & set(modes):
-            raise SystemExit(f"--with {path}: it ran {sorted(set(old) & set(modes))} too")
-        modes, rows = [*old, *modes], [*data["results"], *rows]
-        points = [*report.points_of(data), *points]
+        theirs = report.points_of(data)
+        mine = {(p.mode, p.qps) for p in points}
+        users = {(p.mode, s.user) for p in points for s in p.sent}
+        if any((p.mode, p.qps) in mine for p in theirs):
+            raise SystemExit(f"--with {path}: it ran a mode at a rate this run ran too")
+        if any((p.mode, s.user) in users for p in theirs for s in p.sent):
+            raise SystemExit(f"--with {path}: a mode met the same users (--rate-offset)")
+        modes = [*old, *(m for m in modes if m not in old)]
+        rows, points = [*data["results"], *rows], [*theirs, *points]
     return modes, rows, points
 
 

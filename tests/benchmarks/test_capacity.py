@@ -301,8 +301,19 @@ def test_a_run_to_merge_must_be_the_same_workload_and_other_modes(tmp_path: Path
     path.write_text(json.dumps({"meta": meta, "results": [{"mode": "x"}], "requests": []}))
     got = capacity.merged([path], ["session"], [{"mode": "session"}], [], same)
     assert got == (["vllm-full-connector", "session"], [{"mode": "x"}, {"mode": "session"}], [])
-    with pytest.raises(SystemExit, match="ran \\['vllm-full-connector'\\] too"):
-        capacity.merged([path], ["vllm-full-connector"], [], [], same)
+    # a mode's sweep going on in a later run: other rates and other users (--rate-offset)
+    old = Point("vllm-full-connector", 0.1)
+    old.sent.append(Sent(0, 1, 0, 0, 0, answer="a"))
+    path.write_text(json.dumps({"meta": meta, "results": [], "requests": report.sent_rows([old])}))
+    more = Point("vllm-full-connector", 0.2)
+    more.sent.append(Sent(USERS_PER_RATE, 1, 0, 0, 0, answer="b"))
+    modes, _, points = capacity.merged([path], ["vllm-full-connector"], [], [more], same)
+    assert modes == ["vllm-full-connector"] and [p.qps for p in points] == [0.1, 0.2]
+    with pytest.raises(SystemExit, match="at a rate this run ran too"):
+        capacity.merged([path], ["vllm-full-connector"], [], [old], same)
+    more.sent[0].user = 0
+    with pytest.raises(SystemExit, match="the same users"):
+        capacity.merged([path], ["vllm-full-connector"], [], [more], same)
     with pytest.raises(SystemExit, match="not this run's dtype"):
         capacity.merged([path], ["session"], [], [], same | {"dtype": "float32"})
     path.write_text(json.dumps({"meta": meta | {"kv_blocks": 48}, "results": []}))
