@@ -114,8 +114,15 @@ def add_capacity_arguments(p: argparse.ArgumentParser) -> None:
         default=[],
         type=Path,
         metavar="JSON",
-        help="an earlier run's agents-capacity.json of the same workload, other modes: its "
-        "rows and answers join this run's report (each mode can sweep rates of its own)",
+        help="an earlier run's agents-capacity.json of the same workload: its rows and "
+        "answers join this run's report (each mode can sweep rates of its own)",
+    )
+    g.add_argument(
+        "--rate-offset",
+        type=int,
+        default=0,
+        help="number this run's rates from this index on, so a mode's sweep going on in a "
+        "later run (merged with --with) meets agents of its own",
     )
 
 
