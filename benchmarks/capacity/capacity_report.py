@@ -194,8 +194,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         out.append(
             [
                 r["mode"],
-                r["qps"],
-                r["achieved_qps"],
+                f"{r['qps']:g}",  # (0.075, not a rounded 0.07)
+                f"{r['achieved_qps']:.3g}",
                 f"{r['ttft_p50_ms']:,.0f} / {r['ttft_p95_ms']:,.0f} / {r['ttft_p99_ms']:,.0f}",
                 r["itl_mean_ms"],
                 r["output_tokens_per_s"],
