@@ -92,9 +92,10 @@ def compare(by_mode: Answers, mode: str = "session", ref: str | None = None) -> 
     compared (`after_divergence`)."""
     ref = ref or next((m for m in REFERENCES if m in by_mode), None)
     out: dict[str, Any] = {"reference": ref, "compared": 0, "mismatches": 0}
-    out |= {"after_divergence": 0, "examples": []}
+    out |= {"after_divergence": 0, "examples": [], "agreed_share_median": None}
     if ref not in by_mode or ref == mode or mode not in by_mode:
         return out
+    agreed: list[float] = []  # per compared answer: the share of it equal before a difference
     theirs = by_mode[ref]
     diverged: set[int] = set()
     for (user, rnd), (qps, text) in sorted(by_mode[mode].items()):
@@ -105,17 +106,21 @@ def compare(by_mode: Answers, mode: str = "session", ref: str | None = None) -> 
             out["after_divergence"] += 1
             continue
         out["compared"] += 1
+        first = next(
+            (i for i, (a, b) in enumerate(zip(text, other[1], strict=False)) if a != b),
+            min(len(text), len(other[1])),
+        )
+        agreed.append(1.0 if other[1] == text else first / max(1, len(other[1])))
         if other[1] != text:
             out["mismatches"] += 1
             diverged.add(user)
             if len(out["examples"]) < 5:
-                first = next(
-                    (i for i, (a, b) in enumerate(zip(text, other[1], strict=False)) if a != b),
-                    min(len(text), len(other[1])),
-                )
                 out["examples"].append(
                     {"qps": qps, "user": user, "round": rnd, "first_different_char": first}
                 )
+    # how far answers go together before they part: where long bf16 answers all part
+    # somewhere, a session parting where vLLM's own KV reuse parts is rounding, not ctxcache
+    out["agreed_share_median"] = percentile(agreed, 50) if agreed else None
     return out
 
 
@@ -241,14 +246,22 @@ def headline(summary: dict[str, Any]) -> str:
                 if a["after_divergence"]
                 else ""
             )
+            + _agreed(a)
         )
     if "session_answers_vs_roomy" in summary:
         a = summary["session_answers_vs_roomy"]
         lines.append(
             f"- session answers equal to roomy's (vLLM's own prefix cache): "
-            f"{a['compared'] - a['mismatches']} of {a['compared']}"
+            f"{a['compared'] - a['mismatches']} of {a['compared']}" + _agreed(a)
         )
     return "\n".join(lines) + "\n"
+
+
+def _agreed(a: dict[str, Any]) -> str:
+    share = a.get("agreed_share_median")
+    if share is None or not a["mismatches"]:
+        return ""
+    return f"; the median answer the same for its first {share:.0%}"
 
 
 def plot(

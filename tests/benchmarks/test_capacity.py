@@ -83,6 +83,13 @@ def test_session_answers_are_compared_with_the_same_engines_full_history_answers
     assert got["reference"] == "vllm-full-connector"
     assert (got["compared"], got["mismatches"], got["after_divergence"]) == (2, 1, 1)
     assert got["examples"] == [{"qps": 1.0, "user": 1, "round": 1, "first_different_char": 2}]
+    # how far the answers went together: all of "x y", the first 2 of "p q"'s 3 characters
+    assert got["agreed_share_median"] == 2 / 3
+    summary = report.summary([], ["vllm-full-connector", "session"], [ref, ses, ses2], 2.0)
+    assert (
+        "1 of 2 (1 later rounds of diverged conversations not compared); the median "
+        "answer the same for its first 67%" in report.headline(summary)
+    )
 
 
 def test_every_mode_is_compared_with_the_reference_the_controls_beside_the_session() -> None:
