@@ -21,6 +21,7 @@ change them); `--quick` is QUICK (the tiny preset, CI-sized).
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from argparse import Namespace
 from dataclasses import asdict
@@ -118,6 +119,15 @@ def add_capacity_arguments(p: argparse.ArgumentParser) -> None:
         "answers join this run's report (each mode can sweep rates of its own)",
     )
     g.add_argument(
+        "--from",
+        dest="source",
+        type=Path,
+        default=None,
+        metavar="JSON",
+        help="run nothing: judge an earlier run's rows again at --slo (at most its own) and "
+        "write its report to --out",
+    )
+    g.add_argument(
         "--rate-offset",
         type=int,
         default=0,
@@ -154,6 +164,17 @@ def main(args: Namespace) -> int:
     from ctxcache.vllm_engine import default_tool_parser
 
     setup_logging("bench", "WARNING")
+    if args.source is not None:
+        from benchmarks.capacity.capacity import judge
+
+        data = json.loads(args.source.read_text())
+        extra = "\nMean prompt tokens per step:\n\n" + prompt_table(
+            {
+                m: {int(k): v for k, v in by.items()}
+                for m, by in data["summary"]["prompt_tokens_by_step"].items()
+            }
+        )
+        return judge(args.source, args.slo, Path(args.out), args.plot, NAME, extra)
     resolve(args)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in MODES]

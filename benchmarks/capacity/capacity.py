@@ -187,6 +187,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         f"{USERS_PER_RATE:,}): a run that goes on with a mode's sweep at higher rates, merged "
         "with --with, then meets users of its own",
     )
+    p.add_argument(
+        "--from",
+        dest="source",
+        type=Path,
+        default=None,
+        metavar="JSON",
+        help="run nothing: judge an earlier run's rows again at --slo (default its own) and "
+        "write its report to --out (a rate's p95 does not depend on the SLO)",
+    )
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="engine threads")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -204,6 +213,8 @@ def main(args: Namespace) -> int:
     from ctxcache.vllm_engine import auto_reserved_cpus
 
     setup_logging("bench", "WARNING")
+    if args.source is not None:
+        return judge(args.source, args.slo, Path(args.out), args.plot, NAME)
     if args.quick:
         _quick(args)
     _workload_defaults(args)
@@ -418,6 +429,41 @@ def _quick(args: Namespace) -> None:
             setattr(args, name, value)
     if args.model == parser.get_default("model"):
         args.model = DEFAULT_MODEL / "models" / "tiny"
+
+
+def judge(
+    source: Path, slo: float | None, out: Path, plot: str | None, name: str, extra: str = ""
+) -> int:
+    """`--from`: an earlier run's rows judged again at `slo` (its own when None), its summary,
+    report and plot written to `out`. A stricter SLO than the run's own is sound: a sweep
+    stops at its first rate not held, so it ran every rate a stricter one holds."""
+    from benchmarks.capacity import capacity_report as report
+
+    data = json.loads(source.read_text())
+    meta = data["meta"]
+    slo = float(meta["slo_s"] if slo is None else slo)
+    if slo > float(meta["slo_s"]):
+        raise SystemExit(
+            f"--from {source}: --slo above its own {meta['slo_s']:g} s (its sweeps "
+            "stopped at the first rate that SLO did not hold)"
+        )
+    rows = [r | {"held": report.held(r, slo)} for r in data["results"]]
+    modes = [str(m) for m in meta["modes"]]
+    points = report.points_of(data)
+    summary = {**data["summary"], **report.summary(rows, modes, points, slo)}
+    meta = meta | {"slo_s": slo, "judged_from": str(source), "judged_at": run_meta(name)}
+    data = data | {"meta": meta, "summary": summary, "results": rows}
+    again = (
+        f"Judged again at p95 TTFT ≤ {slo:g} s from `{source}`: `{meta['judged_at']['command']}`"
+    )
+    text = again + "\n\n" + report.headline(summary) + "\n" + report.table(rows) + extra
+    paths = write_outputs(out, name, data, text)
+    png = Path(plot) if plot else out / f"{name}.png"
+    report.plot(png, rows, modes, slo, f"judged again at p95 <= {slo:g} s")
+    for path in [*paths, png]:
+        sys.stdout.write(f"{path}\n")
+    sys.stdout.write(report.headline(summary))
+    return 0
 
 
 def merged(

@@ -51,13 +51,20 @@ def row(point: Point, warmup: int, slo_s: float) -> dict[str, Any]:
         "later_ttft_p95_ms": percentile(later, 95) * 1e3,
         "seconds": point.seconds,
     }
-    out["held"] = bool(
-        ok
-        and errors == 0
-        and out["ttft_p95_ms"] <= slo_s * 1e3
-        and achieved >= HELD_RATE * point.qps
-    )
+    out["held"] = held(out, slo_s) and bool(ok)
     return out
+
+
+def held(row: dict[str, Any], slo_s: float) -> bool:
+    """Whether a rate's row holds `slo_s`: p95 TTFT within it, at least HELD_RATE of the rate
+    done, no error. (The row's figures do not depend on the SLO: an earlier run's rows can
+    be judged again at another, `--from`.)"""
+    return bool(
+        row["requests"]
+        and row["errors"] == 0
+        and row["ttft_p95_ms"] <= slo_s * 1e3
+        and row["achieved_qps"] >= HELD_RATE * row["qps"]
+    )
 
 
 def capacity(rows: list[dict[str, Any]], modes: list[str]) -> dict[str, float | None]:
@@ -329,6 +336,7 @@ __all__ = [
     "capacity",
     "compare",
     "headline",
+    "held",
     "plot",
     "points_of",
     "row",

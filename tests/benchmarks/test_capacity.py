@@ -326,3 +326,30 @@ def test_a_run_to_merge_must_be_the_same_workload_and_other_modes(tmp_path: Path
     path.write_text(json.dumps({"meta": meta | {"kv_blocks": 48}, "results": []}))
     with pytest.raises(SystemExit, match="kv_blocks"):
         capacity.merged([path], ["session"], [], [], same)
+
+
+def test_an_earlier_run_is_judged_again_at_a_stricter_slo(tmp_path: Path) -> None:
+    """`--from`: a rate's p95 does not depend on the SLO, so a run swept at 10 s has every
+    rate a 2 s target needs; its report is written again, and a looser SLO is refused."""
+    fc = report.row(point("vllm-full-connector", 0.5, [1.0] * 12, gap=2.0), 2, 10.0)
+    slow = report.row(point("session", 1.0, [0.5] * 10 + [3.0] * 2, gap=1.0), 2, 10.0)
+    fast = report.row(point("session", 0.5, [0.5] * 12, gap=2.0), 2, 10.0)
+    assert fc["held"] and slow["held"] and fast["held"]  # at 10 s
+    pts = [point("vllm-full-connector", 0.5, [1.0] * 12, gap=2.0)]
+    meta = {"modes": ["vllm-full-connector", "session"], "slo_s": 10.0, "command": "c"}
+    meta |= {"date": "d", "machine": {"cpus": 2}}
+    source = tmp_path / "run.json"
+    data = {"meta": meta, "summary": {"kept": 1}, "results": [fc, fast, slow]}
+    source.write_text(json.dumps(data | {"requests": report.sent_rows(pts)}))
+    out = tmp_path / "again"
+    assert capacity.judge(source, 2.0, out, None, "capacity") == 0
+    again = json.loads((out / "capacity.json").read_text())
+    assert [r["held"] for r in again["results"]] == [True, True, False]
+    assert again["summary"]["capacity_qps"] == {"vllm-full-connector": 0.5, "session": 0.5}
+    assert again["summary"]["kept"] == 1 and again["meta"]["slo_s"] == 2.0
+    assert again["meta"]["judged_from"] == str(source)
+    text = (out / "capacity.md").read_text()
+    assert "Judged again at p95 TTFT ≤ 2 s" in text and "p95 TTFT ≤ 2 s:" in text
+    check_png(out / "capacity.png")
+    with pytest.raises(SystemExit, match="above its own 10 s"):
+        capacity.judge(source, 20.0, out, None, "capacity")
