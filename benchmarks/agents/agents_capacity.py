@@ -156,10 +156,9 @@ def resolve(args: Namespace) -> None:
 def main(args: Namespace) -> int:
     from benchmarks.agents.agents import cpu_info
     from benchmarks.capacity import capacity_report as report
-    from benchmarks.capacity.capacity import merged, sweep
+    from benchmarks.capacity.capacity import pin_dtype, rates_of, sweep_all
     from benchmarks.lib.util import ensure_preset, plot_path, run_meta, write_outputs
     from benchmarks.multiturn.multiturn import DEFAULT_MODEL
-    from ctxcache.cpu import given_dtype, vllm_dtype
     from ctxcache.logs import setup_logging
     from ctxcache.vllm_engine import default_tool_parser
 
@@ -183,9 +182,8 @@ def main(args: Namespace) -> int:
             f"--modes: some of {', '.join(MODES)} (not {bad}); --agents, --steps: 1+\n"
         )
         return 2
-    rates = sorted({float(q) for q in args.qps.split(",") if q.strip()})
-    if not rates or min(rates) <= 0:
-        sys.stderr.write("--qps: positive rates, comma-separated\n")
+    rates = rates_of(args.qps)
+    if rates is None:
         return 2
     model = ensure_preset(args.preset, args.model or DEFAULT_MODEL / "models" / args.preset)
     workload = AgentWorkload(
@@ -197,30 +195,15 @@ def main(args: Namespace) -> int:
         max_tokens=args.max_tokens,
     )
     texts = AgentTexts(workload, _tokenizer(model), args.seed)
-    args.engine = "vllm"  # multiturn_stacks' vLLM stack
-    dtype = vllm_dtype(args.dtype, args.vllm_arg)
-    if given_dtype(args.vllm_arg) is None:
-        args.vllm_arg = ["--dtype", dtype.dtype, *args.vllm_arg]
+    dtype = pin_dtype(args)
 
     def driver(m: Any, served: str) -> AgentDriver:
         auth = {"authorization": f"Bearer {m.api_key}"} if m.api_key else {}
         return AgentDriver(m.name, m.url, served, texts, session=m.session, headers=auth)
 
-    points: list[Point] = []
-    rows: list[dict[str, Any]] = []
-    for mode in modes:  # one engine at a time
-        got = sweep(args, mode, model, texts, rates, args.warmup, driver)
-        points += [p for p, _ in got]
-        rows += [r for _, r in got]
-    same = {
-        "workload": asdict(workload),
-        "dtype": dtype.dtype,
-        "kv_blocks": args.kv_blocks,
-        "max_model_len": args.max_model_len,
-        "seed": args.seed,
-        "slo_s": args.slo,
-    }
-    modes, rows, points = merged(args.merge, modes, rows, points, same)
+    modes, rows, points = sweep_all(
+        args, modes, model, texts, rates, args.warmup, asdict(workload), driver
+    )
     summary = report.summary(rows, modes, points, args.slo)
     summary["prompt_tokens_by_step"] = prompt_tokens_by_step(points)
     meta = run_meta(

@@ -223,9 +223,8 @@ def main(args: Namespace) -> int:
     if bad or not modes:
         sys.stderr.write(f"unknown mode(s) {bad}; choose from {', '.join(MODES)}\n")
         return 2
-    rates = sorted({float(q) for q in args.qps.split(",") if q.strip()})
-    if not rates or min(rates) <= 0:
-        sys.stderr.write("--qps: positive rates, comma-separated\n")
+    rates = rates_of(args.qps)
+    if rates is None:
         return 2
     warmup = args.warmup
     model = _model(args)
@@ -238,25 +237,8 @@ def main(args: Namespace) -> int:
         answer_tokens=args.answer_tokens,
     )
     texts = Texts(workload, _tokenizer(model), args.seed)
-    args.engine = "vllm"  # multiturn_stacks' vLLM stack
-    dtype = vllm_dtype(args.dtype, args.vllm_arg)
-    if given_dtype(args.vllm_arg) is None:
-        args.vllm_arg = ["--dtype", dtype.dtype, *args.vllm_arg]
-    points: list[Point] = []
-    rows: list[dict[str, Any]] = []
-    for mode in modes:  # one engine at a time
-        got = sweep(args, mode, model, texts, rates, warmup)
-        points += [p for p, _ in got]
-        rows += [r for _, r in got]
-    same = {
-        "workload": vars(workload),
-        "dtype": dtype.dtype,
-        "kv_blocks": args.kv_blocks,
-        "max_model_len": args.max_model_len,
-        "seed": args.seed,
-        "slo_s": args.slo,
-    }
-    modes, rows, points = merged(args.merge, modes, rows, points, same)
+    dtype = pin_dtype(args)
+    modes, rows, points = sweep_all(args, modes, model, texts, rates, warmup, vars(workload))
     summary = report.summary(rows, modes, points, args.slo)
     meta = run_meta(
         NAME,
@@ -289,6 +271,56 @@ def main(args: Namespace) -> int:
         sys.stdout.write(f"{path}\n")
     sys.stdout.write(report.headline(summary))
     return 0
+
+
+def rates_of(text: str) -> list[float] | None:
+    """`--qps`'s rates, in order; None (and a line on stderr) when they are not positive."""
+    try:
+        rates = sorted({float(q) for q in text.split(",") if q.strip()})
+    except ValueError:
+        rates = []
+    if not rates or min(rates) <= 0:
+        sys.stderr.write("--qps: positive rates, comma-separated\n")
+        return None
+    return rates
+
+
+def pin_dtype(args: Namespace) -> Any:
+    """vLLM's dtype for this run (by the CPU unless given), put in `--vllm-arg` so every
+    mode's engine gets the same; `args.engine` set to the vLLM stack."""
+    args.engine = "vllm"  # multiturn_stacks' vLLM stack
+    dtype = vllm_dtype(args.dtype, args.vllm_arg)
+    if given_dtype(args.vllm_arg) is None:
+        args.vllm_arg = ["--dtype", dtype.dtype, *args.vllm_arg]
+    return dtype
+
+
+def sweep_all(
+    args: Namespace,
+    modes: list[str],
+    model: Path,
+    texts: Any,
+    rates: list[float],
+    warmup: int,
+    workload: dict[str, Any],
+    driver: Callable[[Any, str], Driver] | None = None,
+) -> tuple[list[str], list[dict[str, Any]], list[Point]]:
+    """Every mode, one engine at a time, then the earlier runs of `--with` merged in."""
+    points: list[Point] = []
+    rows: list[dict[str, Any]] = []
+    for mode in modes:  # one engine at a time
+        got = sweep(args, mode, model, texts, rates, warmup, driver)
+        points += [p for p, _ in got]
+        rows += [r for _, r in got]
+    same = {
+        "workload": workload,
+        "dtype": vllm_dtype(args.dtype, args.vllm_arg).dtype,
+        "kv_blocks": args.kv_blocks,
+        "max_model_len": args.max_model_len,
+        "seed": args.seed,
+        "slo_s": args.slo,
+    }
+    return merged(args.merge, modes, rows, points, same)
 
 
 def sweep(
