@@ -225,6 +225,7 @@ def main(args: Namespace) -> int:
         vllm_args=args.vllm_arg,
         seed=args.seed,
         merged=[str(p) for p in args.merge],
+        title=f"{args.agents} agents, {args.steps} steps x {args.tool_tokens}-token results",
     )
     data = {"meta": meta, "summary": summary, "results": rows, "requests": report.sent_rows(points)}
     text = report.headline(summary) + "\n" + report.table(rows) + "\n"
@@ -232,7 +233,7 @@ def main(args: Namespace) -> int:
     paths = write_outputs(Path(args.out), NAME, data, text)
     png = plot_path(args, NAME)
     title = f"{args.agents} agents, {args.steps} steps x {args.tool_tokens}-token results"
-    report.plot(png, rows, modes, args.slo, title)
+    report.plot(png, rows, modes, args.slo, f"{title}; {report.machine_label(meta)}")
     for path in [*paths, png]:
         sys.stdout.write(f"{path}\n")
     sys.stdout.write(report.headline(summary))

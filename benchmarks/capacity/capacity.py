@@ -261,12 +261,14 @@ def main(args: Namespace) -> int:
         separate_create=args.separate_create,
         seed=args.seed,
         merged=[str(p) for p in args.merge],
+        title=f"{args.users} users, {_context(workload)}",
     )
     data = {"meta": meta, "summary": summary, "results": rows, "requests": report.sent_rows(points)}
     text = report.headline(summary) + "\n" + report.table(rows)
     paths = write_outputs(Path(args.out), NAME, data, text)
     png = plot_path(args, NAME)
-    report.plot(png, rows, modes, args.slo, f"{args.users} users, {_context(workload)}")
+    title = f"{meta['title']}; {report.machine_label(meta)}"
+    report.plot(png, rows, modes, args.slo, title)
     for path in [*paths, png]:
         sys.stdout.write(f"{path}\n")
     sys.stdout.write(report.headline(summary))
@@ -491,7 +493,9 @@ def judge(
     text = again + "\n\n" + report.headline(summary) + "\n" + report.table(rows) + extra
     paths = write_outputs(out, name, data, text)
     png = Path(plot) if plot else out / f"{name}.png"
-    report.plot(png, rows, modes, slo, f"judged again at p95 <= {slo:g} s")
+    title = f"{meta.get('title') or _title(meta.get('workload') or {}, name)}"
+    title += f"; {report.machine_label(meta)}"
+    report.plot(png, rows, modes, slo, title)
     for path in [*paths, png]:
         sys.stdout.write(f"{path}\n")
     sys.stdout.write(report.headline(summary))
@@ -548,6 +552,16 @@ def _tokenizer(model: Path) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(model))
+
+
+def _title(workload: dict[str, Any], name: str) -> str:
+    """A figure's title from a run's workload (runs written before `meta.title`)."""
+    if "users" in workload and "history_tokens" in workload:
+        return f"{workload['users']} users, {_context(Workload(**workload))}"
+    if "agents" in workload:
+        w = workload
+        return f"{w['agents']} agents, {w['steps']} steps x {w['tool_tokens']}-token results"
+    return name
 
 
 def _context(w: Workload) -> str:

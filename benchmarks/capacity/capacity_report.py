@@ -197,6 +197,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         "connector ms/step",
         "errors",
         "held",
+        "machine_label",
     ]
     out = []
     for r in rows:
@@ -269,6 +270,12 @@ def _agreed(a: dict[str, Any]) -> str:
     if share is None or not a["mismatches"]:
         return ""
     return f"; the median answer the same for its first {share:.0%}"
+
+
+def machine_label(meta: dict[str, Any]) -> str:
+    """The CPU class and vLLM's dtype a run's figure names (they change the result)."""
+    machine = meta.get("machine") or {}
+    return f"{machine.get('cpu_class') or 'CPU class unknown'}, vLLM {meta.get('dtype', '?')}"
 
 
 def plot(
