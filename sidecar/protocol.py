@@ -49,6 +49,7 @@ DTYPE_FLOAT8_E5M2 = 8
 # lmcache.v1.memory_management.MemoryFormat
 FMT_UNDEFINED = 0
 FMT_KV_2LTD = 1  # [2, num_layers, num_tokens, hidden_dim]
+FMT_BINARY = 4  # opaque bytes: the vLLM connector's recurrent-state blocks (state_worker.py)
 FMT_KV_MLA = 6  # KV_MLA_FMT: [1, num_layers, num_tokens, latent] (an MLA model's one plane)
 # ctxcache's own, not one of LMCache's formats: an engine's KV cache blocks as its kernels
 # store them, `[num_layers, blocks, elems]`, with shape (layers, tokens, elems, layout tag).

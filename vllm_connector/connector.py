@@ -53,6 +53,8 @@ from vllm_connector.groups import served_groups
 from vllm_connector.metrics import CtxcachePromMetrics, CtxcacheStats
 from vllm_connector.plan import Planner
 from vllm_connector.scheduler import SchedulerSide, StepPlan
+from vllm_connector.state_plan import StatePlanner
+from vllm_connector.state_worker import state_tensors
 from vllm_connector.worker import WorkerSide, cache_writer
 from worker.kv.hashing import KeyMaker
 from worker.kv.layout import TORCH_TO_KEY_NAME
@@ -143,12 +145,7 @@ class CtxcacheConnector(KVConnectorBase_V1, SupportsHMA):
                 log.info("ctxcache connector: kv_load_failure_policy set to 'recompute'")
                 transfer.kv_load_failure_policy = "recompute"
             keys = _key_maker(vllm_config, self.config)
-            tail = self.config.tail_granularity(block_size)
-            planner: Planner | GroupPlanner = (
-                Planner(keys, self.config.chunk_size, tail)
-                if groups is None
-                else GroupPlanner(groups, keys, self.config.chunk_size, tail)
-            )
+            planner = _planner(keys, self.config, groups, block_size)
             self.scheduler = SchedulerSide(
                 self.config,
                 planner,
@@ -175,10 +172,14 @@ class CtxcacheConnector(KVConnectorBase_V1, SupportsHMA):
         layers = self._vllm_config.compilation_config.static_forward_context
         dtype = kvdtype.kv_dtype(self._vllm_config)  # (fp8: its bytes as float8, scaled writes)
         wrap = kvdtype.wrap_writer(dtype, self._vllm_config.model_config.dtype)
+        states: dict[str, list[torch.Tensor]] = {}
         try:
             if isinstance(self.worker, WorkerSide) and self.worker.latent:
                 self.worker.register(kv_caches, mla.writers(layers, list(kv_caches)))
                 return
+            if isinstance(self.worker, GroupWorker):  # (recurrent state: its own tensors)
+                states = {name: state_tensors(layers[name]) for name in self.worker.state_layers}
+                kv_caches = {n: c for n, c in kv_caches.items() if n not in states}
             kv_caches = kvdtype.cache_views(kv_caches, dtype)
             writers = {
                 name: (
@@ -191,7 +192,10 @@ class CtxcacheConnector(KVConnectorBase_V1, SupportsHMA):
         except Exception as exc:
             self.worker.turn_off(f"its attention layers have no cache write we can use ({exc})")
             return
-        self.worker.register(kv_caches, writers)
+        if isinstance(self.worker, GroupWorker):
+            self.worker.register(kv_caches, writers, states)
+        else:
+            self.worker.register(kv_caches, writers)
         if dtype.itemsize == 1 and self.worker.off is None:
             scales = kvdtype.describe_scales([layers[name] for name in kv_caches])
             log.info("ctxcache connector: a %s KV cache, stored as it is (%s)", dtype, scales)
@@ -261,6 +265,15 @@ class CtxcacheConnector(KVConnectorBase_V1, SupportsHMA):
             return 0, False
         extra = self.scheduler.matched_tokens(request, num_computed_tokens)
         return extra, self.config.async_loads and extra > 0
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        """None: vLLM zeroes every new block of a request whose KV we load, as it does
+        any new block of a model that needs it (Mamba layers, mixed precisions). A load
+        writes its tokens only, and a hybrid model's blocks change kind between groups:
+        the rest of a loaded tail block would keep another group's stale bytes, which an
+        attention kernel masking past the sequence still multiplies (NaN in, NaN out).
+        vLLM zeroes at the start of the step (`_update_states`), before the load starts."""
+        return ()
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -369,6 +382,19 @@ def unsupported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) 
                 return f"a quantised KV cache ({quant.name})"
     served = served_groups(kv_cache_config)  # (full attention and sliding windows)
     return served if isinstance(served, str) else None
+
+
+def _planner(
+    keys: KeyMaker, config: ConnectorConfig, groups: list[Group] | None, block_size: int
+) -> Planner | GroupPlanner | StatePlanner:
+    """The scheduler half's planner: one group; attention groups (full, sliding); or full
+    attention beside recurrent state (whose tails are exact: no tail granularity)."""
+    if groups is not None and any(g.state is not None for g in groups):
+        return StatePlanner(groups, keys, config.chunk_size)
+    tail = config.tail_granularity(block_size)
+    if groups is None:
+        return Planner(keys, config.chunk_size, tail)
+    return GroupPlanner(groups, keys, config.chunk_size, tail)
 
 
 def _hybrid_groups(kv_cache_config: KVCacheConfig | None) -> list[Group] | None:

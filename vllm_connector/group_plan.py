@@ -43,9 +43,14 @@ class Group:
     block_size: int
     window: int | None = None
     retained: int = 0  # SlidingWindowSpec.extra_retained_tokens: kept below the window
+    # (a `MambaSpec` group: recurrent state, one block per hit; `vllm_connector.state_plan`)
+    # the version and digest of its state's layout, a tag of its keys; None: not a state
+    state: str | None = None
 
     @property
     def kind(self) -> str:
+        if self.state is not None:
+            return f"recurrent state, {len(self.layers)} layers"
         if self.window is None:
             return f"full attention, {len(self.layers)} layers"
         return f"sliding window {self.window}, {len(self.layers)} layers"

@@ -1,7 +1,8 @@
 """The connector's worker half for a model of several KV cache groups (`GroupWorker`):
-one `WorkerSide` per group the connector serves, each over that group's layers only (its
-own block layouts, copier, KV paths and payload), fed the step's loads and stores of its
-group (`LoadSpec.group`, `StoreSpec.group`).
+one `WorkerSide` per attention group the connector serves, each over that group's layers
+only (its own block layouts, copier, KV paths and payload), and one `StateSide` per
+recurrent-state group (`vllm_connector.state_worker`), fed the step's loads and stores of
+its group (`LoadSpec.group`, `StoreSpec.group`).
 
 A request is reported once every group is done with it: its stores (`take_sent`: vLLM
 frees its blocks) and, loads being asynchronous for such a model, its load
@@ -22,6 +23,7 @@ import torch
 from vllm_connector.config import ConnectorConfig
 from vllm_connector.group_plan import Group
 from vllm_connector.scheduler import StepPlan
+from vllm_connector.state_worker import StateSide
 from vllm_connector.stats import Counters
 from vllm_connector.worker import WorkerSide
 
@@ -30,8 +32,13 @@ class GroupWorker:
     def __init__(self, config: ConnectorConfig, groups: Sequence[Group], rank: int = 0) -> None:
         self.counters = Counters()
         self.groups = list(groups)
-        self.sides = {
-            g.index: WorkerSide(config, g.block_size, rank, self.counters) for g in self.groups
+        self.sides: dict[int, WorkerSide | StateSide] = {
+            g.index: (
+                StateSide(config, rank, self.counters)
+                if g.state is not None
+                else WorkerSide(config, g.block_size, rank, self.counters)
+            )
+            for g in self.groups
         }
         self._loads_left: Counter[str] = Counter()  # request -> groups still loading it
         self._load_failed: set[str] = set()
@@ -46,14 +53,33 @@ class GroupWorker:
         for side in self.sides.values():
             side.turn_off(reason)
 
-    def register(self, kv_caches: dict[str, torch.Tensor], writers: dict[str, Any]) -> None:
-        """Each group's side learns the layouts of that group's layers."""
+    @property
+    def state_layers(self) -> list[str]:
+        """The layers of the recurrent-state groups (registered by their state tensors)."""
+        return [name for g in self.groups if g.state is not None for name in g.layers]
+
+    def register(
+        self,
+        kv_caches: dict[str, torch.Tensor],
+        writers: dict[str, Any],
+        states: dict[str, list[torch.Tensor]] | None = None,
+    ) -> None:
+        """Each group's side learns the layouts of that group's layers (a state group's,
+        its layers' state tensors: `states`)."""
         for g in self.groups:
-            layers = {name: kv_caches[name] for name in g.layers if name in kv_caches}
-            if not layers:
-                self.turn_off(f"KV cache group {g.index} has no registered layer")
-                return
-            self.sides[g.index].register(layers, writers)
+            side = self.sides[g.index]
+            if isinstance(side, StateSide):
+                found = {name: (states or {})[name] for name in g.layers if name in (states or {})}
+                if len(found) != len(g.layers):
+                    self.turn_off(f"KV cache group {g.index} has layers without state tensors")
+                    return
+                side.register(found)
+            else:
+                layers = {name: kv_caches[name] for name in g.layers if name in kv_caches}
+                if not layers:
+                    self.turn_off(f"KV cache group {g.index} has no registered layer")
+                    return
+                side.register(layers, writers)
             if self.off is not None:
                 self.turn_off(self.off)  # one group off: every load would fail
                 return

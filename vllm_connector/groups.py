@@ -7,15 +7,20 @@ of layers), each with its own block table:
 
 - full attention (`FullAttentionSpec`): served, every block;
 - sliding window (`SlidingWindowSpec`): served, the last window (`group_plan`);
+- Mamba / linear-attention state (`MambaSpec` with vLLM's prefix caching on, its
+  `mamba_cache_mode` "align"): served, one state per hit (`state_plan`), beside full
+  attention (not beside a sliding window, not with speculative decoding's extra blocks);
 - a group vLLM does not transfer (`enable_kv_transfer` false: replicas it rebuilds from
   another group after a load): left alone;
-- anything else — Mamba / linear-attention state (`MambaSpec`), chunked local attention,
-  MLA's latent cache, cross-attention — is not served. A load sets a request's computed
-  tokens for **every** group at once, so a group the connector cannot fill makes loads
-  impossible for the whole model: it runs without the cache, and `served_groups` says why.
+- anything else — chunked local attention, MLA's latent cache, cross-attention — is not
+  served. A load sets a request's computed tokens for **every** group at once, so a group
+  the connector cannot fill makes loads impossible for the whole model: it runs without
+  the cache, and `served_groups` says why.
 """
 
 from __future__ import annotations
+
+import hashlib
 
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
@@ -27,6 +32,8 @@ from vllm.v1.kv_cache_interface import (
 )
 
 from vllm_connector.group_plan import Group
+
+STATE_VERSION = 1  # of a state block's payload (`state_worker`): in its keys' tags
 
 
 def served_groups(kv_cache_config: KVCacheConfig) -> list[Group] | str:
@@ -48,12 +55,10 @@ def served_groups(kv_cache_config: KVCacheConfig) -> list[Group] | str:
                 )
             )
         elif isinstance(spec, MambaSpec):
-            return (
-                "a hybrid model with state-space or linear-attention layers (KV cache group "
-                f"{index}: MambaSpec, mamba_cache_mode {spec.mamba_cache_mode!r}; the "
-                "connector does not save or restore their state, and a load must fill every "
-                "group)"
-            )
+            refused = _state_refused(index, spec)
+            if refused is not None:
+                return refused
+            out.append(Group(index, layers, spec.block_size, state=state_tag(spec)))
         else:
             return (
                 f"a model with {type(spec).__name__} layers (KV cache group {index}; the "
@@ -61,6 +66,13 @@ def served_groups(kv_cache_config: KVCacheConfig) -> list[Group] | str:
             )
     if not out:
         return "a model with no KV cache group to transfer"
+    kinds = {"state" if g.state else "sliding" if g.window else "full" for g in out}
+    if "state" in kinds and kinds != {"state", "full"}:
+        return (
+            "a hybrid model with recurrent-state layers beside "
+            + ("sliding-window layers" if "sliding" in kinds else "no full attention")
+            + " (the connector serves recurrent state beside full attention only)"
+        )
     sizes = sorted({g.block_size for g in out})
     if len(sizes) > 1:
         return f"a hybrid model whose KV cache groups differ in block size ({sizes} tokens)"
@@ -78,4 +90,28 @@ def _kind(spec: KVCacheSpec) -> str | None:
         # blocks are all kept)
     if len(specs) == 1 and type(spec) is SlidingWindowSpec:
         return "sliding"
+    return None
+
+
+def state_tag(spec: MambaSpec) -> str:
+    """The version and a digest of a state group's layout (its tensors' shapes and dtypes
+    on this rank, the kind of layer): a key's tag, so no other layout is ever loaded."""
+    layout = repr((spec.mamba_type, spec.shapes, [str(d) for d in spec.dtypes]))
+    digest = hashlib.blake2b(layout.encode(), digest_size=4).hexdigest()
+    return f"{STATE_VERSION}.{digest}"
+
+
+def _state_refused(index: int, spec: MambaSpec) -> str | None:
+    head = f"a hybrid model with state-space or linear-attention layers (KV cache group {index}"
+    if spec.mamba_cache_mode != "align":
+        return (
+            f"{head}: mamba_cache_mode {spec.mamba_cache_mode!r}; the connector saves and "
+            "restores their state at a hit's end, which needs vLLM's prefix caching on: "
+            "mamba_cache_mode 'align')"
+        )
+    if spec.num_speculative_blocks:
+        return (
+            f"{head}: {spec.num_speculative_blocks} speculative state blocks; the connector "
+            "does not serve recurrent state with speculative decoding)"
+        )
     return None

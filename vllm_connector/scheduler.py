@@ -23,6 +23,7 @@ from ctxcache.lmcache_keys import tags_from_params
 from vllm_connector.config import ConnectorConfig
 from vllm_connector.group_plan import GroupPlanner
 from vllm_connector.plan import LoadSpec, Lookup, Planner, StoreSpec, session_of
+from vllm_connector.state_plan import StatePlanner
 from vllm_connector.stats import Counters
 from worker.kv.hashing import salt_root
 from worker.kv.sidecar import CircuitBreaker, ClientFactory
@@ -63,7 +64,7 @@ class SchedulerSide:
     def __init__(
         self,
         config: ConnectorConfig,
-        planner: Planner | GroupPlanner,
+        planner: Planner | GroupPlanner | StatePlanner,
         make_client: ClientFactory,
     ) -> None:
         self.config, self.planner = config, planner
@@ -224,6 +225,8 @@ class SchedulerSide:
         if view is None or not self.breaker.closed or _still_loading(request):
             return False
         in_flight = int(getattr(request, "num_in_flight_tokens", 0) or 0)
+        if in_flight and isinstance(self.planner, StatePlanner):
+            return False  # its state block already holds a later token's state: none to store
         valid = min(request.num_computed_tokens - in_flight, len(request.all_token_ids))
         if valid <= 0:
             return False

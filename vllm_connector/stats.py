@@ -29,6 +29,9 @@ COUNTERS: dict[str, str] = {
     "stores_left_to_rank0": "finished requests a tensor-parallel rank > 0 did not store: "
     "an MLA model's latent, which rank 0 stores for every rank",
     "sidecar_errors": "sidecar calls that failed or timed out",
+    # a hybrid model's recurrent state (vllm_connector.state_worker), over lm://
+    "state_load_bytes": "bytes of recurrent state loaded (one state block per hit)",
+    "state_store_bytes": "bytes of recurrent state stored (one state block per finished request)",
     # per data path: shm (the local sidecar's shared region) or tcp (lm://)
     "load_bytes_shm": "bytes of KV loaded through the local sidecar's shared memory",
     "load_us_shm": "microseconds spent loading KV through shared memory (lease to release; "

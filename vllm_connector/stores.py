@@ -81,6 +81,10 @@ class ShmStorer:
         """Store `spec` through shared memory, else over TCP: True when done, a `Storing`
         whose copies still run (CUDA; held here until `settle` commits it), False when
         dropped."""
+        if any(p.begin % self.kv.copier.tokens for p in spec.pieces):
+            # (engine blocks start on a kernel block: a piece that does not — chunks
+            # smaller than a hybrid model's block — goes as KV_2LTD over lm://)
+            return self.tcp.store(spec)
         try:
             saved = self._save(spec, after)
             if isinstance(saved, Storing):  # its blocks are held until it is committed
