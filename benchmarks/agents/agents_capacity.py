@@ -202,7 +202,7 @@ def main(args: Namespace) -> int:
         return AgentDriver(m.name, m.url, served, texts, session=m.session, headers=auth)
 
     modes, rows, points = sweep_all(
-        args, modes, model, texts, rates, args.warmup, asdict(workload), driver
+        args, modes, model, texts, rates, args.warmup, asdict(workload), dtype.dtype, driver
     )
     summary = report.summary(rows, modes, points, args.slo)
     summary["prompt_tokens_by_step"] = prompt_tokens_by_step(points)

@@ -29,11 +29,8 @@ from pools made once, so a new agent costs no tokenizing mid-run).
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import random
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,7 +44,7 @@ from benchmarks.agents.agents_ways import (
     tool_messages,
     whole_calls,
 )
-from benchmarks.capacity.capacity_load import Driver, Point, Sent
+from benchmarks.capacity.capacity_load import Driver, Sent, Step
 from benchmarks.multiturn.multiturn import user_message
 
 SHARED_SYSTEM = SYSTEM.replace(" on task {task:06d}", "")  # every agent's: no task number
@@ -108,76 +105,44 @@ def answer_text(answer: Answer) -> str:
     return answer.text
 
 
+class AgentLoop:
+    """One agent's requests (capacity's `Conversation`): each step forced to call a tool
+    (the last one answered in text), each call answered by its tool result."""
+
+    def __init__(self, workload: AgentWorkload, agent: Agent) -> None:
+        self.w, self.agent = workload, agent
+        self.history: list[dict[str, Any]] = list(agent.opening)  # the whole conversation
+        self.new: list[dict[str, Any]] = list(agent.opening)  # what a session turn sends
+
+    def step(self, n: int) -> Step:
+        fields = {
+            "tools": TOOLS,
+            "tool_choice": tool_choice(n - 1, self.w.steps),
+            "max_tokens": self.w.max_tokens,
+        }
+        return Step(self.history, self.new, fields)
+
+    def answered(self, step: Step, answer: Any, rec: Sent) -> bool:
+        n, steps = rec.round, self.w.steps
+        if rec.error is None and n <= steps and not whole_calls(answer):
+            rec.error = f"step {n}: no whole tool call in {answer} (--max-tokens?)"
+        if rec.error is not None or n > steps:
+            return False  # the loop cannot go on without its call
+        self.new = tool_messages(answer.calls, self.agent.results[n - 1])
+        self.history = [*self.history, assistant_message(answer), *self.new]
+        return True
+
+
 class AgentDriver(Driver):
     """Capacity's driver with an agent's loop for a user's questions."""
 
     texts: AgentTexts
 
-    async def _user(
-        self,
-        http: Any,
-        k: int,
-        rounds: int,
-        due: float,
-        gap: float,
-        t0: float,
-        counters: dict[str, int],
-        budget: int,
-        point: Point,
-        progress: Callable[[int], object] | None,
-    ) -> float:
-        """Agent `k`'s first `rounds` requests from `due` on; returns when the slot's next
-        agent is due."""
-        w, agent = self.texts.w, self.texts.user(k)
-        history = list(agent.opening)  # the full-history modes' conversation
-        sid: str | None = None
-        new: list[dict[str, Any]] = list(agent.opening)
-        for step in range(1, rounds + 1):
-            await asyncio.sleep(max(0.0, t0 + due - time.perf_counter()))
-            if counters["sent"] >= budget:
-                break
-            index = counters["sent"]
-            counters["sent"] += 1
-            body: dict[str, Any] = {
-                "model": self.model,
-                "tools": TOOLS,
-                "tool_choice": tool_choice(step - 1, w.steps),
-                "max_tokens": w.max_tokens,
-                "temperature": 0,
-                "stream": True,
-                "stream_options": {"include_usage": True},
-            }
-            creating = self.session and sid is None
-            if not self.session:
-                body["messages"] = history
-            elif creating:
-                body |= {"messages": new, "ttl": 900}
-            else:
-                body |= {"messages": new, "session_id": sid}
-            rec = Sent(k, step, index, due, time.perf_counter() - t0, create=creating)
-            point.sent.append(rec)
-            path = "/v1/context" if creating else "/v1/chat/completions"
-            answer, created = await self.call(http, path, body, rec)
-            if creating:
-                sid = created
-                if sid is None and rec.error is None:
-                    rec.error = "the create answered with no x-session-id"
-            if progress is not None:
-                progress(1)
-            if rec.error is None and step <= w.steps and not whole_calls(answer):
-                rec.error = f"step {step}: no whole tool call in {answer} (--max-tokens?)"
-            if rec.error is not None or step > w.steps:
-                break  # the loop cannot go on without its call
-            new = tool_messages(answer.calls, agent.results[step - 1])
-            history = [*history, assistant_message(answer), *new]
-            due += gap
-        if sid is not None:
-            with contextlib.suppress(Exception):  # else the TTL ends it
-                await http.delete(f"/v1/context/{sid}")
-        return max(due, time.perf_counter() - t0)
+    def _conversation(self, k: int) -> AgentLoop:
+        return AgentLoop(self.texts.w, self.texts.user(k))
 
-    async def call(
-        self, http: Any, path: str, body: dict[str, Any], rec: Sent
+    async def _stream(
+        self, http: Any, body: dict[str, Any], rec: Sent, path: str = "/v1/chat/completions"
     ) -> tuple[Answer, str | None]:
         """Stream one request into `rec` (TTFT: the first chunk with content or a tool-call
         delta); the answer, and the session a streamed create made, if any."""

@@ -238,7 +238,9 @@ def main(args: Namespace) -> int:
     )
     texts = Texts(workload, _tokenizer(model), args.seed)
     dtype = pin_dtype(args)
-    modes, rows, points = sweep_all(args, modes, model, texts, rates, warmup, vars(workload))
+    modes, rows, points = sweep_all(
+        args, modes, model, texts, rates, warmup, vars(workload), dtype.dtype
+    )
     summary = report.summary(rows, modes, points, args.slo)
     meta = run_meta(
         NAME,
@@ -305,9 +307,11 @@ def sweep_all(
     rates: list[float],
     warmup: int,
     workload: dict[str, Any],
+    dtype: str,
     driver: Callable[[Any, str], Driver] | None = None,
 ) -> tuple[list[str], list[dict[str, Any]], list[Point]]:
-    """Every mode, one engine at a time, then the earlier runs of `--with` merged in."""
+    """Every mode, one engine at a time, then the earlier runs of `--with` merged in
+    (`dtype`: vLLM's, as `pin_dtype` pinned it)."""
     points: list[Point] = []
     rows: list[dict[str, Any]] = []
     for mode in modes:  # one engine at a time
@@ -316,7 +320,7 @@ def sweep_all(
         rows += [r for _, r in got]
     same = {
         "workload": workload,
-        "dtype": vllm_dtype(args.dtype, args.vllm_arg).dtype,
+        "dtype": dtype,
         "kv_blocks": args.kv_blocks,
         "max_model_len": args.max_model_len,
         "seed": args.seed,

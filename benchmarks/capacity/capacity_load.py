@@ -37,7 +37,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from benchmarks.multiturn.multiturn import user_message
 
@@ -115,6 +115,44 @@ class Point:
     seconds: float = 0.0
 
 
+@dataclass(frozen=True)
+class Step:
+    """What one request of a conversation sends."""
+
+    messages: list[dict[str, Any]]  # the whole conversation, the new messages last
+    new: list[dict[str, Any]]  # the new messages alone: a session turn sends only these
+    fields: dict[str, Any]  # the body's own fields (max_tokens, tools, ...)
+
+
+class Conversation(Protocol):
+    """One user's requests, for `Driver._user`: what each step sends, and what its answer
+    adds (False: the conversation ends here)."""
+
+    def step(self, n: int) -> Step: ...
+
+    def answered(self, step: Step, answer: Any, rec: Sent) -> bool: ...
+
+
+class Questions:
+    """A capacity user: its context, then a question a step, each answer's text appended."""
+
+    def __init__(
+        self, context: list[dict[str, str]], questions: list[str], answer_tokens: int
+    ) -> None:
+        self.messages: list[dict[str, Any]] = list(context)
+        self.questions, self.fields = questions, {"max_tokens": answer_tokens}
+
+    def step(self, n: int) -> Step:
+        user = {"role": "user", "content": self.questions[n - 1]}
+        return Step([*self.messages, user], [user], self.fields)
+
+    def answered(self, step: Step, answer: Any, rec: Sent) -> bool:
+        if rec.error is not None:
+            return False
+        self.messages += [*step.new, {"role": "assistant", "content": answer}]
+        return True
+
+
 class Driver:
     """Drives one mode at one rate (asyncio; one httpx client)."""
 
@@ -181,6 +219,11 @@ class Driver:
         point.seconds = time.perf_counter() - t0
         return point
 
+    def _conversation(self, k: int) -> Conversation:
+        """What user `k` sends at each step, and what an answer adds."""
+        context, questions = self.texts.user(k)
+        return Questions(context, questions, self.texts.w.answer_tokens)
+
     async def _user(
         self,
         http: Any,
@@ -194,43 +237,45 @@ class Driver:
         point: Point,
         progress: Callable[[int], object] | None,
     ) -> float:
-        """User `k`'s first `rounds` questions from `due` on; returns when the slot's next
-        user is due."""
-        context, questions = self.texts.user(k)
-        messages = list(context)
+        """User `k`'s first `rounds` requests from `due` on (what each sends: its
+        `_conversation`); returns when the slot's next user is due."""
+        talk = self._conversation(k)
         sid: str | None = None
-        for r, question in enumerate(questions[:rounds], start=1):
+        for n in range(1, rounds + 1):
             await _sleep_until(t0 + due)
             if counters["sent"] >= budget:
                 break
             arrived = time.perf_counter()
+            step = talk.step(n)
             if self.session and sid is None and self.separate_create:
+                context = step.messages[: len(step.messages) - len(step.new)]
                 sid = await self._create(http, k, context, due, t0, point)
                 if sid is None:
                     return due + gap
             index = counters["sent"]
             counters["sent"] += 1
-            user = {"role": "user", "content": question}
             body: dict[str, Any] = {
                 "model": self.model,
-                "max_tokens": self.texts.w.answer_tokens,
+                **step.fields,
                 "temperature": 0,
                 "stream": True,
                 "stream_options": {"include_usage": True},
             }
-            creating = self.session and sid is None  # the create, with the first question
+            creating = self.session and sid is None  # the create, with the first request
             if sid is not None:
-                body |= {"messages": [user], "session_id": sid}
+                body |= {"messages": step.new, "session_id": sid}
             else:
-                body["messages"] = [*messages, user]
+                body["messages"] = step.messages
             if creating:
                 body["ttl"] = 900
-            rec = Sent(k, r, index, due, arrived - t0, create=creating)
+            rec = Sent(k, n, index, due, arrived - t0, create=creating)
             point.sent.append(rec)
             path = "/v1/context" if creating else "/v1/chat/completions"
-            created = await self._stream(http, body, rec, path)
+            answer, created = await self._stream(http, body, rec, path)
             if creating:
                 sid = created
+                if sid is None and rec.error is None:
+                    rec.error = "the create answered with no x-session-id"
             # from the user's arrival: a session's first question waited for its create too
             # (in the full-history modes the same prefill is in the question's own TTFT)
             waited = time.perf_counter() - arrived - rec.total
@@ -238,9 +283,8 @@ class Driver:
             rec.total += waited
             if progress is not None:
                 progress(1)
-            if rec.error is not None:
-                break  # the conversation cannot go on without its answer
-            messages += [user, {"role": "assistant", "content": rec.answer}]
+            if not talk.answered(step, answer, rec):
+                break  # the conversation cannot go on
             due += gap
         if sid is not None:
             with contextlib.suppress(Exception):  # else the TTL ends it
@@ -278,8 +322,9 @@ class Driver:
 
     async def _stream(
         self, http: Any, body: dict[str, Any], rec: Sent, path: str = "/v1/chat/completions"
-    ) -> str | None:
-        """Stream one answer into `rec`; the session a streamed create made, if any."""
+    ) -> tuple[Any, str | None]:
+        """Stream one answer into `rec`; the answer (its text) and the session a streamed
+        create made, if any."""
         import orjson
 
         parts: list[str] = []
@@ -291,7 +336,7 @@ class Driver:
                 if r.status_code != 200:
                     await r.aread()
                     rec.error = f"{r.status_code}: {r.text[:200]}"
-                    return None
+                    return "", None
                 created = r.headers.get("x-session-id")
                 async for line in r.aiter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
@@ -310,14 +355,14 @@ class Driver:
                         rec.completion_tokens = int(usage.get("completion_tokens") or 0)
         except Exception as exc:
             rec.error = f"{type(exc).__name__}: {exc}"
-            return None
+            return "", None
         end = time.perf_counter()
         rec.total = end - start
         rec.ttft = (stamps[0] - start) if stamps else rec.total
         if len(stamps) > 1:
             rec.itl = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
         rec.answer = "".join(parts)
-        return created
+        return rec.answer, created
 
 
 async def _sleep_until(when: float) -> None:

@@ -8,8 +8,12 @@ import asyncio
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
+import httpx
+import orjson
 import pytest
 
 from benchmarks.capacity import capacity
@@ -175,6 +179,108 @@ def test_the_first_users_leave_at_staggered_rounds_so_new_users_arrive_spread_ou
     firsts = dict(arrivals(w, 1e3, 40, 0))
     assert [firsts[k] for k in range(7)] == [3, 2, 1, 3, 2, 1, 3]  # slot i: 3 - i % 3
     assert all(firsts[k] == 3 for k in range(7, len(firsts)))  # later users: every round
+
+
+class FakeChat:
+    """The engine or the gateway: every request kept; each answered with a streamed
+    `answer N` (a create: with the session's id in `x-session-id`)."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, str, dict[str, Any]]] = []
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        body = orjson.loads(request.content) if request.content else {}
+        self.sent.append((request.method, request.url.path, body))
+        if request.method == "DELETE":
+            return httpx.Response(200, json={"deleted": True})
+        usage = {"prompt_tokens": 10 * len(body["messages"]), "completion_tokens": 2}
+        if body.get("max_tokens") == 0:  # a prefill-only create
+            return httpx.Response(200, json={"session_id": "ctx_1", "usage": usage})
+        n = len(self.sent)
+        chunks = [{"choices": [{"index": 0, "delta": {"content": p}}]} for p in ("answer", f" {n}")]
+        chunks.append({"choices": [], "usage": usage})
+        data = b"".join(b"data: " + orjson.dumps(c) + b"\n\n" for c in chunks)
+        headers = {"x-session-id": "ctx_1"} if request.url.path == "/v1/context" else {}
+        return httpx.Response(200, content=data + b"data: [DONE]\n\n", headers=headers)
+
+
+ONE = Workload(users=1, rounds=3, history_tokens=40, question_tokens=8, answer_tokens=2)
+
+
+def drive_user(session: bool, separate_create: bool = False) -> tuple[FakeChat, Point]:
+    """User 3's three questions through the driver."""
+    texts = Texts(ONE, None)
+    driver = Driver(
+        "m", "http://e", "tiny", texts, session=session, separate_create=separate_create
+    )
+    fake, point = FakeChat(), Point("m", 1.0)
+
+    async def go() -> None:
+        transport = httpx.MockTransport(fake)
+        async with httpx.AsyncClient(base_url="http://e", transport=transport) as http:
+            t0 = time.perf_counter()
+            await driver._user(http, 3, 3, 0.0, 0.0, t0, {"sent": 0, "user": 0}, 99, point, None)
+
+    asyncio.run(go())
+    return fake, point
+
+
+def test_a_full_history_user_resends_its_context_and_every_answer() -> None:
+    fake, point = drive_user(session=False)
+    context, questions = Texts(ONE, None).user(3)
+    bodies = [b for _, _, b in fake.sent]
+    assert [p for _, p, _ in fake.sent] == ["/v1/chat/completions"] * 3  # nothing to delete
+    for b in bodies:
+        assert b["model"] == "tiny" and b["max_tokens"] == 2 and b["temperature"] == 0
+        assert b["stream"] and b["stream_options"] == {"include_usage": True}
+        assert "session_id" not in b and "ttl" not in b
+    q = [{"role": "user", "content": text} for text in questions]
+    assert bodies[0]["messages"] == [*context, q[0]]
+    assert bodies[2]["messages"] == [
+        *context,
+        q[0],
+        {"role": "assistant", "content": "answer 1"},
+        q[1],
+        {"role": "assistant", "content": "answer 2"},
+        q[2],
+    ]
+    assert [(s.round, s.index, s.answer, s.create) for s in point.sent] == [
+        (1, 0, "answer 1", False),
+        (2, 1, "answer 2", False),
+        (3, 2, "answer 3", False),
+    ]
+    assert all(s.error is None and 0 < s.ttft <= s.total for s in point.sent)
+
+
+def test_a_session_user_creates_with_its_first_question_then_sends_each_question_alone() -> None:
+    fake, point = drive_user(session=True)
+    context, questions = Texts(ONE, None).user(3)
+    (create, *turns, delete) = fake.sent
+    assert create[1] == "/v1/context" and create[2]["ttl"] == 900 and create[2]["stream"]
+    assert create[2]["messages"] == [*context, {"role": "user", "content": questions[0]}]
+    assert delete[:2] == ("DELETE", "/v1/context/ctx_1")
+    for (_, path, body), question in zip(turns, questions[1:], strict=True):
+        assert path == "/v1/chat/completions" and body["session_id"] == "ctx_1"
+        assert body["messages"] == [{"role": "user", "content": question}]
+    assert [s.create for s in point.sent] == [True, False, False]
+    assert all(s.error is None for s in point.sent)
+
+
+def test_a_separate_create_prefills_the_context_then_every_question_is_a_turn() -> None:
+    fake, point = drive_user(session=True, separate_create=True)
+    context, questions = Texts(ONE, None).user(3)
+    (create, *turns, delete) = fake.sent
+    assert create[1] == "/v1/context" and create[2]["max_tokens"] == 0
+    assert create[2]["messages"] == context
+    assert [b["messages"] for _, _, b in turns] == [
+        [{"role": "user", "content": q}] for q in questions
+    ]
+    assert all(b["session_id"] == "ctx_1" for _, _, b in turns) and delete[0] == "DELETE"
+    prefill, *asked = point.sent
+    assert (prefill.round, prefill.index, prefill.create) == (0, -1, True)
+    assert [(s.round, s.create) for s in asked] == [(1, False), (2, False), (3, False)]
+    # the first question's TTFT counts from the user's arrival: its create included
+    assert asked[0].ttft >= prefill.total
 
 
 @pytest.mark.slow  # minutes on 2 CPUs: `make test-slow` (CI runs it)

@@ -315,6 +315,35 @@ def test_the_image_healthcheck_finds_each_service(stack: ComposeStack) -> None:
     assert json.loads(config.stdout)["Test"] == ["CMD", "python", "-m", "ctxcache.healthcheck"]
 
 
+def test_the_reasoning_parser_setting_reaches_vllm_and_the_gateway(stack: ComposeStack) -> None:
+    """CTXCACHE_REASONING_PARSER is vLLM's --reasoning-parser and the gateway's parser: by
+    default empty, which means none in both (not a parser named ""), so the gateway refuses
+    a request that asks for thinking rather than return it inside `content`."""
+    parser = stack.env.get("CTXCACHE_REASONING_PARSER", "")
+    if stack.env.get("CTXCACHE_ENGINE", "vllm") == "vllm":
+        read = "import json; print(json.dumps(open('/proc/1/cmdline').read().split(chr(0))))"
+        out = stack.compose("exec", "-T", "worker", "python", "-c", read).stdout
+        argv = [str(a) for a in json.loads(out)]  # vLLM's server: `ctxcache vllm` exec'd it
+        assert "vllm.entrypoints.openai.api_server" in " ".join(argv), argv
+        given = argv[argv.index("--reasoning-parser") + 1] if "--reasoning-parser" in argv else ""
+        assert given == parser, argv
+    if parser:
+        return  # (a thinking model's turn is beyond the tiny preset)
+    r = httpx.post(
+        f"{stack.url}/v1/chat/completions",
+        headers={"authorization": f"Bearer {KEY}"},
+        json={
+            "model": "tiny",
+            "max_tokens": 4,
+            "reasoning_effort": "high",
+            "messages": [{"role": "user", "content": "Think first."}],
+        },
+        timeout=60.0,
+    )
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "reasoning_effort", r.text
+
+
 def test_a_cli_without_a_daemon_is_a_reason_to_skip(monkeypatch: pytest.MonkeyPatch) -> None:
     """The CI machine has the docker CLI and no daemon: that must skip, not fail or hang."""
     if shutil.which("docker") is None:
