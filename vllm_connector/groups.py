@@ -102,16 +102,18 @@ def state_tag(spec: MambaSpec) -> str:
 
 
 def _state_refused(index: int, spec: MambaSpec) -> str | None:
-    head = f"a hybrid model with state-space or linear-attention layers (KV cache group {index}"
+    head = (
+        "a hybrid model with state-space or linear-attention layers (KV cache group "
+        f"{index}: MambaSpec, mamba_cache_mode {spec.mamba_cache_mode!r}"
+    )
     if spec.mamba_cache_mode != "align":
         return (
-            f"{head}: mamba_cache_mode {spec.mamba_cache_mode!r}; the connector saves and "
-            "restores their state at a hit's end, which needs vLLM's prefix caching on: "
-            "mamba_cache_mode 'align')"
+            f"{head}; the connector restores their state at a hit's end, which needs "
+            "vLLM's prefix caching on: mamba_cache_mode 'align')"
         )
     if spec.num_speculative_blocks:
         return (
-            f"{head}: {spec.num_speculative_blocks} speculative state blocks; the connector "
+            f"{head}, {spec.num_speculative_blocks} speculative state blocks; the connector "
             "does not serve recurrent state with speculative decoding)"
         )
     return None

@@ -10,9 +10,11 @@ tests/vllm_connector/test_state_plan.py.)"""
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from ctxcache.lmcache_keys import session_key
@@ -61,6 +63,34 @@ def test_vllm_keeps_its_hybrid_manager_on_and_the_state_group_is_served(
     assert "hybrid KV cache manager on; 2 KV cache groups served" in text
     assert "recurrent state, 2 layers" in text
     assert "is not supported" not in text
+
+
+def test_vllm_answers_a_chat_and_a_completion_and_the_connector_names_the_kind_once(
+    hybrid_stack: VllmStack,
+) -> None:
+    chat = hybrid_stack.http.post(
+        "/v1/chat/completions",
+        json={
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "say something about the weather"}],
+            "max_tokens": 12,
+            "temperature": 0,
+        },
+    )
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["choices"][0]["message"]["content"]
+    prompt = " ".join(["green hills and rain"] * 120)  # ~480 tokens
+    done = httpx.post(
+        f"{hybrid_stack.vllm.url}/v1/completions",
+        json={"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0},
+        timeout=300,
+    )
+    assert done.status_code == 200, done.text
+    assert done.json()["usage"]["completion_tokens"] == 8
+    lines = re.findall(
+        r"ctxcache connector[^\n]*recurrent state[^\n]*groups served", vllm_log(hybrid_stack)
+    )
+    assert 1 <= len(lines) <= 2, lines  # one per connector vLLM makes: scheduler, worker
 
 
 def test_after_a_prefix_cache_reset_a_turn_reuses_the_whole_history(
