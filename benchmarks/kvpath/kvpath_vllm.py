@@ -81,10 +81,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--model-dir",
         dest="model",
         type=Path,
-        default=Path(".ctxcache/models/small"),
-        help="vllm: the model (the --preset is built there if missing)",
+        default=None,
+        help="vllm: the model (the --preset is built there if missing; default "
+        ".ctxcache/models/PRESET)",
     )
-    a("--preset", choices=("tiny", "small"), default="small", help="vllm: the model's preset")
+    a(
+        "--preset",
+        choices=("tiny", "small", "tiny-sliding", "small-sliding", "tiny-hybrid"),
+        default="small",
+        help="vllm: the model's preset (tiny-hybrid: recurrent state, --dtypes bfloat16)",
+    )
     a("--max-tokens", type=int, default=8, help="vllm: max_tokens of every answer")
     a("--warmup", type=int, default=1, help="vllm: rounds run first and not counted")
     a("--seed", type=int, default=0, help="vllm: the document's and the questions' words")
@@ -108,6 +114,8 @@ def run(args: argparse.Namespace) -> int:
         sys.stderr.write("--paths: tcp and/or shm; --dtypes: at least one\n")
         return 2
     rounds = _rounds(args)
+    if args.model is None:
+        args.model = Path(".ctxcache/models") / args.preset
     model = _model(args)
     texts = Texts.make(model, args.context_tokens, args.warmup + rounds, args.seed)
     meta = run_meta(

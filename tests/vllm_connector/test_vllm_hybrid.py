@@ -13,6 +13,7 @@ import logging
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -41,6 +42,52 @@ def hybrid_stack(
     model = create_model("tiny-hybrid", tmp_path_factory.mktemp("models") / "tiny-hybrid")
     with started_stack(tmp_path_factory, redis_server, Path(model), dtype="bfloat16") as stack:
         yield stack
+
+
+AGREE = 0.1  # nats: how far two bfloat16 paths' logprobs of one token may lie apart
+
+
+class Turns(Chat):
+    """A conversation whose session turns are compared with the whole conversation sent
+    without a session, token by token. In bfloat16 (vLLM's CPU delta-net kernels run in
+    nothing else) the two paths round differently — the session's resumes from its
+    history's stored state, the whole conversation's from vLLM's own prefix cache and a
+    prefill — so a greedy answer may part where two tokens nearly tie: every token up to
+    there must agree within `AGREE` and the parting one be a near tie. A wrong or lost
+    state moves every logprob far more than that."""
+
+    def ask(self, fields: dict[str, Any]) -> dict[str, Any]:
+        body = {"model": "tiny", "max_tokens": 24, "temperature": 0, "logprobs": True}
+        r = self.client.post("/v1/chat/completions", json=body | {"top_logprobs": 5} | fields)
+        assert r.status_code == 200, r.text
+        return dict(r.json())
+
+    def turn(self, question: str) -> tuple[str, dict[str, Any]]:
+        user = {"role": "user", "content": question}
+        mine = self.ask({"session_id": self.sid, "messages": [user]})
+        self.messages += [user]
+        full = self.ask({"messages": self.messages, "prompt_cache_options": {"mode": "explicit"}})
+        text = mine["choices"][0]["message"]["content"]
+        self.messages += [{"role": "assistant", "content": text}]
+        agreed = agreement(
+            mine["choices"][0]["logprobs"]["content"], full["choices"][0]["logprobs"]["content"]
+        )
+        log.info("%d of 24 answer tokens as the whole conversation's", agreed)
+        return text, mine["usage"]
+
+
+def agreement(mine: list[dict[str, Any]], full: list[dict[str, Any]]) -> int:
+    """How many tokens the two answers share; fails unless they agree as `Turns` says."""
+    for i, (a, b) in enumerate(zip(mine, full, strict=False)):
+        if a["token"] == b["token"]:
+            assert abs(a["logprob"] - b["logprob"]) < AGREE, (i, a, b)
+            continue
+        assert i > 0, (a, b)  # the first token is not a near tie: a wrong state
+        alternatives = {t["token"]: t["logprob"] for t in b["top_logprobs"]}
+        assert a["token"] in alternatives, (i, a, b)
+        assert b["logprob"] - alternatives[a["token"]] < AGREE, (i, a, b)  # a near tie
+        return i
+    return min(len(mine), len(full))
 
 
 def vllm_log(stack: VllmStack) -> str:
@@ -88,7 +135,7 @@ def test_vllm_answers_a_chat_and_a_completion_and_the_connector_names_the_kind_o
     assert done.status_code == 200, done.text
     assert done.json()["usage"]["completion_tokens"] == 8
     lines = re.findall(
-        r"ctxcache connector[^\n]*recurrent state[^\n]*groups served", vllm_log(hybrid_stack)
+        r"ctxcache connector[^\n]*groups served[^\n]*recurrent state", vllm_log(hybrid_stack)
     )
     assert 1 <= len(lines) <= 2, lines  # one per connector vLLM makes: scheduler, worker
 
@@ -98,8 +145,8 @@ def test_after_a_prefix_cache_reset_a_turn_reuses_the_whole_history(
 ) -> None:
     """Each turn after a reset finds the history's KV and its last state in the sidecar:
     it reuses all of the history but the last answer's last token (never computed), and
-    answers as the whole conversation sent without a session does."""
-    chat = Chat(hybrid_stack, seed=21)
+    answers as the whole conversation sent without a session does (`Turns`)."""
+    chat = Turns(hybrid_stack, seed=21)
     chat.turn("what is the cat doing?")
     wait_for(lambda: bool(state_keys(hybrid_stack, chat.sid)))
     loaded = vllm_counter(hybrid_stack, "loaded_tokens")
@@ -116,7 +163,7 @@ def test_a_corrupt_state_fails_the_load_and_is_recomputed(hybrid_stack: VllmStac
     """The state blocks are wrong (same keys, another shape): the load fails as a whole,
     vLLM recomputes the request — the same answer as the whole conversation, never a
     failed step."""
-    chat = Chat(hybrid_stack, seed=23)
+    chat = Turns(hybrid_stack, seed=23)
     chat.turn("what is the cat doing?")
     wait_for(lambda: bool(state_keys(hybrid_stack, chat.sid)))
     with KVClient.from_url(hybrid_stack.sidecar_lm) as kv:
@@ -125,6 +172,32 @@ def test_a_corrupt_state_fails_the_load_and_is_recomputed(hybrid_stack: VllmStac
         kv.health()  # a round trip after the PUTs: the sidecar has them
     failures = vllm_counter(hybrid_stack, "load_failures")
     hybrid_stack.reset_prefix_cache()
-    chat.turn("and the dogs?")  # answered exactly like the full history
+    chat.turn("and the dogs?")  # answered like the full history (`Turns`)
     wait_for(lambda: vllm_counter(hybrid_stack, "load_failures") > failures)
     assert "Traceback" not in vllm_log(hybrid_stack)
+
+
+def test_without_prefix_caching_the_connector_refuses_and_vllm_still_answers(
+    tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer
+) -> None:
+    """With vLLM's prefix caching off its Mamba group is in `mamba_cache_mode` "none" (no
+    state kept at any boundary): the connector refuses the model in one line per side and
+    vLLM serves it alone. (A second engine start: the one real refused case the CPU build
+    runs.)"""
+    from worker.presets import create_model
+
+    model = create_model("tiny-hybrid", tmp_path_factory.mktemp("models") / "tiny-hybrid-nopc")
+    with started_stack(
+        tmp_path_factory,
+        redis_server,
+        Path(model),
+        dtype="bfloat16",
+        vllm_args=("--no-enable-prefix-caching",),
+    ) as stack:
+        chat = Turns(stack, seed=25)
+        _, usage = chat.turn("what is the cat doing?")
+        assert cached(usage) == 0
+        lines = re.findall(r"ctxcache connector[^\n]*is not supported[^\n]*", vllm_log(stack))
+        assert 1 <= len(lines) <= 2, lines
+        assert "mamba_cache_mode 'none'" in lines[0]
+        assert not state_keys(stack, chat.sid)
