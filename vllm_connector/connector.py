@@ -267,7 +267,7 @@ class CtxcacheConnector(KVConnectorBase_V1, SupportsHMA):
         return extra, self.config.async_loads and extra > 0
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
-        """None: vLLM zeroes every new block of a request whose KV we load, as it does
+        """No group: vLLM zeroes every new block of a request whose KV we load, as it does
         any new block of a model that needs it (Mamba layers, mixed precisions). A load
         writes its tokens only, and a hybrid model's blocks change kind between groups:
         the rest of a loaded tail block would keep another group's stale bytes, which an

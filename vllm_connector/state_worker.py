@@ -110,7 +110,8 @@ class StateSide:
         for t in self.tensors:
             row = t[block]
             n = row.numel() * t.element_size()
-            src = data[at : at + n].to(t.device).view(t.dtype).view(row.shape)
+            # (a copy: a slice's offset need not suit the next tensor's element size)
+            src = data[at : at + n].to(t.device, copy=True).view(t.dtype).view(row.shape)
             row.copy_(src)
             at += n
         if self.tensors and self.tensors[0].is_cuda:
