@@ -69,6 +69,16 @@ class Group:
         return skipped // self.block_size * self.block_size
 
 
+def prefix_hash(ids: Sequence[int], chunks: list[int], end: int, root: int, size: int) -> int:
+    """The hash of the prefix `ids[:end]`: its chunk's where it ends one, else the tail hash
+    of the chunk it ends in (`chunks`: the `size`-token chunk hashes, at least that far)."""
+    whole = end // size
+    if end % size == 0:
+        return chunks[whole - 1]
+    prev = chunks[whole - 1] if whole else root
+    return chain_hash(prev, ids[whole * size : end])
+
+
 def group_keys(keys: KeyMaker, group: Group) -> KeyMaker:
     """The key space of one group of a hybrid model: `<model>#g<index>`."""
     return KeyMaker(f"{keys.model}#g{group.index}", keys.dtype, keys.worker_id, keys.world_size)
@@ -105,13 +115,7 @@ class GroupPlanner:
         )
 
     def _hash(self, ids: Sequence[int], chunks: list[int], end: int, root: int) -> int:
-        """The hash of the prefix `ids[:end]`: its chunk's where it ends one, else the tail
-        hash of the chunk it ends in (`chunks`: the chunk hashes, at least that far)."""
-        whole = end // self.chunk_size
-        if end % self.chunk_size == 0:
-            return chunks[whole - 1]
-        prev = chunks[whole - 1] if whole else root
-        return chain_hash(prev, ids[whole * self.chunk_size : end])
+        return prefix_hash(ids, chunks, end, root, self.chunk_size)
 
     def _edges(self, limit: int) -> list[int]:
         """The ends up to `limit` where a sliding group's only hit may be off the unit grid

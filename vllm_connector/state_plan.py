@@ -27,9 +27,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from vllm_connector.group_plan import NULL_BLOCK, Group, GroupLookup, group_keys
+from vllm_connector.group_plan import NULL_BLOCK, Group, GroupLookup, group_keys, prefix_hash
 from vllm_connector.plan import LoadSpec, Lookup, Piece, Planner, StoreSpec
-from worker.kv.hashing import KeyMaker, chain_hash, chunk_hashes
+from worker.kv.hashing import KeyMaker, chunk_hashes
 
 
 def state_keys(keys: KeyMaker, group: Group) -> KeyMaker:
@@ -69,12 +69,7 @@ class StatePlanner:
         )
 
     def _hash(self, ids: Sequence[int], chunks: list[int], end: int, root: int) -> int:
-        """The hash of `ids[:end]`: its chunk's where it ends one, else the tail hash."""
-        whole = end // self.chunk_size
-        if end % self.chunk_size == 0:
-            return chunks[whole - 1]
-        prev = chunks[whole - 1] if whole else root
-        return chain_hash(prev, ids[whole * self.chunk_size : end])
+        return prefix_hash(ids, chunks, end, root, self.chunk_size)
 
     def lookup(
         self,
