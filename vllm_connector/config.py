@@ -63,7 +63,8 @@ class ConnectorConfig(StrictModel):
     required: bool = Field(
         False,
         description="fail vLLM's start-up when the connector cannot serve this engine (MLA, "
-        "a quantised KV cache, a Mamba hybrid) instead of running without the cache",
+        "a quantised KV cache, a Mamba hybrid without prefix caching) instead of running "
+        "without the cache",
     )
     timeout_s: float = Field(2.0, gt=0, description="socket timeout of block GETs and PUTs")
     lookup_timeout_s: float = Field(

@@ -10,14 +10,16 @@ copies); this class only routes vLLM's hooks to them (docs/vllm.md).
 
 It is `SupportsHMA`, so vLLM keeps its hybrid KV cache manager on: a model of several KV
 cache groups (sliding-window layers beside full attention) is served group by group
-(`vllm_connector.groups`, `group_plan`, `group_worker`; docs/vllm.md, "Hybrid models").
+(`vllm_connector.groups`, `group_plan`, `group_worker`; docs/vllm.md, "Hybrid models"), and
+a Mamba / linear-attention hybrid's recurrent state as one state block per finished request
+beside its attention KV (`state_plan`, `state_worker`).
 An MLA model's latent cache goes through `vllm_connector.mla` (its layout, its keys, stored
 once for all tensor-parallel ranks); a per-tensor fp8 KV cache is stored as it is
 (`vllm_connector.kvdtype`). What it cannot serve (`unsupported`: a cache quantised with
-scales inside it, Mamba / linear-attention state, sparse or quantised MLA) it refuses at
-start-up on both sides with one log line, and vLLM runs without it: no lookups, loads or
-stores (`"required": true` makes that a start-up error instead). A worker that turns itself
-off later (its cache layout cannot be read) says so in its step output
+scales inside it, recurrent state without vLLM's prefix caching, sparse or quantised MLA)
+it refuses at start-up on both sides with one log line, and vLLM runs without it: no
+lookups, loads or stores (`"required": true` makes that a start-up error instead). A worker
+that turns itself off later (its cache layout cannot be read) says so in its step output
 (`CtxcacheWorkerMeta`), and the scheduler half then plans nothing more.
 """
 
@@ -363,9 +365,8 @@ def _key_maker(vllm_config: VllmConfig, config: ConnectorConfig) -> KeyMaker:
 def unsupported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> str | None:
     """What of this engine the connector cannot serve, in words, or None. It moves full
     attention's and sliding windows' K and V in the model's dtype or a per-tensor fp8
-    cache's (`kvdtype`), or an MLA model's latent (`mla.unsupported`), group by group
-    (`served_groups`): not a cache quantised with scales inside it, not Mamba /
-    linear-attention state."""
+    cache's (`kvdtype`), or an MLA model's latent (`mla.unsupported`), and recurrent state,
+    group by group (`served_groups`): not a cache quantised with scales inside it."""
     if mla.is_mla(vllm_config):
         return mla.unsupported(vllm_config, kv_cache_config)
     refused = kvdtype.unsupported_cache_dtype(vllm_config)
