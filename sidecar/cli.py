@@ -32,6 +32,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="fp8: keep bf16/fp16/fp32 KV as fp8 with per-row scales in memory and on disk "
         "(about half the bytes; lossy; off by default; env CTX_SIDECAR_COLD_KV)",
     )
+    a(
+        "--state-blocks-per-session",
+        type=int,
+        help="a session's newest recurrent-state blocks kept (a hybrid model's, one per turn; "
+        "default 2; 0: all; env CTX_SIDECAR_STATE_BLOCKS_PER_SESSION)",
+    )
     a("--token", help="bearer token the control API requires (env CTX_SIDECAR_TOKEN)")
     a(
         "--encryption-key",
@@ -62,6 +68,7 @@ def main(args: argparse.Namespace) -> int:
         token="token",
         encryption_key="encryption_key",
         cold_kv="cold_kv",
+        state_blocks_per_session="state_blocks_per_session",
         log_level="log_level",
     )
     setup_logging("sidecar", settings.log_level)

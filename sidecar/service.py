@@ -64,6 +64,7 @@ class Sidecar:
             metrics=self.metrics,
             arena=self.arena,
             cold_kv=settings.cold_kv,
+            state_blocks=settings.state_blocks_per_session,
         )
         if settings.cold_kv != "off":
             coldkv.require()

@@ -59,6 +59,12 @@ class SidecarSettings(BaseSettings):
         "memory and on disk, about half the bytes, unpacked on every load; never on an fp8 "
         "KV cache (docs/sidecar.md, 'Compressed tiers')",
     )
+    state_blocks_per_session: int = Field(
+        2,
+        ge=0,
+        description="a session's newest recurrent-state blocks kept (a hybrid model's, one "
+        "per turn, docs/sidecar.md); older ones are dropped (0: keep every one)",
+    )
     log_level: str | None = None
 
     @field_validator("encryption_key")

@@ -62,6 +62,7 @@ from sidecar.blocks import BlockMeta, Buffer, Entry, Work
 from sidecar.disk import CorruptBlock, DiskTier
 from sidecar.metrics import SidecarMetrics
 from sidecar.sessions import PinTable, save_pins
+from sidecar.states import StateBlocks
 from sidecar.store_disk import DiskWriter
 from sidecar.store_region import RegionSlots
 from sidecar.store_tiers import PinPolicy, TierIndex
@@ -81,8 +82,10 @@ class BlockStore:
         metrics: SidecarMetrics | None = None,
         arena: Arena | None = None,
         cold_kv: coldkv.ColdKV = "off",
+        state_blocks: int = 0,
     ) -> None:
         self.arena = arena
+        self._states = StateBlocks(state_blocks)  # a session's newest state blocks kept
         self.cold_kv: coldkv.ColdKV = cold_kv
         self.disk = disk if disk_bytes > 0 else None
         disk_bytes = disk_bytes if self.disk else 0
@@ -177,6 +180,9 @@ class BlockStore:
             if stored:
                 e.data = data
                 index.link(e)
+                for key in self._states.added(meta):  # a session's older state blocks
+                    if (stale := index.blocks.get(key)) is not None:
+                        index.unlink(stale, work)
                 if to_disk:
                     e.spilling = True
                     work.spill.append((e, data))
@@ -392,6 +398,7 @@ class BlockStore:
 
     def _drop_session(self, session: str, work: Work) -> tuple[int, int]:
         self.pins.remove(session)
+        self._states.forget(session)
         index = self._index
         entries = [index.blocks[k] for k in index.by_session.get(session, ())]
         for e in entries:

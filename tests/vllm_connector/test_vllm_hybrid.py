@@ -157,6 +157,8 @@ def test_after_a_prefix_cache_reset_a_turn_reuses_the_whole_history(
         log.info("turn after a reset: %d of %d history tokens reused", cached(usage), context)
         assert context - 1 <= cached(usage) <= context
     wait_for(lambda: vllm_counter(hybrid_stack, "loaded_tokens") > loaded)
+    # four stores (the create, three turns), one state block each: the newest 2 are kept
+    wait_for(lambda: len(state_keys(hybrid_stack, chat.sid)) == 2)
 
 
 def test_a_corrupt_state_fails_the_load_and_is_recomputed(hybrid_stack: VllmStack) -> None:
