@@ -147,11 +147,12 @@ class StateSide:
         for spec in plan.loads:
             can = self.off is None and spec.pieces and spec.block_ids
             key, block = (spec.pieces[0].key, spec.block_ids[0]) if can else ("", 0)
-            if not can or not self._submit(self._load, spec.req_id, key, block):
+            if not can or not self._submit(self.load_one, spec.req_id, key, block):
                 self._over(spec.req_id, failed=True)
 
-    def _load(self, rid: str, key: str, block: int) -> None:
-        """(On the io thread.) GET the state and write it into `block`; never raises."""
+    def load_one(self, rid: str, key: str, block: int) -> None:
+        """(On the io thread; a benchmark calls it directly.) GET the state and write it
+        into `block`, then report `rid`; never raises."""
         ok = False
         try:
             client = self._sidecar()
@@ -204,11 +205,12 @@ class StateSide:
                 log.warning("request %s: reading its state failed (%s)", spec.req_id, exc)
                 continue
             key = rank_key(spec.pieces[0].key, self.rank)
-            if not self._submit(self._store, spec.session, key, data):
+            if not self._submit(self.put_one, spec.session, key, data):
                 self.counters.add("store_drops")
 
-    def _store(self, session: str, key: str, data: torch.Tensor) -> None:
-        """(On the io thread.) PUT one state block; never raises."""
+    def put_one(self, session: str, key: str, data: torch.Tensor) -> None:
+        """(On the io thread; a benchmark calls it directly.) PUT one state block (`read`'s
+        bytes); never raises."""
         try:
             client = self._sidecar()
             if client is None:
@@ -223,6 +225,13 @@ class StateSide:
         except Exception as exc:
             self.counters.add("store_drops")
             self._failed("put", exc)
+
+    def round_trip(self) -> None:
+        """One round trip on the io connection: PUT has no reply, so after it the sidecar
+        holds every PUT sent before (benchmarks, tests)."""
+        client = self._sidecar()
+        if client is not None:
+            client.health()
 
     def take_sent(self) -> set[str]:
         out, self._sent = self._sent, set()

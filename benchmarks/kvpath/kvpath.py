@@ -108,6 +108,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "vLLM's CPU backend, 16 for its MLA shapes as vLLM's CPU MLA; 16,128 on cuda)",
     )
     a(
+        "--state",
+        default=None,
+        help="a hybrid model's recurrent-state block instead of KV, a comma list of "
+        "tiny-hybrid, qwen3-next-80b, qwen3-next-80b-tp4 (benchmarks/kvpath/kvpath_state.py)",
+    )
+    a(
         "--engine",
         choices=("none", "vllm"),
         default="none",
@@ -124,6 +130,10 @@ def main(args: argparse.Namespace) -> int:
         from benchmarks.kvpath.kvpath_vllm import run
 
         return run(args)
+    if args.state:
+        from benchmarks.kvpath.kvpath_state import run as run_state
+
+        return run_state(args)
     import torch
     from tqdm import tqdm
 

@@ -78,6 +78,20 @@ def check_fp8_rows(rows: list[dict[str, object]], table: str) -> None:
     assert "| B / token |" in table and "| 6144 |" in table and "| 12288 |" in table
 
 
+@pytest.mark.timeout(300)
+def test_kvpath_state_moves_a_recurrent_state_block_beside_a_plain_copy(tmp_path: Path) -> None:
+    """`--state`: a hybrid model's state block (vLLM's strided page views) read, written,
+    PUT and loaded through the connector's state side and a real sidecar, each checked and
+    beside a plain copy of the same bytes."""
+    data = run_bench("kvpath", tmp_path / "state", "--state", "tiny-hybrid", "--rounds", "1")
+    (row,) = data["results"]
+    assert row["bytes"] == 2 * (3 * 1024 * 2 + 4 * 128 * 128 * 4)  # 2 layers: conv + state
+    assert set(row["ops"]) == {"read", "write", "put", "load"}
+    for op in row["ops"].values():
+        assert op["ms"] > 0 and op["vs_copy"] > 0
+    assert "load: GET over lm:// and write" in (tmp_path / "state" / "kvpath.md").read_text()
+
+
 def test_the_default_kernel_block_sizes_follow_the_device() -> None:
     """CPU: vLLM's CPU backend's 128; CUDA: the GPU default 16 beside 128."""
     import torch
