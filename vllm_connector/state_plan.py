@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 
 from vllm_connector.group_plan import NULL_BLOCK, Group, GroupLookup, group_keys, prefix_hash
 from vllm_connector.plan import LoadSpec, Lookup, Piece, Planner, StoreSpec
-from worker.kv.hashing import KeyMaker, chunk_hashes
+from worker.kv.hashing import KeyMaker, chain_hashes_each, chunk_hashes
 
 
 def state_keys(keys: KeyMaker, group: Group) -> KeyMaker:
@@ -50,8 +50,6 @@ def state_block(blocks: Sequence[int], tokens: int, block_size: int) -> int:
 class StatePlanner:
     """`plan.Planner`'s interface (`usable`, `lookup`, `load_specs`, `store_specs`) for a
     model of full-attention and recurrent-state groups (module docstring)."""
-
-    needs_exact_end = True  # a store needs the state after its last token: none in flight
 
     def __init__(self, groups: Sequence[Group], keys: KeyMaker, chunk_size: int) -> None:
         self.groups = list(groups)
@@ -93,7 +91,9 @@ class StatePlanner:
             return out
         chunks = chunk_hashes(ids, size, top, root)
         ends = range(top, max(base, 1) - 1, -1)
-        hashes = {e: self._hash(ids, chunks, e, root) for e in ends}
+        # every end past `base` hashes on the chunk before it: one pass (chain_hashes_each)
+        each = chain_hashes_each(chunks[base // size - 1] if base else root, ids[base:top])
+        hashes = {e: each[e - base - 1] if e > base else chunks[e // size - 1] for e in ends}
         second = [k.key(hashes[e], tags) for e in ends for _, k in self.states]
         tails = {  # (the end on a chunk boundary is that chunk's, found in the first trip)
             (g.index, e): Piece(p.keys.key(hashes[e], tags), base, e - base)

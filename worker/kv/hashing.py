@@ -25,6 +25,18 @@ def chain_hash(prev: int, ids: Sequence[int]) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
+def chain_hashes_each(prev: int, ids: Sequence[int]) -> list[int]:
+    """`chain_hash(prev, ids[:k])` for every k from 1 to len(ids), in one pass: blake2b is a
+    stream, so each is a copy of the running hash after one more id."""
+    h = hashlib.blake2b(digest_size=_HASH_BYTES)
+    h.update(prev.to_bytes(_HASH_BYTES, "little"))
+    out: list[int] = []
+    for token in np.asarray(ids, dtype="<i4"):
+        h.update(token.tobytes())
+        out.append(int.from_bytes(h.copy().digest(), "little"))
+    return out
+
+
 def salt_root(salt: str | None) -> int:
     """The chain's root for a request's `cache_salt` (vLLM's field): ROOT_HASH without one.
 

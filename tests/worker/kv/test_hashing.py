@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from ctxcache.lmcache_keys import parse_key
-from worker.kv.hashing import KeyMaker, chain_hash, chunk_hashes
+from worker.kv.hashing import KeyMaker, chain_hash, chain_hashes_each, chunk_hashes
 
 
 def test_chunk_hashes_are_prefix_chained() -> None:
@@ -50,3 +50,10 @@ def test_keys_carry_tags_in_lmcache_form() -> None:
     )
     with pytest.raises(ValueError):
         keys.key(h, (("s", "x" * 200),))
+
+
+def test_the_hashes_of_every_prefix_in_one_pass_are_each_prefixs_chain_hash() -> None:
+    ids = [7, 1 << 20, 0, 31999, 5] * 20
+    each = chain_hashes_each(12345, ids)
+    assert each == [chain_hash(12345, ids[:k]) for k in range(1, len(ids) + 1)]
+    assert chain_hashes_each(0, []) == []
